@@ -1,0 +1,112 @@
+"""Per-call cost of a jitted step touching N small states, against plain `jax.jit`.
+
+Run with `python -m benchmarks.dispatch`. For N = 1, 10, 100, 1000 states it prints the
+median per-call time (and min-max over the rounds) of:
+
+- `floor`: `jax.jit` of the hand-written pure function, taking and returning a dict of
+  N arrays;
+- `jaxpr_call`: `sf.jaxpr_call(states, x)` inside that `jax.jit`;
+- `sf(jit)`: `StatefulFunction(f, cache_type='jit')(x)`, the world holding the states;
+- `transform.jit`: `eqstate.transform.jit(f)(x)`, the world holding the states;
+
+with each system's ratio to the floor, all measured side by side in one run. It also
+prints the first trace of `f` (eqstate) against `jax.make_jaxpr` of the pure function,
+to show that tracing cost grows linearly with N.
+"""
+
+import argparse
+
+import eqstate as es
+import jax
+import jax.numpy as jnp
+
+from ._timing import interleaved, machine, once
+
+
+def _systems(n: int) -> dict:
+    states = [es.ShortTermState(jnp.zeros(4), name=f"s{i}") for i in range(n)]
+    x = jnp.ones(4)
+
+    def step(x):
+        for s in states:
+            s.value = s.value * 0.5 + x
+        return x.sum()
+
+    @jax.jit
+    def pure(values, x):
+        return {k: v * 0.5 + x for k, v in values.items()}, x.sum()
+
+    sf_pure = es.transform.StatefulFunction(step)
+
+    @jax.jit
+    def pure_via_eqstate(sd, x):
+        return sf_pure.jaxpr_call(sd, x)
+
+    sf_jit = es.transform.StatefulFunction(step, cache_type="jit")
+    box = {"dict": {f"s{i}": jnp.zeros(4) for i in range(n)}, "sd": es.world()}
+    box["sd"] = box["sd"].filter(*states)
+
+    def floor():
+        box["dict"], out = pure(box["dict"], x)
+        return out
+
+    def via_jaxpr_call():
+        box["sd"], out = pure_via_eqstate(box["sd"], x)
+        return out
+
+    systems = {
+        "floor": floor,
+        "jaxpr_call": via_jaxpr_call,
+        "sf(jit)": lambda: sf_jit(x),
+    }
+    if hasattr(es.transform, "jit"):
+        jitted = es.transform.jit(step)
+        systems["transform.jit"] = lambda: jitted(x)
+    return systems
+
+
+def _trace_times(n: int) -> tuple[float, float]:
+    states = [es.ShortTermState(jnp.zeros(4)) for _ in range(n)]
+    x = jnp.ones(4)
+
+    def step(x):
+        for s in states:
+            s.value = s.value * 0.5 + x
+        return x.sum()
+
+    def pure(values, x):
+        return {k: v * 0.5 + x for k, v in values.items()}, x.sum()
+
+    values = {f"s{i}": jnp.zeros(4) for i in range(n)}
+    plain = once(lambda: jax.make_jaxpr(pure)(values, x))
+    ours = once(lambda: es.transform.StatefulFunction(step).make_jaxpr(x).get_jaxpr())
+    return plain, ours
+
+
+def main(sizes: tuple[int, ...] = (1, 10, 100, 1000), quick: bool = False) -> None:
+    print(f"# dispatch: a jitted step touching N states ({machine()})\n")
+    print("per-call time, median us (min-max); ratio = median / floor median\n")
+    header = "| N | system | median us | min-max us | ratio |"
+    print(header + "\n| --- | --- | --- | --- | --- |")
+    for n in sizes:
+        rounds = 5 if quick else (30 if n < 1000 else 10)
+        calls = 5 if quick else (20 if n < 1000 else 5)
+        results = interleaved(_systems(n), rounds=rounds, calls=calls)
+        floor = results["floor"][0]
+        for name, (med, lo, hi) in results.items():
+            print(
+                f"| {n} | {name} | {med:.1f} | {lo:.1f}-{hi:.1f} | {med / floor:.2f} |"
+            )
+    print("\nfirst trace, ms (eqstate traces the stateful function once)\n")
+    print("| N | jax.make_jaxpr(pure) | StatefulFunction.make_jaxpr | us per state |")
+    print("| --- | --- | --- | --- |")
+    for n in sizes:
+        plain, ours = _trace_times(n)
+        print(f"| {n} | {plain:.1f} | {ours:.1f} | {ours * 1e3 / n:.0f} |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds, for CI")
+    args = parser.parse_args()
+    main(quick=args.quick)

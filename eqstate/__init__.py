@@ -1,0 +1,33 @@
+"""eqstate: state in JAX programs, in the style of Equinox."""
+
+import importlib.metadata
+
+from . import filters as filters, transform as transform
+from ._errors import (
+    BatchAxisError as BatchAxisError,
+    CheckpointError as CheckpointError,
+    StateNotFoundError as StateNotFoundError,
+    StateValueError as StateValueError,
+    TraceContextError as TraceContextError,
+    UnknownCacheKeyError as UnknownCacheKeyError,
+)
+from ._run import (
+    make_with_states as make_with_states,
+    run as run,
+    scope as scope,
+    states_of as states_of,
+    world as world,
+)
+from ._state import (
+    is_state as is_state,
+    LongTermState as LongTermState,
+    NonBatchState as NonBatchState,
+    ParamState as ParamState,
+    RandomState as RandomState,
+    ShortTermState as ShortTermState,
+    State as State,
+)
+from ._state_dict import StateDict as StateDict
+
+
+__version__ = importlib.metadata.version("eqstate")

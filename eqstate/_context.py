@@ -1,0 +1,443 @@
+"""Where state reads and writes go.
+
+Contexts form a stack of *frames*, innermost first, held in a `ContextVar` so that every
+thread and async task has its own:
+
+- the **world** is the outermost frame: process-wide, guarded by a lock, holding values
+  by handle identity and dropping them when a handle is garbage collected;
+- a **dictionary frame** (`scope`, `run`, `jaxpr_call` with a `StateDict`) is strict: it
+  sees only its own states;
+- a **trace frame** (a StatefulFunction being traced) falls through to its parent on the
+  first access of a state and turns the value into an input of its jaxpr.
+
+Frames keep their own values and hand them to their parent only when the call that
+pushed them succeeds, so a failure needs no rollback.
+"""
+
+import contextvars
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.core import Tracer
+
+from . import _jax_compat as compat
+from ._custom_types import MISSING
+from ._errors import (
+    EXPIRED_STATE,
+    LEAKED_TRACER_WRITE,
+    RAW_TRANSFORM_READ,
+    RAW_TRANSFORM_WRITE,
+    StateNotFoundError,
+    StateValueError,
+    TraceContextError,
+)
+from ._pretty_print import state_label
+
+
+def to_value(value: Any) -> Any:
+    """Converts every leaf of a PyTree to a JAX array (tracers pass unchanged)."""
+    return jtu.tree_map(_to_array, value)
+
+
+def _to_array(x: Any) -> Any:
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def _has_tracer(value: Any) -> bool:
+    return any(isinstance(x, Tracer) for x in jtu.tree_leaves(value))
+
+
+def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
+    new = _to_array(new)
+    if new.shape == old.shape and new.dtype == old.dtype:
+        return new
+    # A weakly typed value (a Python scalar) may take the state's dtype if JAX's own
+    # promotion would keep that dtype: `count.value = 0` works for a float state.
+    weak = getattr(new, "weak_type", False) or getattr(
+        getattr(new, "aval", None), "weak_type", False
+    )
+    if new.shape == old.shape and weak and jnp.result_type(old.dtype, new) == old.dtype:
+        return new.astype(old.dtype)
+    raise StateValueError(
+        f"Cannot write a value of shape {tuple(new.shape)} and dtype {new.dtype} to "
+        f"{state_label(state)} (shape {tuple(old.shape)}, dtype {old.dtype}). A write "
+        "must keep the structure, shape and dtype of the current value. To give new "
+        "states a batch axis, create them inside "
+        "`eqstate.transform.vmap_new_states`."
+    )
+
+
+def check_write(state: Any, old: Any, new: Any) -> Any:
+    """Returns `new` as a PyTree of arrays shaped like `old`, or raises `StateValueError`
+    naming `state`."""
+    new_leaves, new_def = jtu.tree_flatten(new)
+    old_leaves, old_def = jtu.tree_flatten(old)
+    if new_def != old_def:
+        raise StateValueError(
+            f"Cannot write a value with PyTree structure {new_def} to "
+            f"{state_label(state)}, whose value has structure {old_def}. A write must "
+            "keep the structure, shape and dtype of the current value."
+        )
+    leaves = [_cast_leaf(state, o, n) for o, n in zip(old_leaves, new_leaves)]
+    return jtu.tree_unflatten(old_def, leaves)
+
+
+def _not_found(state: Any, where: str) -> Exception:
+    expired_in = getattr(state, "_expired_in", None)
+    if expired_in is not None:
+        return TraceContextError(
+            EXPIRED_STATE.format(label=state_label(state), where=expired_in)
+        )
+    return StateNotFoundError(f"{state_label(state)} {where}")
+
+
+_NOT_IN_WORLD = (
+    "has no value in the world. It was created inside `eqstate.scope`, "
+    "`eqstate.run` or `eqstate.make_with_states`, so its value lives in the StateDict "
+    "those return. Pass that dictionary: `eqstate.run(fn, states, *args)` or "
+    "`with eqstate.scope(states): ...`."
+)
+
+_NOT_IN_DICT = (
+    "is not in the StateDict this code runs against (`eqstate.scope`, `eqstate.run` "
+    "or `jaxpr_call`), and that dictionary is strict: states outside it are not visible. "
+    "Add the state to the dictionary, e.g. `states | eqstate.world().filter(state)`."
+)
+
+
+class Frame:
+    """A context that holds state values. Subclasses define where values live."""
+
+    __slots__ = ()
+
+    def read(self, state: Any) -> Any:
+        """`state.value`: the value, recording a read."""
+        raise NotImplementedError
+
+    def write(self, state: Any, value: Any) -> None:
+        """`state.value = value`: checks and stores the value, recording a write."""
+        raise NotImplementedError
+
+    def fetch(self, state: Any) -> Any:
+        """The value as seen by a child frame importing it (no JAX-trace check)."""
+        raise NotImplementedError
+
+    def read_many(self, states: Sequence[Any]) -> list[Any]:
+        """The values of `states`, each read as by `read`."""
+        return [self.read(s) for s in states]
+
+    def commit(
+        self, updates: dict[Any, Any], new: Sequence[tuple[Any, Any]] = ()
+    ) -> None:
+        """Stores, all at once, the (already checked) writes of a call that succeeded
+        and the states it created."""
+        raise NotImplementedError
+
+    def commit_values(self, states: Sequence[Any], values: Sequence[Any]) -> None:
+        """`commit` of `zip(states, values)`, with no new state."""
+        self.commit(dict(zip(states, values)))
+
+    def add_new(self, state: Any, value: Any) -> None:
+        """Registers a state created while this frame is innermost."""
+        raise NotImplementedError
+
+    def peek(self, state: Any) -> Any:
+        """The value without recording anything, or `MISSING`."""
+        raise NotImplementedError
+
+
+class World(Frame):
+    """The outermost, process-wide frame."""
+
+    __slots__ = ("__weakref__", "_lock", "_refs", "_values")
+
+    def __init__(self):
+        self._values: dict[int, Any] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def snapshot(self) -> list[tuple[Any, Any]]:
+        """The live `(state, value)` pairs, in creation order."""
+        with self._lock:
+            pairs = [(ref(), self._values[key]) for key, ref in self._refs.items()]
+        return [(s, v) for s, v in pairs if s is not None]
+
+    def read(self, state):
+        if not compat.is_top_level():
+            raise TraceContextError(RAW_TRANSFORM_READ.format(label=state_label(state)))
+        try:
+            return self._values[id(state)]
+        except KeyError:
+            raise _not_found(state, _NOT_IN_WORLD) from None
+
+    def read_many(self, states: Sequence[Any]) -> list[Any]:
+        """The values of `states`, checked once for a raw JAX transform."""
+        if not states:
+            return []
+        if not compat.is_top_level():
+            raise TraceContextError(
+                RAW_TRANSFORM_READ.format(label=state_label(states[0]))
+            )
+        values = self._values
+        try:
+            return [values[id(s)] for s in states]
+        except KeyError:
+            missing = next(s for s in states if id(s) not in values)
+            raise _not_found(missing, _NOT_IN_WORLD) from None
+
+    def fetch(self, state):
+        try:
+            return self._values[id(state)]
+        except KeyError:
+            raise _not_found(state, _NOT_IN_WORLD) from None
+
+    def write(self, state, value):
+        if not compat.is_top_level():
+            raise TraceContextError(
+                RAW_TRANSFORM_WRITE.format(label=state_label(state))
+            )
+        if _has_tracer(value):
+            raise TraceContextError(
+                LEAKED_TRACER_WRITE.format(label=state_label(state))
+            )
+        value = check_write(state, self.fetch(state), value)
+        with self._lock:
+            self._values[id(state)] = value
+
+    def commit(self, updates, new=()):
+        if not compat.is_top_level():
+            state = next(iter(updates), None) or new[0][0]
+            raise TraceContextError(
+                RAW_TRANSFORM_WRITE.format(label=state_label(state))
+            )
+        with self._lock:
+            for state, value in updates.items():
+                self._values[id(state)] = value
+            for state, value in new:
+                self._register(state, value)
+
+    def commit_values(self, states, values):
+        if not compat.is_top_level():
+            raise TraceContextError(
+                RAW_TRANSFORM_WRITE.format(label=state_label(states[0]))
+            )
+        with self._lock:
+            stored = self._values
+            for state, value in zip(states, values):
+                stored[id(state)] = value
+
+    def add_new(self, state, value):
+        if not compat.is_top_level() or _has_tracer(value):
+            raise TraceContextError(
+                f"Cannot create {state_label(state)} inside a JAX transform that "
+                "eqstate does not know about: its value would be a tracer leaking out "
+                "of the trace. Create states eagerly, inside an eqstate transform "
+                "(`eqstate.transform.jit`, `eqstate.transform.vmap_new_states`, ...), "
+                "or with `eqstate.make_with_states`."
+            )
+        with self._lock:
+            self._register(state, value)
+
+    def _register(self, state: Any, value: Any) -> None:
+        key = id(state)
+        self._values[key] = value
+        self._refs[key] = weakref.ref(state, self._drop_callback(key))
+
+    def _drop_callback(self, key: int) -> Callable[[weakref.ref], None]:
+        world_ref = weakref.ref(self)
+
+        def drop(_: weakref.ref) -> None:
+            world = world_ref()
+            if world is not None:
+                with world._lock:
+                    world._values.pop(key, None)
+                    world._refs.pop(key, None)
+
+        return drop
+
+    def peek(self, state):
+        return self._values.get(id(state), MISSING)
+
+
+WORLD = World()
+_current: contextvars.ContextVar[Frame] = contextvars.ContextVar(
+    "eqstate_frame", default=WORLD
+)
+
+
+def current_frame() -> Frame:
+    """The innermost frame of this thread or task."""
+    return _current.get()
+
+
+def enter(frame: Frame) -> contextvars.Token:
+    """Makes `frame` the innermost frame; undo with `leave(token)`."""
+    return _current.set(frame)
+
+
+def leave(token: contextvars.Token) -> None:
+    _current.reset(token)
+
+
+class DictFrame(Frame):
+    """A strict frame over an explicit dictionary of values."""
+
+    __slots__ = ("eager", "jax_trace", "new_states", "values")
+
+    def __init__(self, values: Iterable[tuple[Any, Any]]):
+        self.values: dict[Any, Any] = dict(values)
+        self.new_states: list[Any] = []
+        self.jax_trace = compat.current_trace()
+        self.eager = compat.is_top_level()
+
+    def read(self, state):
+        if self.eager and not compat.is_top_level():
+            raise TraceContextError(RAW_TRANSFORM_READ.format(label=state_label(state)))
+        return self.fetch(state)
+
+    def fetch(self, state):
+        try:
+            return self.values[state]
+        except KeyError:
+            raise _not_found(state, _NOT_IN_DICT) from None
+
+    def write(self, state, value):
+        if compat.current_trace() is not self.jax_trace:
+            raise TraceContextError(
+                RAW_TRANSFORM_WRITE.format(label=state_label(state))
+            )
+        if self.eager and _has_tracer(value):
+            raise TraceContextError(
+                LEAKED_TRACER_WRITE.format(label=state_label(state))
+            )
+        self.values[state] = check_write(state, self.fetch(state), value)
+
+    def commit(self, updates, new=()):
+        _check_same_trace(self, updates, new)
+        self.values.update(updates)
+        for state, value in new:
+            self.values[state] = value
+            self.new_states.append(state)
+
+    def add_new(self, state, value):
+        _check_same_trace(self, {}, [(state, value)])
+        self.values[state] = value
+        self.new_states.append(state)
+
+    def peek(self, state):
+        return self.values.get(state, MISSING)
+
+
+class TraceFrame(Frame):
+    """The frame of a StatefulFunction while it traces its function.
+
+    On the first access of a state it imports the value from its parent: in single-pass
+    mode the value becomes a new input of the jaxpr being traced; in the two-pass
+    fallback it comes from `preloaded`, and states missing from there are recorded in
+    `missing` (their parent value is used so that the trace can go on).
+    """
+
+    __slots__ = (
+        "accessed",
+        "jax_trace",
+        "missing",
+        "new_states",
+        "parent",
+        "preloaded",
+        "values",
+        "written",
+    )
+
+    def __init__(self, parent: Frame, preloaded: dict[Any, Any] | None):
+        self.parent = parent
+        self.jax_trace = compat.current_trace()
+        self.values: dict[Any, Any] = {}
+        self.accessed: list[Any] = []
+        self.written: set[Any] = set()
+        self.new_states: list[Any] = []
+        self.preloaded = preloaded
+        self.missing: list[Any] = []
+
+    def _import(self, state: Any) -> Any:
+        if self.preloaded is None:
+            outer = self.parent.fetch(state)
+            leaves, treedef = jtu.tree_flatten(outer)
+            leaves = [compat.new_input(self.jax_trace, _aval(x)) for x in leaves]
+            value = jtu.tree_unflatten(treedef, leaves)
+        else:
+            value = self.preloaded.get(state, MISSING)
+            if value is MISSING:
+                value = self.parent.fetch(state)
+                self.missing.append(state)
+        self.values[state] = value
+        self.accessed.append(state)
+        return value
+
+    def read(self, state):
+        value = self.values.get(state, MISSING)
+        if value is MISSING:
+            value = self._import(state)
+        return value
+
+    fetch = read
+
+    def write(self, state, value):
+        if compat.current_trace() is not self.jax_trace:
+            raise TraceContextError(
+                RAW_TRANSFORM_WRITE.format(label=state_label(state))
+            )
+        old = self.read(state)
+        self.values[state] = check_write(state, old, value)
+        self.written.add(state)
+
+    def commit(self, updates, new=()):
+        _check_same_trace(self, updates, new)
+        self.values.update(updates)
+        self.written.update(updates)
+        for state, value in new:
+            self.values[state] = value
+            self.new_states.append(state)
+
+    def add_new(self, state, value):
+        _check_same_trace(self, {}, [(state, value)])
+        self.values[state] = value
+        self.new_states.append(state)
+
+    def peek(self, state):
+        value = self.values.get(state, MISSING)
+        return self.parent.peek(state) if value is MISSING else value
+
+
+def _check_same_trace(
+    frame: "DictFrame | TraceFrame", updates: dict, new: Sequence[tuple[Any, Any]]
+) -> None:
+    if compat.current_trace() is frame.jax_trace:
+        return
+    if updates:
+        label = state_label(next(iter(updates)))
+        raise TraceContextError(RAW_TRANSFORM_WRITE.format(label=label))
+    raise TraceContextError(
+        f"Cannot create {state_label(new[0][0])} inside a raw JAX transform (`jax.jit`, "
+        "`jax.vmap`, ...) nested in an eqstate context: its value would leak out of the "
+        "trace. Use the eqstate version of the transform (e.g. "
+        "`eqstate.transform.vmap_new_states` instead of `jax.vmap`)."
+    )
+
+
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def describe(state: Any) -> str:
+    """`state_label` with the value's summary when the current context knows it."""
+    value = current_frame().peek(state)
+    return state_label(state) if value is MISSING else state_label(state, value)

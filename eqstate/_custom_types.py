@@ -1,0 +1,29 @@
+"""Type aliases and sentinels shared across eqstate."""
+
+from typing import Any, TypeAlias
+
+
+# A filter selects states: a State subclass, a handle, a tag, a predicate
+# `(path, state) -> bool`, `...`, `None`/`False`, or a tuple/list of filters.
+# `eqstate.filters.to_predicate` checks it and names what is wrong.
+Filter: TypeAlias = Any
+
+# `in_axes`/`out_axes` of the vmap family: an int, None, or a PyTree prefix of them.
+AxisSpec: TypeAlias = Any
+
+
+class _Missing:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+MISSING: Any = _Missing()
+"""Marks an argument or a value that is absent (where `None` is a valid value)."""
+
+# `jax.tree_util.PyTreeDef`, which type checkers see as a variable, not a class.
+PyTreeDef: TypeAlias = Any

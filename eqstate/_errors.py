@@ -1,0 +1,80 @@
+"""Every exception eqstate raises, and the message text they share."""
+
+
+class StateNotFoundError(KeyError):
+    """A state was read or written where no context holds its value."""
+
+    def __str__(self) -> str:
+        # A plain `KeyError` prints its message quoted, with escaped newlines.
+        return str(self.args[0]) if self.args else ""
+
+
+class TraceContextError(RuntimeError):
+    """A state was used across a JAX trace boundary that eqstate cannot see: inside a raw
+    JAX transform, or after the trace that created it ended."""
+
+
+class StateValueError(ValueError):
+    """A value written to a state does not match the state's structure, shape or dtype."""
+
+
+class BatchAxisError(ValueError):
+    """A state was given (or would get) a batch axis it may not have."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, corrupted or does not match the model."""
+
+
+RAW_TRANSFORM_READ = (
+    "Cannot read {label} inside a JAX transform (`jax.jit`, `jax.vmap`, "
+    "`eqx.filter_jit`, ...) that eqstate does not know about: the value would be "
+    "baked into the compiled function as a constant and go stale. Either use the "
+    "eqstate version of the transform (`eqstate.transform.jit`, "
+    "`eqstate.transform.vmap`, ...), or pass the values in explicitly with "
+    "`eqstate.run(fn, states, *args)` inside the transform."
+)
+
+RAW_TRANSFORM_WRITE = (
+    "Cannot write {label} inside a JAX transform (`jax.jit`, `jax.vmap`, "
+    "`jax.lax.scan`, ...) that eqstate does not know about: the new value is a tracer "
+    "that would leak out of its trace. Either use the eqstate version of the transform "
+    "(`eqstate.transform.jit`, `eqstate.transform.vmap`, `eqstate.transform.scan`, "
+    "...), or thread the values explicitly with `eqstate.run(fn, states, *args)`."
+)
+
+LEAKED_TRACER_WRITE = (
+    "Cannot write a JAX tracer to {label}: the tracer comes from a trace that has "
+    "already finished (it leaked out of a `jax.jit`, `jax.vmap`, ... through a Python "
+    "side effect). Return the value from the transformed function instead."
+)
+
+EXPIRED_STATE = (
+    "{label} was created inside a trace of `{where}` and only existed there. It reached "
+    "this code through a Python side effect (a global, a closure or a list), so it has "
+    "no value outside that trace. Return it from the function instead: every call "
+    "then gives the caller fresh states holding their values."
+)
+
+STATE_AS_ARGUMENT = (
+    "{where} received {label} as (part of) argument {arg}. Handles are not passed "
+    "into eqstate transforms: the states a function uses are found by tracing it. Close "
+    "over the handle or the module holding it instead, e.g. "
+    "`jit(lambda x: model(x))(x)`, or pass its value, or use "
+    "`eqx.filter_jit` with `eqstate.run(fn, states, *args)` to pass a module and an "
+    "explicit StateDict."
+)
+
+STATE_AS_OUTPUT = (
+    "{where} returned {label}, which existed before the call. A transformed function "
+    "may return states it creates (the caller gets fresh handles), but not pre-existing "
+    "ones: the caller already holds those. Return its value instead, or drop it from "
+    "the outputs."
+)
+
+
+class UnknownCacheKeyError(KeyError):
+    """A StatefulFunction was asked for a compilation it does not have."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,176 @@
+"""The filter language: which states an API applies to.
+
+Every API that takes a filter accepts any of:
+
+- a State subclass: states of that kind (`eqstate.ParamState`);
+- a handle: that state;
+- a string: states with that tag;
+- a predicate `(path, state) -> bool`, where `path` is the state's PyTree path where one
+  is known (in [`eqstate.states_of`][]) and `()` otherwise;
+- `...` or `True`: every state; `None` or `False`: no state;
+- a tuple or list of filters: states matching any of them.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, cast
+
+from ._state import State
+
+
+class StateFilter:
+    """Base class of the filter objects. A filter is called as `filter(path, state)`."""
+
+    def __call__(self, path: tuple, state: State) -> bool:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class OfType(StateFilter):
+    """States whose kind is `kind` or a subclass of it."""
+
+    kind: type[State]
+
+    def __call__(self, path, state):
+        return isinstance(state, self.kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithTag(StateFilter):
+    """States whose tag is `tag`."""
+
+    tag: str
+
+    def __call__(self, path, state):
+        return state.tag == self.tag
+
+
+@dataclasses.dataclass(frozen=True)
+class WithName(StateFilter):
+    """States whose name is `name`."""
+
+    name: str
+
+    def __call__(self, path, state):
+        return state.name == self.name
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Is(StateFilter):
+    """Exactly the state `state`."""
+
+    state: State
+
+    def __call__(self, path, state):
+        return state is self.state
+
+    def __eq__(self, other):
+        return isinstance(other, Is) and other.state is self.state
+
+    def __hash__(self):
+        return hash((Is, id(self.state)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Everything(StateFilter):
+    """Every state."""
+
+    def __call__(self, path, state):
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Nothing(StateFilter):
+    """No state."""
+
+    def __call__(self, path, state):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class AnyOf(StateFilter):
+    """States matching at least one of `filters`."""
+
+    filters: tuple[StateFilter, ...]
+
+    def __init__(self, *filters: Any):
+        object.__setattr__(self, "filters", tuple(map(to_predicate, filters)))
+
+    def __call__(self, path, state):
+        return any(f(path, state) for f in self.filters)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllOf(StateFilter):
+    """States matching every one of `filters`."""
+
+    filters: tuple[StateFilter, ...]
+
+    def __init__(self, *filters: Any):
+        object.__setattr__(self, "filters", tuple(map(to_predicate, filters)))
+
+    def __call__(self, path, state):
+        return all(f(path, state) for f in self.filters)
+
+
+@dataclasses.dataclass(frozen=True)
+class Not(StateFilter):
+    """States not matching `filter`."""
+
+    filter: StateFilter
+
+    def __init__(self, filter: Any):
+        object.__setattr__(self, "filter", to_predicate(filter))
+
+    def __call__(self, path, state):
+        return not self.filter(path, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Predicate(StateFilter):
+    fn: Callable[[tuple, State], bool]
+
+    def __call__(self, path, state):
+        return bool(self.fn(path, state))
+
+
+def to_predicate(filter: Any) -> StateFilter:
+    """Turns any filter (see the module documentation) into a [`eqstate.filters.StateFilter`][]
+    object, called as `filter(path, state) -> bool`.
+
+    **Raises:**
+
+    `TypeError` if `filter` is not a filter.
+    """
+    if isinstance(filter, StateFilter):
+        return filter
+    if filter is ... or filter is True:
+        return Everything()
+    if filter is None or filter is False:
+        return Nothing()
+    if isinstance(filter, State):
+        return Is(filter)
+    if isinstance(filter, str):
+        return WithTag(filter)
+    if isinstance(filter, type):
+        if issubclass(filter, State):
+            return OfType(filter)
+        raise TypeError(
+            f"{filter.__name__} is not a State kind, so it cannot be used as a filter. "
+            "A type filter must be `eqstate.State` or a subclass of it, such as "
+            "`eqstate.ParamState`."
+        )
+    if isinstance(filter, (tuple, list)):
+        return AnyOf(*filter)
+    if callable(filter):
+        return _Predicate(cast(Callable[[tuple, State], bool], filter))
+    raise TypeError(
+        f"{filter!r} (of type {type(filter).__name__}) is not a filter. A filter is a "
+        "State subclass, a handle, a tag string, a predicate `(path, state) -> bool`, "
+        "`...` (every state), `None` (no state), or a tuple/list of filters."
+    )
+
+
+def matches(filters: tuple[Any, ...], path: tuple, state: State) -> bool:
+    """Whether `state` matches any of `filters` (every state if there are none)."""
+    return not filters or any(to_predicate(f)(path, state) for f in filters)

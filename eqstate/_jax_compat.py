@@ -1,0 +1,106 @@
+"""The only module of eqstate that touches JAX internals.
+
+Everything here has a fallback on public APIs, so a JAX release that moves an internal
+makes eqstate slower or its errors less precise, never wrong:
+
+- adding a jaxpr input in the middle of a trace (`new_input`) lets a StatefulFunction
+  discover the states it uses in a single trace. Without it, eqstate traces twice: once
+  to discover the states, once with their values as inputs.
+- the current trace (`current_trace`, `is_top_level`, `in_trace`) is read through
+  `jax.extend.core` when the private module is missing.
+"""
+
+import contextlib
+import contextvars
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+
+
+try:  # JAX 0.10: the internals that make single-pass tracing possible.
+    _core: Any = importlib.import_module("jax._src.core")
+    _source_info_util: Any = importlib.import_module("jax._src.source_info_util")
+    _traceback_util: Any = importlib.import_module("jax._src.traceback_util")
+    _pe: Any = importlib.import_module("jax._src.interpreters.partial_eval")
+    _trace_ctx: Any = _core.trace_ctx
+    _HAS_NEW_ARG = callable(getattr(_pe.DynamicJaxprTrace, "new_arg", None))
+except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
+    _core = _source_info_util = _traceback_util = _pe = _trace_ctx = None
+    _HAS_NEW_ARG = False
+
+
+_single_pass = contextvars.ContextVar("eqstate_single_pass", default=_HAS_NEW_ARG)
+
+
+def hide_from_tracebacks(path: str) -> None:
+    """Hides the frames of the file at `path` from JAX's filtered tracebacks."""
+    if _traceback_util is not None:
+        _traceback_util.register_exclusion(path)
+
+
+def current_trace() -> Any:
+    """The JAX trace that operations are currently recorded into."""
+    if _trace_ctx is not None:
+        return _trace_ctx.trace
+    return jex_core.find_top_trace(())  # pragma: no cover - depends on the JAX release
+
+
+_EVAL_TRACE = current_trace()
+
+
+def _is_top_level_public() -> bool:  # pragma: no cover - depends on the JAX release
+    return current_trace() is _EVAL_TRACE
+
+
+# Called on every eager state access, so bound once rather than wrapped.
+is_top_level: "Callable[[], bool]" = (
+    _trace_ctx.is_top_level if _trace_ctx is not None else _is_top_level_public
+)
+"""Whether code runs eagerly, outside every JAX transform."""
+
+
+@contextlib.contextmanager
+def in_trace(trace: Any) -> Iterator[None]:
+    """Records the operations of the `with` block into `trace`."""
+    with jex_core.set_current_trace(trace):
+        yield
+
+
+def single_pass_enabled() -> bool:
+    """Whether StatefulFunction discovers states in a single trace."""
+    return _single_pass.get()
+
+
+@contextlib.contextmanager
+def use_single_pass(enabled: bool) -> Iterator[None]:
+    """Chooses single-pass tracing (if this JAX supports it) or the public two-pass
+    fallback for the `with` block. Used by the tests to check both paths."""
+    token = _single_pass.set(enabled and _HAS_NEW_ARG)
+    try:
+        yield
+    finally:
+        _single_pass.reset(token)
+
+
+def can_add_inputs(trace: Any) -> bool:
+    """Whether `new_input` can add an input to `trace`."""
+    return (
+        _single_pass.get()
+        and _pe is not None
+        and isinstance(trace, _pe.DynamicJaxprTrace)
+    )
+
+
+def new_input(trace: Any, aval: jax.ShapeDtypeStruct) -> jax.Array:
+    """Adds an input of type `aval` to the jaxpr being traced by `trace`, and returns the
+    tracer that stands for it. Only call this if `can_add_inputs(trace)`."""
+    abstract = _core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return trace.new_arg(abstract, source_info=_source_info_util.current())
+
+
+def is_unbatched(x: Any) -> bool:
+    """Whether `x`, seen inside `jax.vmap`, holds the same value for every lane."""
+    return getattr(x, "batch_dim", None) is None

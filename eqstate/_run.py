@@ -1,0 +1,202 @@
+"""Running code against explicit state dictionaries: world, scope, run,
+make_with_states, states_of."""
+
+import functools as ft
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from . import _context
+from ._custom_types import Filter
+from ._filters import to_predicate
+from ._state import is_state, State
+from ._state_dict import StateDict
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def world() -> StateDict:
+    """An immutable snapshot of the world: every live state created at top level, with
+    its current value, in creation order.
+
+    **Returns:**
+
+    A [`eqstate.StateDict`][]. Later writes to the world do not change it.
+    """
+    return StateDict._wrap(dict(_context.WORLD.snapshot()))
+
+
+class scope:
+    """Runs eager code against an explicit [`eqstate.StateDict`][] instead of the
+    world.
+
+    Inside the `with` block, `.value` reads and writes the dictionary's states only
+    (reading any other state raises [`eqstate.StateNotFoundError`][]), and states
+    created inside are added to it. The world is never touched. When the block exits
+    normally, `scope.states` holds the result; if it raises, nothing is kept.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.zeros(2))
+        with es.scope(es.StateDict({w: jnp.ones(2)})) as s:
+            w.value = w.value * 3
+        assert (s.states[w] == 3).all() and (w.value == 0).all()
+        ```
+    """
+
+    def __init__(self, states: StateDict):
+        """**Arguments:**
+
+        - `states`: the dictionary to run against.
+        """
+        if not isinstance(states, StateDict):
+            raise TypeError(
+                f"`eqstate.scope` takes a StateDict, got {type(states).__name__}. Build "
+                "one with `eqstate.StateDict({state: value, ...})`."
+            )
+        self._initial = states
+        self._frame: _context.DictFrame | None = None
+        self._token: Any = None
+        self.states: StateDict | None = None
+
+    def __enter__(self) -> "scope":
+        if self._frame is not None:
+            raise RuntimeError("An `eqstate.scope` cannot be entered twice.")
+        self._frame = _context.DictFrame(self._initial.items())
+        self._token = _context.enter(self._frame)
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        _context.leave(self._token)
+        assert self._frame is not None
+        if exc_type is None:
+            self.states = StateDict._wrap(self._frame.values)
+        self._frame = None
+
+
+def run(
+    fn: Callable[..., _T], states: StateDict, *args: Any, **kwargs: Any
+) -> tuple[StateDict, _T]:
+    """Calls `fn(*args, **kwargs)` against `states` and returns the updated
+    dictionary with the output: the functional form of [`eqstate.scope`][].
+
+    It works under `jax.jit` and `eqx.filter_jit` with `states` as a traced argument,
+    which is how a stateful `eqx.Module` is used inside a raw JAX transform.
+
+    **Arguments:**
+
+    - `fn`: the function to call. It may read and write the states of `states` and
+        create new ones.
+    - `states`: the values to run against.
+    - `*args`, `**kwargs`: passed to `fn`.
+
+    **Returns:**
+
+    `(new_states, out)`: `states` with the writes applied and new states added, and
+    the output of `fn`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax
+        import jax.numpy as jnp
+
+        count = es.ShortTermState(jnp.array(0))
+
+        def tick(x):
+            count.value = count.value + 1
+            return x * count.value
+
+        @jax.jit
+        def step(states, x):
+            return es.run(tick, states, x)
+
+        states, y = step(es.world().filter(count), 2.0)
+        assert states[count] == 1 and y == 2.0
+        ```
+    """
+    with scope(states) as s:
+        out = fn(*args, **kwargs)
+    assert s.states is not None
+    return s.states, out
+
+
+def make_with_states(
+    ctor: Callable[_P, _T],
+) -> Callable[_P, tuple[_T, StateDict]]:
+    """Wraps a constructor so that it builds an object without touching the world,
+    like `eqx.nn.make_with_state`.
+
+    **Arguments:**
+
+    - `ctor`: builds an object (typically an `eqx.Module` holding handles).
+
+    **Returns:**
+
+    A function taking `ctor`'s arguments and returning `(obj, states)`, where `states`
+    is a [`eqstate.StateDict`][] of every state created during the call.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        model, states = es.make_with_states(lambda: es.ParamState(jnp.ones(3)))()
+        assert states.states == (model,)
+        ```
+    """
+
+    @ft.wraps(ctor)
+    def build(*args: _P.args, **kwargs: _P.kwargs) -> tuple[_T, StateDict]:
+        states, obj = run(ctor, StateDict(), *args, **kwargs)
+        return obj, states
+
+    return build
+
+
+def states_of(
+    pytree: PyTree, *filters: Filter, with_paths: bool = False
+) -> tuple[State, ...] | tuple[tuple[tuple, State], ...]:
+    """The handles found in a PyTree, in flattening order, each listed once.
+
+    **Arguments:**
+
+    - `pytree`: any PyTree, e.g. an `eqx.Module` holding handles.
+    - `*filters`: keep the states matching any of these (see [`eqstate.filters`][]);
+        every state if none is given. Predicates receive the state's PyTree path.
+    - `with_paths`: if `True`, return `(path, state)` pairs, where `path` is a JAX key
+        path (`jax.tree_util.keystr(path)` renders it). (Keyword only argument.)
+
+    **Returns:**
+
+    A tuple of handles, or of `(path, handle)` pairs.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        tree = {"w": es.ParamState(jnp.ones(2)), "n": es.ShortTermState(jnp.array(0))}
+        assert es.states_of(tree, es.ParamState) == (tree["w"],)
+        ```
+    """
+    predicates = [to_predicate(f) for f in filters]
+    found: dict[State, tuple] = {}
+    for path, leaf in jtu.tree_leaves_with_path(pytree, is_leaf=is_state):
+        if is_state(leaf) and leaf not in found:
+            if not predicates or any(p(path, leaf) for p in predicates):
+                found[leaf] = path
+    if with_paths:
+        return tuple((path, state) for state, path in found.items())
+    return tuple(found)

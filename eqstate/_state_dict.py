@@ -1,0 +1,185 @@
+"""StateDict: an immutable mapping from state handles to their values."""
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import jax.tree_util as jtu
+from jaxtyping import ArrayLike, PyTree
+
+from ._context import check_write, to_value
+from ._custom_types import Filter, MISSING
+from ._errors import StateNotFoundError
+from ._filters import to_predicate
+from ._pretty_print import state_label, value_summary
+from ._state import State
+
+
+class StateDict(Mapping[State, PyTree]):
+    """An immutable mapping from states to their values.
+
+    It is a PyTree whose children are the values (the ordered tuple of handles is the
+    static part), so it passes through `jax.jit`, `eqx.filter_jit`, optax and
+    checkpoints unchanged. Iteration follows insertion order. Every operation returns a
+    new dictionary.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.zeros(3), name="w")
+        n = es.ShortTermState(jnp.array(0), name="n")
+        states = es.StateDict({w: jnp.ones(3), n: jnp.array(5)})
+        params, rest = states.split(es.ParamState)
+        assert params.states == (w,) and rest.states == (n,)
+        ```
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(
+        self, values: Mapping[State, PyTree[ArrayLike]] | Iterable[tuple] = ()
+    ):
+        """**Arguments:**
+
+        - `values`: the contents, a mapping (or iterable of pairs) from handles to
+            PyTrees of arrays. Each leaf is converted with `jnp.asarray`.
+        """
+        items = values.items() if isinstance(values, Mapping) else values
+        contents = {}
+        for state, value in items:
+            if not isinstance(state, State):
+                raise TypeError(
+                    f"StateDict keys must be state handles, got {state!r} of type "
+                    f"{type(state).__name__}."
+                )
+            contents[state] = to_value(value)
+        object.__setattr__(self, "_values", contents)
+
+    @classmethod
+    def _wrap(cls, values: dict) -> "StateDict":
+        # Takes ownership of `values` without converting them: used internally and by
+        # unflattening, where leaves may be tracers or JAX's placeholder objects.
+        sd = object.__new__(cls)
+        object.__setattr__(sd, "_values", values)
+        return sd
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("StateDict is immutable; use `.set` or `.update`.")
+
+    def __getitem__(self, state: State) -> PyTree:
+        try:
+            return self._values[state]
+        except KeyError:
+            raise StateNotFoundError(
+                f"{state_label(state)} is not in this StateDict, which holds "
+                f"{_summarise_states(self._values)}."
+            ) from None
+
+    def __contains__(self, state: object) -> bool:
+        return state in self._values
+
+    def __iter__(self) -> Iterator[State]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    # Equality is identity: comparing values elementwise has no single truth value.
+    __eq__ = object.__eq__
+
+    @property
+    def states(self) -> tuple[State, ...]:
+        """The handles, in insertion order."""
+        return tuple(self._values)
+
+    def set(self, state: State, value: PyTree[ArrayLike]) -> "StateDict":
+        """Returns a copy with `state` holding `value`.
+
+        The value is checked like a write: it must keep the PyTree structure, shapes
+        and dtypes of the current value (`StateValueError` otherwise). `state` must
+        already be in the dictionary (`StateNotFoundError` otherwise); use
+        [`eqstate.StateDict.update`][] to add states.
+        """
+        checked = check_write(state, self[state], value)
+        return StateDict._wrap({**self._values, state: checked})
+
+    def update(self, other: Mapping[State, PyTree[ArrayLike]]) -> "StateDict":
+        """Returns a copy with the entries of `other` added. Values of states already
+        present are checked like writes; new states are added at the end."""
+        values = dict(self._values)
+        for state, value in other.items():
+            old = values.get(state, MISSING)
+            if old is MISSING:
+                values[state] = to_value(value)
+            else:
+                values[state] = check_write(state, old, value)
+        return StateDict._wrap(values)
+
+    def __or__(self, other: Mapping[State, PyTree[ArrayLike]]) -> "StateDict":
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return self.update(other)
+
+    def filter(self, *filters: Filter) -> "StateDict":
+        """The states matching any of `filters` (see [`eqstate.filters`][])."""
+        predicates = [to_predicate(f) for f in filters]
+        return StateDict._wrap(
+            {s: v for s, v in self._values.items() if any(p((), s) for p in predicates)}
+        )
+
+    def split(self, *filters: Filter) -> tuple["StateDict", ...]:
+        """Splits into one dictionary per filter, plus one with the states no filter
+        matched. A state goes to the first filter it matches, so the parts are disjoint
+        and `StateDict.merge(*parts)` gives back a dictionary equal to this one."""
+        predicates = [to_predicate(f) for f in filters]
+        parts: list[dict] = [{} for _ in range(len(filters) + 1)]
+        for state, value in self._values.items():
+            index = next(
+                (i for i, p in enumerate(predicates) if p((), state)), len(filters)
+            )
+            parts[index][state] = value
+        return tuple(StateDict._wrap(part) for part in parts)
+
+    @staticmethod
+    def merge(*state_dicts: Mapping[State, PyTree[ArrayLike]]) -> "StateDict":
+        """Joins dictionaries; a state present in several takes its value from the
+        last one (checked like a write)."""
+        merged = StateDict()
+        for sd in state_dicts:
+            merged = merged.update(sd)
+        return merged
+
+    def __repr__(self) -> str:
+        if not self._values:
+            return "StateDict({})"
+        entries = ",\n".join(
+            f"  {state_label(s)}: {value_summary(v)}" for s, v in self._values.items()
+        )
+        return f"StateDict({{\n{entries}\n}})"
+
+
+def _summarise_states(values: Mapping, limit: int = 5) -> str:
+    if not values:
+        return "no states"
+    labels = [state_label(s) for s in list(values)[:limit]]
+    more = len(values) - limit
+    return ", ".join(labels) + (f" and {more} more" if more > 0 else "")
+
+
+def _flatten_with_keys(sd: StateDict):
+    values = sd._values
+    return [(jtu.DictKey(s), v) for s, v in values.items()], tuple(values)
+
+
+def _flatten(sd: StateDict):
+    values = sd._values
+    return tuple(values.values()), tuple(values)
+
+
+def _unflatten(states: tuple, children: Iterable) -> StateDict:
+    return StateDict._wrap(dict(zip(states, children)))
+
+
+jtu.register_pytree_with_keys(StateDict, _flatten_with_keys, _unflatten, _flatten)

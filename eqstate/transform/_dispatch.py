@@ -1,0 +1,177 @@
+"""The steady-state call path of a compiled stateful function: one `jax.jit` dispatch.
+
+A *plan* is a `jax.jit` of the whole call for one set of states. A call reads the plan's
+states, hands their values and the raw arguments to the jitted function (so JAX's C++
+dispatch does the PyTree and cache-key work), and writes the results back. The Python
+body of the jitted function runs only when JAX retraces (new shapes or static
+arguments): it finds the StatefulFunction's compilation, checks that it touches the
+plan's states (else `_PlanMismatch`, and the call takes the slow path once to pick
+another plan), and evaluates it.
+"""
+
+import threading
+from collections.abc import Callable
+from typing import Any, TYPE_CHECKING
+
+import jax
+
+from .. import _context, _jax_compat as compat
+from ._compiled import Compiled
+
+
+if TYPE_CHECKING:
+    from ._stateful_function import StatefulFunction
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+class _PlanMismatch(Exception):
+    """The call needs other states than the plan's (raised while JAX traces)."""
+
+
+def _mark_from_trace(exc: BaseException) -> None:
+    try:
+        exc._eqstate_from_trace = True  # pyright: ignore[reportAttributeAccessIssue]
+    except AttributeError:  # pragma: no cover - exotic exception types
+        pass
+
+
+class _Plan:
+    __slots__ = ("jitted", "n_written", "read_order", "states", "updated_states")
+
+    def __init__(self, entry: Compiled):
+        self.states = entry.states
+        self.updated_states = entry.updated_states
+        updated = set(entry.updated_states)
+        # Written states first, so that one read gives both groups by slicing.
+        kept = tuple(s for s in entry.states if s not in updated)
+        self.read_order = entry.updated_states + kept
+        self.n_written = len(entry.updated_states)
+
+    def fits(self, entry: Compiled) -> bool:
+        return (
+            entry.states == self.states
+            and entry.updated_states == self.updated_states
+            and not entry.new_states
+            and entry.simple_out
+        )
+
+
+def can_plan(call_all_dynamic: bool, entry: Compiled) -> bool:
+    """Whether calls like this one can take the plan path: arguments that `jax.jit`
+    accepts as they are, no new states, and an output made only of arrays."""
+    return call_all_dynamic and not entry.new_states and entry.simple_out
+
+
+class JitDispatch:
+    """Calls a StatefulFunction through plans; see the module documentation."""
+
+    def __init__(
+        self,
+        sf: "StatefulFunction",
+        *,
+        donate_states: bool = False,
+        jit_kwargs: dict[str, Any] | None = None,
+    ):
+        self._sf = sf
+        self._donate = donate_states
+        self._jit_kwargs = dict(jit_kwargs or {})
+        self._plans: dict[tuple, _Plan] = {}
+        self._current: _Plan | None = None
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+            self._current = None
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        """Calls through the current plan. On a mismatch, or on arguments `jax.jit`
+        refuses, takes the StatefulFunction's slow path, which picks a plan for next
+        time."""
+        plan = self._current
+        if plan is not None:
+            frame = _context.current_frame()
+            try:
+                values = frame.read_many(plan.read_order)
+                n = plan.n_written
+                out, updated = plan.jitted(
+                    *args,
+                    _eqstate_written=values[:n],
+                    _eqstate_kept=values[n:],
+                    **kwargs,
+                )
+            except _PlanMismatch:
+                pass
+            except Exception as exc:
+                if getattr(exc, "_eqstate_from_trace", False):
+                    raise
+                # Arguments `jax.jit` refuses, or states this call does not need:
+                # the slow path gives the right answer or the right error.
+            else:
+                if n:
+                    frame.commit_values(plan.updated_states, updated)
+                return out
+        return self._sf._call_auto_slow(args, kwargs)
+
+    def call_planned(
+        self, entry: Compiled, frame: _context.Frame, args: tuple, kwargs: dict
+    ) -> tuple[bool, Any]:
+        """Calls through the plan for `entry` and makes it current. Returns
+        `(False, None)` if the call turns out not to fit it."""
+        plan = self._plan_for(entry)
+        values = frame.read_many(plan.read_order)
+        n = plan.n_written
+        try:
+            out, updated = plan.jitted(
+                *args, _eqstate_written=values[:n], _eqstate_kept=values[n:], **kwargs
+            )
+        except _PlanMismatch:
+            return False, None
+        self._current = plan
+        if n:
+            frame.commit_values(plan.updated_states, updated)
+        return True, out
+
+    def _plan_for(self, entry: Compiled) -> _Plan:
+        key = (entry.states, entry.updated_states)
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = _Plan(entry)
+                plan.jitted = self._make_jitted(plan)
+        return plan
+
+    def _make_jitted(self, plan: _Plan) -> Callable:
+        sf = self._sf
+        order = {s: i for i, s in enumerate(plan.states)}
+        positions = [order[s] for s in plan.read_order]
+
+        def body(*args, _eqstate_written, _eqstate_kept, **kwargs):
+            values: list[Any] = [None] * len(positions)
+            for i, v in zip(positions, [*_eqstate_written, *_eqstate_kept]):
+                values[i] = v
+            try:
+                call = sf.parse_args(args, kwargs)
+                frame = _context.current_frame()
+                entry = sf.compile(call, frame)
+                if entry.stale_state(values) is not None:
+                    entry = sf.compile(call, frame, stale=entry)
+            except Exception as exc:
+                _mark_from_trace(exc)
+                raise
+            if not plan.fits(entry):
+                raise _PlanMismatch
+            out, updated, _ = entry.split_outputs(entry.run(call.leaves, values))
+            return entry.build_output(out, ()), updated
+
+        kwargs = dict(self._jit_kwargs)
+        if self._donate:
+            kwargs["donate_argnames"] = ("_eqstate_written",)
+        return jax.jit(
+            body,
+            static_argnums=sf.static_positions,
+            static_argnames=sf.static_argnames,
+            **kwargs,
+        )

@@ -1,0 +1,32 @@
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+
+def tree_allclose(a, b, *, rtol=1e-6, atol=1e-6) -> bool:
+    """Whether two PyTrees have the same structure and close leaves."""
+    leaves_a, def_a = jtu.tree_flatten(a)
+    leaves_b, def_b = jtu.tree_flatten(b)
+    if def_a != def_b:
+        return False
+    return all(
+        jnp.shape(x) == jnp.shape(y)
+        and np.allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+        for x, y in zip(leaves_a, leaves_b)
+    )
+
+
+def tree_bitwise_equal(a, b) -> bool:
+    """Whether two PyTrees are identical: structure, shapes, dtypes and bits."""
+    leaves_a, def_a = jtu.tree_flatten(a)
+    leaves_b, def_b = jtu.tree_flatten(b)
+    if def_a != def_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes():
+            return False
+    return True

@@ -1,0 +1,95 @@
+import eqstate as es
+import jax.numpy as jnp
+import pytest
+from eqstate.filters import (
+    AllOf,
+    AnyOf,
+    Everything,
+    Is,
+    Not,
+    Nothing,
+    OfType,
+    to_predicate,
+    WithName,
+    WithTag,
+)
+
+
+@pytest.fixture
+def states():
+    return {
+        "param": es.ParamState(jnp.zeros(1), tag="enc", name="w"),
+        "short": es.ShortTermState(jnp.zeros(1), tag="dec"),
+        "long": es.LongTermState(jnp.zeros(1)),
+        "plain": es.State(jnp.zeros(1), name="p"),
+    }
+
+
+def _selected(filter, states):
+    predicate = to_predicate(filter)
+    return {k for k, s in states.items() if predicate((), s)}
+
+
+def test_a_state_kind_selects_that_kind_and_subclasses(states):
+    assert _selected(es.ParamState, states) == {"param"}
+    assert _selected(es.LongTermState, states) == {"param", "long"}
+    assert _selected(es.State, states) == set(states)
+
+
+def test_a_handle_selects_itself(states):
+    assert _selected(states["short"], states) == {"short"}
+
+
+def test_a_string_selects_a_tag(states):
+    assert _selected("enc", states) == {"param"}
+
+
+def test_a_predicate_receives_path_and_state(states):
+    seen = []
+
+    def predicate(path, state):
+        seen.append(path)
+        return state.name == "p"
+
+    assert _selected(predicate, states) == {"plain"}
+    assert seen and all(p == () for p in seen)
+
+
+@pytest.mark.parametrize("everything", [..., True, Everything()])
+def test_ellipsis_and_true_select_everything(states, everything):
+    assert _selected(everything, states) == set(states)
+
+
+@pytest.mark.parametrize("nothing", [None, False, Nothing()])
+def test_none_and_false_select_nothing(states, nothing):
+    assert _selected(nothing, states) == set()
+
+
+def test_tuples_and_lists_are_unions(states):
+    assert _selected((es.ParamState, "dec"), states) == {"param", "short"}
+    assert _selected([states["long"], "enc"], states) == {"param", "long"}
+
+
+def test_combinators(states):
+    assert _selected(AllOf(es.LongTermState, Not(es.ParamState)), states) == {"long"}
+    assert _selected(AnyOf(WithTag("dec"), WithName("p")), states) == {"short", "plain"}
+    assert _selected(OfType(es.ShortTermState), states) == {"short"}
+    assert _selected(Is(states["param"]), states) == {"param"}
+
+
+def test_filters_are_hashable_values():
+    w = es.State(jnp.zeros(1))
+    assert hash(OfType(es.ParamState)) == hash(OfType(es.ParamState))
+    assert Is(w) == Is(w) and hash(Is(w)) == hash(Is(w))
+    assert AnyOf("a", es.ParamState) == AnyOf("a", es.ParamState)
+
+
+def test_a_type_that_is_not_a_state_kind_is_refused():
+    with pytest.raises(TypeError, match="int is not a State kind"):
+        to_predicate(int)
+
+
+@pytest.mark.parametrize("bad", [3, 2.5, object(), {"a": 1}])
+def test_a_value_that_is_not_a_filter_is_refused(bad):
+    with pytest.raises(TypeError, match="is not a filter"):
+        to_predicate(bad)

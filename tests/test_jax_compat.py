@@ -1,0 +1,77 @@
+import jax
+import jax.numpy as jnp
+from eqstate import _jax_compat as compat
+
+
+def test_top_level_is_detected_outside_and_inside_transforms():
+    assert compat.is_top_level()
+    inside = []
+    jax.jit(lambda x: inside.append(compat.is_top_level()) or x)(1.0)
+    jax.vmap(lambda x: inside.append(compat.is_top_level()) or x)(jnp.ones(2))
+    assert inside == [False, False]
+
+
+def test_current_trace_differs_inside_a_transform_and_is_stable_within_it():
+    outside = compat.current_trace()
+    seen = []
+
+    def f(x):
+        seen.append(compat.current_trace())
+        seen.append(compat.current_trace())
+        return x
+
+    jax.jit(f)(1.0)
+    assert seen[0] is seen[1] and seen[0] is not outside
+
+
+def test_in_trace_records_into_the_given_trace():
+    def f(x):
+        outer = compat.current_trace()
+
+        def inner(y):
+            with compat.in_trace(outer):
+                assert compat.current_trace() is outer
+                z = x * 2
+            return y + z
+
+        return jax.vmap(inner)(jnp.ones(3))
+
+    assert (jax.jit(f)(1.0) == 3).all()
+
+
+def test_new_input_adds_a_jaxpr_input_mid_trace():
+    def f(x):
+        trace = compat.current_trace()
+        assert compat.can_add_inputs(trace)
+        y = compat.new_input(trace, jax.ShapeDtypeStruct((2,), jnp.float32))
+        return x + y
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(2))
+    assert len(jaxpr.jaxpr.invars) == 2
+    out = jax.extend.core.jaxpr_as_fun(jaxpr)(jnp.ones(2), jnp.full(2, 2.0))
+    assert (out[0] == 3).all()
+
+
+def test_single_pass_can_be_switched_off_for_a_block():
+    assert compat.single_pass_enabled()
+    with compat.use_single_pass(False):
+        assert not compat.single_pass_enabled()
+        trace_checks = []
+        jax.make_jaxpr(
+            lambda x: (
+                trace_checks.append(compat.can_add_inputs(compat.current_trace())) or x
+            )
+        )(1.0)
+        assert trace_checks == [False]
+    assert compat.single_pass_enabled()
+
+
+def test_is_unbatched_tells_mapped_from_broadcast_values():
+    seen = []
+
+    def f(x, y):
+        seen.append((compat.is_unbatched(x), compat.is_unbatched(y)))
+        return x + y
+
+    jax.vmap(f, in_axes=(0, None))(jnp.ones(3), 1.0)
+    assert seen == [(False, True)]

@@ -1,0 +1,173 @@
+import threading
+
+import eqstate as es
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+
+def test_world_is_an_immutable_snapshot():
+    s = es.State(jnp.zeros(2))
+    snapshot = es.world()
+    assert s in snapshot and (snapshot[s] == 0).all()
+    s.value = jnp.ones(2)
+    assert (snapshot[s] == 0).all() and (es.world()[s] == 1).all()
+
+
+def test_scope_reads_and_writes_its_dict_and_never_the_world():
+    s = es.State(jnp.zeros(2), name="s")
+    with es.scope(es.StateDict({s: jnp.ones(2)})) as sc:
+        assert (s.value == 1).all()
+        s.value = s.value * 3
+        new = es.ParamState(jnp.full(2, 9.0))
+    assert (s.value == 0).all()
+    assert sc.states is not None
+    assert (sc.states[s] == 3).all() and (sc.states[new] == 9).all()
+    assert new not in es.world()
+
+
+def test_scope_is_strict():
+    inside = es.State(jnp.zeros(2))
+    outside = es.State(jnp.zeros(2), name="outside")
+    with es.scope(es.StateDict({inside: jnp.ones(2)})):
+        with pytest.raises(es.StateNotFoundError, match="State 'outside' is not in"):
+            outside.value
+
+
+def test_scope_keeps_nothing_if_the_block_raises():
+    s = es.State(jnp.zeros(2))
+    sc = es.scope(es.StateDict({s: jnp.ones(2)}))
+    with pytest.raises(RuntimeError, match="boom"):
+        with sc:
+            s.value = jnp.full(2, 5.0)
+            raise RuntimeError("boom")
+    assert sc.states is None and (s.value == 0).all()
+
+
+def test_scope_takes_a_state_dict():
+    with pytest.raises(TypeError, match="StateDict"):
+        es.scope({})  # pyright: ignore[reportArgumentType]
+
+
+def test_a_scope_cannot_be_entered_twice():
+    sc = es.scope(es.StateDict())
+    with sc:
+        with pytest.raises(RuntimeError, match="entered twice"):
+            with sc:
+                pass
+
+
+def test_reading_an_eager_scope_inside_raw_jit_raises():
+    s = es.State(jnp.zeros(2), name="s")
+    with es.scope(es.StateDict({s: jnp.ones(2)})):
+        with pytest.raises(es.TraceContextError, match="Cannot read State 's'"):
+            jax.jit(lambda: s.value)()
+
+
+def test_run_is_the_functional_scope():
+    s = es.State(jnp.array(1.0))
+
+    def f(x):
+        s.value = s.value + x
+        return s.value * 2
+
+    states, out = es.run(f, es.StateDict({s: jnp.array(10.0)}), 1.0)
+    assert states[s] == 11 and out == 22 and s.value == 1
+
+
+def test_run_works_under_jit_and_filter_jit():
+    s = es.ShortTermState(jnp.array(0))
+
+    def tick(x):
+        s.value = s.value + 1
+        return x * s.value
+
+    states = es.world().filter(s)
+    states, out = jax.jit(lambda sd, x: es.run(tick, sd, x))(states, 3.0)
+    states, out = eqx.filter_jit(lambda sd, x: es.run(tick, sd, x))(states, 3.0)
+    assert states[s] == 2 and out == 6 and s.value == 0
+
+
+def test_run_under_jit_refuses_writes_inside_a_nested_raw_vmap():
+    s = es.State(jnp.zeros(()), name="s")
+
+    def f(xs):
+        def body(x):
+            s.value = x
+            return x
+
+        return jax.vmap(body)(xs)
+
+    with pytest.raises(es.TraceContextError, match="Cannot write State 's'"):
+        jax.jit(lambda sd, xs: es.run(f, sd, xs))(es.world().filter(s), jnp.ones(3))
+
+
+def test_run_under_jit_allows_reads_inside_a_nested_raw_vmap():
+    s = es.State(jnp.array(2.0))
+    f = lambda xs: jax.vmap(lambda x: x * s.value)(xs)  # noqa: E731
+    _, out = jax.jit(lambda sd, xs: es.run(f, sd, xs))(
+        es.world().filter(s), jnp.ones(3)
+    )
+    assert (out == 2).all()
+
+
+class _Linear(eqx.Module):
+    w: es.ParamState
+    count: es.ShortTermState
+
+    def __init__(self, n):
+        self.w = es.ParamState(jnp.ones(n), name="w")
+        self.count = es.ShortTermState(jnp.array(0), name="count")
+
+    def __call__(self, x):
+        self.count.value = self.count.value + 1
+        return self.w.value @ x
+
+
+def test_make_with_states_builds_without_touching_the_world():
+    before = len(es.world())
+    model, states = es.make_with_states(_Linear)(3)
+    assert len(es.world()) == before
+    assert states.states == (model.w, model.count)
+    with pytest.raises(es.StateNotFoundError):
+        model.w.value
+    states, out = es.run(model, states, jnp.ones(3))
+    assert out == 3 and states[model.count] == 1
+
+
+def test_states_of_finds_handles_in_flattening_order_once():
+    model = _Linear(2)
+    tree = {"a": model, "b": [model.w, 1.0]}
+    assert es.states_of(tree) == (model.w, model.count)
+    assert es.states_of(tree, es.ShortTermState) == (model.count,)
+    pairs = es.states_of(tree, with_paths=True)
+    assert [jax.tree_util.keystr(p) for p, _ in pairs] == ["['a'].w", "['a'].count"]
+
+
+def test_states_of_passes_paths_to_predicates():
+    model = _Linear(2)
+    by_path = es.states_of(
+        {"enc": model}, lambda path, s: jax.tree_util.keystr(path).endswith(".w")
+    )
+    assert by_path == (model.w,)
+
+
+def test_threads_each_run_their_own_scope():
+    s = es.State(jnp.array(0))
+    results = {}
+
+    def work(i):
+        with es.scope(es.StateDict({s: jnp.array(i)})) as sc:
+            for _ in range(50):
+                s.value = s.value + 1
+        assert sc.states is not None
+        results[i] = int(sc.states[s])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: i + 50 for i in range(8)}
+    assert s.value == 0

@@ -1,0 +1,182 @@
+import copy
+import gc
+import pickle
+import weakref
+
+import eqstate as es
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import pytest
+from eqstate import _context
+
+
+KINDS = [
+    es.State,
+    es.ShortTermState,
+    es.LongTermState,
+    es.ParamState,
+    es.NonBatchState,
+    es.RandomState,
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_handle_reads_and_writes_its_world_value(kind):
+    s = kind(jnp.zeros(3), name="s")
+    s.value = s.value + 2
+    assert (s.value == 2).all()
+    assert isinstance(s, es.State) and es.is_state(s)
+
+
+def test_handles_hash_and_compare_by_identity():
+    a = es.State(jnp.zeros(2))
+    b = es.State(jnp.zeros(2))
+    assert a == a and a != b
+    assert len({a, b, a}) == 2
+    assert hash(a) == hash(a)
+
+
+def test_handle_is_a_pytree_leaf():
+    s = es.ParamState(jnp.zeros(2))
+    tree = {"a": s, "b": [s, 1.0]}
+    leaves = jtu.tree_leaves(tree)
+    assert leaves[0] is s and leaves[1] is s
+    assert jtu.tree_map(lambda x: x, tree)["a"] is s
+
+
+def test_handle_is_immutable():
+    s = es.ParamState(jnp.zeros(2), name="w", tag="t")
+    with pytest.raises(AttributeError, match="handles are immutable"):
+        s.name = "other"  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(AttributeError, match="handles are immutable"):
+        s.anything = 1  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(AttributeError, match="Cannot delete"):
+        del s.value
+    assert s.name == "w" and s.tag == "t"
+
+
+def test_copy_and_deepcopy_keep_identity():
+    s = es.State(jnp.zeros(2))
+    assert copy.copy(s) is s
+    assert copy.deepcopy({"s": s})["s"] is s
+
+
+def test_pickling_a_handle_is_refused():
+    s = es.State(jnp.zeros(2), name="w")
+    with pytest.raises(TypeError, match="Cannot pickle State 'w'"):
+        pickle.dumps(s)
+
+
+def test_handle_is_weakly_referenceable_and_collected_handles_leave_the_world():
+    before = len(_context.WORLD)
+    s = es.State(jnp.zeros(2))
+    ref = weakref.ref(s)
+    assert len(_context.WORLD) == before + 1
+    del s
+    gc.collect()
+    assert ref() is None
+    assert len(_context.WORLD) == before
+
+
+def test_initial_value_leaves_become_arrays():
+    s = es.State({"a": 1.0, "b": [2, jnp.ones(2)]})
+    value = s.value
+    assert isinstance(value["a"], jax.Array) and isinstance(value["b"][0], jax.Array)
+
+
+def test_write_with_wrong_shape_names_the_state():
+    w = es.ParamState(jnp.zeros(3), name="w")
+    with pytest.raises(ValueError, match=r"shape \(4,\) .* to ParamState 'w'"):
+        w.value = jnp.zeros(4)
+    assert w.value.shape == (3,)
+
+
+def test_write_with_wrong_dtype_names_the_state():
+    w = es.ParamState(jnp.zeros(3), name="w")
+    with pytest.raises(es.StateValueError, match="dtype int32 to ParamState 'w'"):
+        w.value = jnp.zeros(3, jnp.int32)
+
+
+def test_write_with_wrong_structure_names_the_state():
+    w = es.ParamState({"a": jnp.zeros(3)}, name="w")
+    with pytest.raises(ValueError, match=r"structure .* ParamState 'w'"):
+        w.value = (jnp.zeros(3),)
+    assert set(w.value) == {"a"}
+
+
+def test_python_scalars_take_the_state_dtype_when_promotion_allows():
+    f = es.State(jnp.zeros((), jnp.float16))
+    f.value = 1
+    assert f.value.dtype == jnp.float16
+    i = es.State(jnp.zeros((), jnp.int32), name="i")
+    with pytest.raises(ValueError, match="State 'i'"):
+        i.value = 0.5
+    assert i.value.dtype == jnp.int32
+
+
+def test_weak_type_may_change_on_write():
+    s = es.State(jnp.asarray(0.0))
+    s.value = jnp.ones((), jnp.float32)
+    assert not s.value.weak_type
+
+
+def test_reading_a_state_of_a_finished_scope_raises_state_not_found():
+    with es.scope(es.StateDict()):
+        s = es.State(jnp.zeros(2), name="inner")
+    with pytest.raises(es.StateNotFoundError, match="State 'inner' has no value"):
+        s.value
+    with pytest.raises(KeyError):
+        s.value = jnp.zeros(2)
+
+
+def test_reading_inside_raw_jit_raises_trace_context_error():
+    s = es.State(jnp.zeros(2), name="s")
+    with pytest.raises(es.TraceContextError, match="Cannot read State 's' inside"):
+        jax.jit(lambda: s.value)()
+
+
+def test_writing_inside_raw_jit_raises_and_keeps_the_value():
+    s = es.State(jnp.zeros(2), name="s")
+
+    def write(x):
+        s.value = x
+        return x
+
+    with pytest.raises(es.TraceContextError, match="Cannot write State 's' inside"):
+        jax.jit(write)(jnp.ones(2))
+    assert (s.value == 0).all()
+    with pytest.raises(es.TraceContextError, match="Cannot write"):
+        eqx.filter_vmap(write)(jnp.ones((3, 2)))
+    assert (s.value == 0).all()
+
+
+def test_writing_a_leaked_tracer_raises():
+    s = es.State(jnp.zeros(2), name="s")
+    leaked = []
+    jax.jit(lambda x: leaked.append(x) or x)(jnp.ones(2))
+    with pytest.raises(es.TraceContextError, match="leaked"):
+        s.value = leaked[0]
+    assert (s.value == 0).all()
+
+
+def test_creating_a_state_inside_raw_jit_raises():
+    with pytest.raises(es.TraceContextError, match="Cannot create"):
+        jax.jit(lambda: es.State(jnp.zeros(2)).name)()
+
+
+def test_repr_shows_kind_name_and_shape():
+    s = es.ParamState(jnp.zeros((2, 3)), name="w")
+    assert repr(s) == "ParamState 'w' (f32[2,3])"
+    t = es.ShortTermState(jnp.zeros(()), tag="hidden")
+    assert repr(t) == "ShortTermState tagged 'hidden' (f32[])"
+
+
+def test_state_is_generic_for_annotations():
+    from jaxtyping import Array, Float
+
+    def f(s: es.State[Float[Array, " n"]]) -> None:
+        pass
+
+    f(es.State(jnp.zeros(3)))

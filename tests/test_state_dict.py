@@ -1,0 +1,166 @@
+import eqstate as es
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import pytest
+from hypothesis import given, settings
+
+from .helpers import tree_bitwise_equal
+
+
+KINDS = [es.State, es.ParamState, es.ShortTermState, es.LongTermState]
+
+
+@pytest.fixture
+def sd():
+    w = es.ParamState(jnp.zeros(3), name="w")
+    n = es.ShortTermState(jnp.array(0), name="n", tag="count")
+    return es.StateDict({w: jnp.ones(3), n: jnp.array(5)}), w, n
+
+
+def test_mapping_interface(sd):
+    sd, w, n = sd
+    assert len(sd) == 2 and list(sd) == [w, n] and sd.states == (w, n)
+    assert (sd[w] == 1).all() and sd.get(n) == 5
+    assert w in sd and es.State(jnp.zeros(1)) not in sd
+    other = es.State(jnp.zeros(1))
+    assert sd.get(other, "default") == "default"
+    with pytest.raises(
+        es.StateNotFoundError, match=r"State .* is not in this StateDict"
+    ):
+        sd[other]
+
+
+def test_keys_must_be_handles():
+    with pytest.raises(TypeError, match="StateDict"):
+        es.StateDict({"w": jnp.zeros(2)})  # pyright: ignore[reportArgumentType]
+
+
+def test_values_are_converted_to_arrays():
+    s = es.State(jnp.zeros(()))
+    assert isinstance(es.StateDict({s: 1.0})[s], jax.Array)
+
+
+def test_is_immutable(sd):
+    sd, w, _ = sd
+    with pytest.raises(AttributeError, match="immutable"):
+        sd.x = 1  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(TypeError):
+        sd[w] = jnp.zeros(3)  # pyright: ignore[reportIndexIssue]
+
+
+def test_set_returns_a_new_dict_and_checks_the_write(sd):
+    sd, w, n = sd
+    new = sd.set(w, jnp.full(3, 7.0))
+    assert (new[w] == 7).all() and (sd[w] == 1).all()
+    with pytest.raises(ValueError, match=r"shape \(2,\) .* to ParamState 'w'"):
+        sd.set(w, jnp.zeros(2))
+    with pytest.raises(es.StateNotFoundError, match="not in this StateDict"):
+        sd.set(es.State(jnp.zeros(3)), jnp.zeros(3))
+
+
+def test_update_and_or_add_new_states_and_check_old_ones(sd):
+    sd, w, n = sd
+    extra = es.State(jnp.zeros(2))
+    merged = sd | {extra: jnp.ones(2)}
+    assert merged.states == (w, n, extra)
+    assert sd.update({w: jnp.zeros(3)})[w].sum() == 0
+    with pytest.raises(ValueError, match="dtype float32 to ShortTermState 'n'"):
+        sd | {n: jnp.zeros((), jnp.float32)}
+
+
+def test_filter_and_split(sd):
+    sd, w, n = sd
+    assert sd.filter(es.ParamState).states == (w,)
+    assert sd.filter("count").states == (n,)
+    assert sd.filter(es.ParamState, "count").states == (w, n)
+    params, counts, rest = sd.split(es.ParamState, "count")
+    assert params.states == (w,) and counts.states == (n,) and len(rest) == 0
+
+
+def test_split_gives_a_state_to_the_first_filter_it_matches(sd):
+    sd, w, n = sd
+    first, second, rest = sd.split(es.State, es.ParamState)
+    assert first.states == (w, n) and len(second) == 0 and len(rest) == 0
+
+
+def test_is_a_pytree_with_values_as_children(sd):
+    sd, w, n = sd
+    leaves, treedef = jtu.tree_flatten(sd)
+    assert len(leaves) == 2
+    rebuilt = jtu.tree_unflatten(treedef, leaves)
+    assert isinstance(rebuilt, es.StateDict) and rebuilt.states == (w, n)
+    doubled = jtu.tree_map(lambda x: x * 2, sd)
+    assert (doubled[w] == 2).all() and doubled[n] == 10
+    paths = [jtu.keystr(p) for p, _ in jtu.tree_leaves_with_path(sd)]
+    assert "ParamState 'w'" in paths[0]
+
+
+def test_passes_through_jit_and_filter_jit(sd):
+    sd, w, n = sd
+    out = jax.jit(lambda d: d.set(w, d[w] + 1))(sd)
+    assert isinstance(out, es.StateDict) and (out[w] == 2).all()
+    out = eqx.filter_jit(lambda d: d)(sd)
+    assert out.states == (w, n)
+
+
+def test_repr_lists_states_and_shapes(sd):
+    sd, _, _ = sd
+    assert (
+        repr(sd)
+        == "StateDict({\n  ParamState 'w': f32[3],\n  ShortTermState 'n': i32[]\n})"
+    )
+    assert repr(es.StateDict()) == "StateDict({})"
+
+
+_values = st.lists(
+    st.tuples(
+        st.sampled_from(KINDS),
+        st.sampled_from([None, "a", "b"]),
+        st.lists(st.integers(1, 3), max_size=2),
+        st.sampled_from([jnp.float32, jnp.int32, jnp.bool_]),
+    ),
+    max_size=8,
+)
+
+
+def _build(specs):
+    values = {}
+    for kind, tag, shape, dtype in specs:
+        state = kind(jnp.zeros(shape, dtype), tag=tag)
+        values[state] = jnp.ones(shape, dtype)
+    return es.StateDict(values)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    _values, st.lists(st.sampled_from([es.ParamState, "a", "b", es.State]), max_size=3)
+)
+def test_split_then_merge_gives_back_the_same_dict(specs, filters):
+    sd = _build(specs)
+    parts = sd.split(*filters)
+    assert len(parts) == len(filters) + 1
+    assert sum(len(p) for p in parts) == len(sd)
+    merged = es.StateDict.merge(*parts)
+    assert set(merged.states) == set(sd.states)
+    assert all(tree_bitwise_equal(merged[s], sd[s]) for s in sd)
+
+
+@settings(max_examples=50, deadline=None)
+@given(_values, st.sampled_from([es.ParamState, "a", es.State, None, ...]))
+def test_filter_keeps_exactly_the_matching_states_in_order(specs, filter):
+    sd = _build(specs)
+    predicate = es.filters.to_predicate(filter)
+    assert sd.filter(filter).states == tuple(s for s in sd if predicate((), s))
+
+
+@settings(max_examples=50, deadline=None)
+@given(_values)
+def test_flatten_unflatten_roundtrip(specs):
+    sd = _build(specs)
+    leaves, treedef = jtu.tree_flatten(sd)
+    rebuilt = jtu.tree_unflatten(treedef, leaves)
+    assert rebuilt.states == sd.states
+    assert all(tree_bitwise_equal(rebuilt[s], sd[s]) for s in sd)

@@ -1,0 +1,593 @@
+import contextvars
+import threading
+
+import eqstate as es
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from eqstate.transform import _stateful_function, StatefulFunction
+
+from .helpers import tree_allclose
+
+
+pytestmark = pytest.mark.usefixtures("tracing_mode")
+
+
+@pytest.fixture
+def model():
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    b = es.ParamState(jnp.array(1.0), name="b")
+    count = es.ShortTermState(jnp.array(0), name="count")
+
+    def f(x):
+        count.value = count.value + 1
+        return w.value @ x + b.value
+
+    return f, w, b, count
+
+
+def _pure(w, b, count, x):
+    return w @ x + b, count + 1
+
+
+# ----------------------------------------------------------------- what it reports
+
+
+def test_reports_states_in_first_access_order(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
+    assert sf.get_states() == (count, w, b)
+    assert sf.get_read_states() == (w, b)
+    assert sf.get_write_states() == (count,)
+    assert sf.get_new_states() == ()
+
+
+def test_read_before_write_counts_as_written_and_write_only_is_an_input():
+    a = es.State(jnp.zeros(2), name="a")
+    c = es.State(jnp.zeros(2), name="c")
+
+    def f():
+        a.value = a.value + 1
+        c.value = jnp.ones(2)
+
+    sf = StatefulFunction(f).make_jaxpr()
+    assert sf.get_write_states() == (a, c) and sf.get_read_states() == ()
+    assert len(sf.get_jaxpr().jaxpr.invars) == 2
+
+
+def test_jaxpr_layout_is_args_then_states_and_out_then_states(model):
+    f, w, b, count = model
+    jaxpr = StatefulFunction(f).make_jaxpr(jnp.ones(3)).get_jaxpr()
+    assert [v.aval.shape for v in jaxpr.jaxpr.invars] == [(3,), (), (3,), ()]
+    x = jnp.array([1.0, 2.0, 3.0])
+    out = jax.extend.core.jaxpr_as_fun(jaxpr)(x, count.value, w.value, b.value)
+    expected_out, expected_count = _pure(w.value, b.value, count.value, x)
+    assert tree_allclose(out, [expected_out, expected_count, w.value, b.value])
+
+
+@pytest.mark.parametrize(
+    "returns, expected",
+    [
+        ("write", ["count"]),
+        ("read", ["w", "b"]),
+        (("read", "write"), ["count", "w", "b"]),
+    ],
+)
+def test_state_returns_selects_the_returned_states(model, returns, expected):
+    f, *_ = model
+    sf = StatefulFunction(f, state_returns=returns).make_jaxpr(jnp.ones(3))
+    _, state_shapes = sf.get_out_shapes()
+    assert len(sf.get_jaxpr().jaxpr.outvars) == 1 + len(expected)
+    assert len(state_shapes) == len(expected)
+
+
+def test_writes_to_states_not_returned_are_dropped(model):
+    f, w, b, count = model
+    StatefulFunction(f, state_returns="read")(jnp.ones(3))
+    assert count.value == 0
+
+
+def test_out_shapes_and_treedef():
+    s = es.State(jnp.zeros((2, 3)))
+
+    def f(x):
+        s.value = s.value + x
+        return {"y": x.sum(), "n": "static"}
+
+    sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
+    out, states = sf.get_out_shapes()
+    assert out["y"].shape == () and out["n"] == "static"
+    assert states[0].shape == (2, 3)
+    assert sf.get_out_treedef() == jax.tree_util.tree_structure((out, states))
+
+
+def test_make_jaxpr_function_returns_jaxpr_and_states(model):
+    f, w, b, count = model
+    jaxpr, states = es.transform.make_jaxpr(f)(jnp.ones(3))
+    assert states == (count, w, b)
+    assert len(jaxpr.jaxpr.invars) == 4
+
+
+def test_to_state_manager_holds_current_values(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
+    count.value = jnp.array(7)
+    sd = sf.to_state_manager()
+    assert sd.states == (count, w, b) and sd[count] == 7
+
+
+def test_compile_and_get_states_by_static_args():
+    a = es.State(jnp.zeros(()))
+    c = es.State(jnp.zeros(()))
+    sf = StatefulFunction(
+        lambda x, use_a: a.value if use_a else c.value, static_argnums=1
+    )
+    assert sf.compile_and_get_states_by_static_args(1.0, True) == (a,)
+    assert sf.compile_and_get_states_by_static_args(1.0, False) == (c,)
+
+
+# -------------------------------------------------------------------------- calls
+
+
+@pytest.mark.parametrize("cache_type", [None, "jit"])
+def test_call_matches_the_pure_program_and_writes_back(model, cache_type):
+    f, w, b, count = model
+    sf = StatefulFunction(f, cache_type=cache_type)
+    x = jnp.array([1.0, -1.0, 2.0])
+    for _ in range(3):
+        out = sf(x)
+        expected, _ = _pure(w.value, b.value, count.value, x)
+        assert tree_allclose(out, expected)
+    assert count.value == 3
+    assert sf.jaxpr_call_auto(x) == out and count.value == 4
+
+
+def test_jaxpr_call_with_a_state_dict_touches_no_context(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f)
+    extra = es.State(jnp.zeros(5))
+    sd = es.world().filter(w, b, count, extra)
+    new_sd, out = sf.jaxpr_call(sd, jnp.ones(3))
+    assert new_sd.states == sd.states
+    assert new_sd[count] == 1 and count.value == 0
+    assert new_sd[extra] is sd[extra]
+    assert out == 4.0
+
+
+def test_jaxpr_call_with_a_state_dict_is_strict_while_tracing(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f)
+    with pytest.raises(es.StateNotFoundError, match="ParamState 'w' is not in"):
+        sf.jaxpr_call(es.world().filter(count, b), jnp.ones(3))
+    sf.make_jaxpr(jnp.ones(3))
+    with pytest.raises(
+        es.StateNotFoundError, match=r"ParamState 'w'.* not in the StateDict"
+    ):
+        sf.jaxpr_call(es.world().filter(count, b), jnp.ones(3))
+
+
+def test_jaxpr_call_with_a_sequence_returns_an_aligned_tuple(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
+    values = (jnp.array(5), w.value, b.value)
+    new, out = sf.jaxpr_call(values, jnp.ones(3))
+    assert isinstance(new, tuple) and new[0] == 6
+    assert new[1] is values[1] and new[2] is values[2]
+    assert count.value == 0
+
+
+def test_jaxpr_call_with_a_sequence_traces_on_a_miss(model):
+    f, w, b, count = model
+    new, out = StatefulFunction(f).jaxpr_call(
+        (count.value, w.value, b.value), jnp.ones(3)
+    )
+    assert new[0] == 1 and out == 4
+
+
+def test_jaxpr_call_inside_jit_matches_the_pure_program(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f)
+    step = jax.jit(lambda sd, x: sf.jaxpr_call(sd, x))
+    sd = es.world().filter(w, b, count)
+    for _ in range(3):
+        sd, out = step(sd, jnp.ones(3))
+    assert sd[count] == 3 and out == 4 and count.value == 0
+
+
+# ----------------------------------------------------------------------- new states
+
+
+def test_new_states_get_fresh_handles_on_every_call():
+    def make(scale):
+        return {"w": es.ParamState(jnp.ones(2) * scale, name="w"), "n": 3}
+
+    sf = StatefulFunction(make)
+    a, b = sf(2.0), sf(3.0)
+    assert a["w"] is not b["w"] and a["n"] == 3
+    assert isinstance(a["w"], es.ParamState) and a["w"].name == "w"
+    assert (a["w"].value == 2).all() and (b["w"].value == 3).all()
+    (template,) = sf.get_new_states()
+    assert template is not a["w"] and template is not b["w"]
+
+
+def test_new_states_are_added_to_the_returned_state_dict():
+    sf = StatefulFunction(lambda: es.ShortTermState(jnp.zeros(3)))
+    sd, handle = sf.jaxpr_call(es.StateDict())
+    assert sd.states == (handle,) and (sd[handle] == 0).all()
+    with pytest.raises(es.StateNotFoundError):
+        handle.value
+
+
+def test_a_handle_escaping_through_a_side_effect_is_invalid_afterwards():
+    escaped = []
+
+    def f():
+        escaped.append(es.State(jnp.zeros(2), name="escapee"))
+        return 1.0
+
+    StatefulFunction(f)()
+    with pytest.raises(
+        es.TraceContextError, match="State 'escapee' was created inside"
+    ):
+        escaped[0].value
+
+
+def test_new_states_created_in_a_nested_call_reach_the_outer_caller():
+    inner = StatefulFunction(lambda x: es.State(x * 2, name="inner"))
+
+    def outer(x):
+        s = inner(x)
+        s.value = s.value + 1
+        return s
+
+    s1 = StatefulFunction(outer)(jnp.ones(2))
+    assert (s1.value == 3).all()
+
+
+def test_sequence_jaxpr_call_refuses_functions_that_create_states():
+    sf = StatefulFunction(lambda: es.State(jnp.zeros(2), name="new"))
+    with pytest.raises(ValueError, match=r"creates states \(State 'new'\)"):
+        sf.jaxpr_call(())
+
+
+# -------------------------------------------------------------------------- nesting
+
+
+def test_nested_stateful_functions_report_and_thread_states(model):
+    f, w, b, count = model
+    inner = StatefulFunction(f)
+    extra = es.State(jnp.array(10.0), name="extra")
+
+    def outer(x):
+        return inner(x) + extra.value
+
+    sf = StatefulFunction(outer).make_jaxpr(jnp.ones(3))
+    assert sf.get_states() == (count, w, b, extra)
+    assert sf.get_write_states() == (count,)
+    assert sf(jnp.ones(3)) == 14.0 and count.value == 1
+
+
+@pytest.mark.parametrize("cache_type", [None, "jit"])
+def test_nested_in_jax_jit_vmap_and_grad_through_run(model, cache_type):
+    f, w, b, count = model
+    sf = StatefulFunction(f, cache_type=cache_type)
+    params, rest = es.world().filter(w, b, count).split(es.ParamState)
+
+    def loss(params, rest, x):
+        sd, out = es.run(sf, params | rest, x)
+        return out**2, sd
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (value, new_sd), grads = step(params, rest, jnp.ones(3))
+    assert new_sd[count] == 1 and value == 16.0
+    sd = params | rest
+    assert tree_allclose(grads[w], 2 * 4.0 * jnp.ones(3))
+    outs = jax.vmap(lambda x: es.run(sf, sd, x)[1])(jnp.ones((4, 3)))
+    assert outs.shape == (4,)
+    assert count.value == 0
+
+
+def test_raw_vmap_write_inside_a_trace_is_refused_and_values_kept():
+    s = es.State(jnp.zeros(()), name="s")
+
+    def f(xs):
+        def body(x):
+            s.value = x
+            return x
+
+        return jax.vmap(body)(xs)
+
+    with pytest.raises(es.TraceContextError, match="Cannot write State 's'"):
+        StatefulFunction(f)(jnp.ones(3))
+    assert s.value == 0
+
+
+def test_raw_vmap_read_inside_a_trace_is_a_closure():
+    s = es.State(jnp.array(3.0))
+    sf = StatefulFunction(lambda xs: jax.vmap(lambda x: x * s.value)(xs))
+    assert (sf(jnp.ones(2)) == 3).all()
+    assert sf.get_states() == (s,)
+
+
+def test_axis_env_lets_collectives_trace():
+    s = es.State(jnp.ones(()))
+    sf = StatefulFunction(lambda x: jax.lax.psum(x * s.value, "i"), axis_env=[("i", 4)])
+    jaxpr = sf.make_jaxpr(1.0).get_jaxpr()
+    assert "psum" in str(jaxpr)
+    value = s.value
+    out = jax.vmap(lambda x: sf.jaxpr_call([value], x)[1], axis_name="i")(jnp.ones(4))
+    assert (out == 4).all()
+
+
+def test_abstracted_axes_are_refused_clearly():
+    with pytest.raises(NotImplementedError, match="abstracted_axes"):
+        StatefulFunction(lambda x: x, abstracted_axes=({0: "n"},))
+
+
+# ------------------------------------------------------------------------ the cache
+
+
+def test_traces_once_per_cache_key(model, tracing_mode):
+    f, *_ = model
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return f(x)
+
+    sf = StatefulFunction(counted)
+    for _ in range(3):
+        sf(jnp.ones(3))
+    assert len(calls) == (1 if tracing_mode == "single-pass" else 2)
+    sf(jnp.ones(4)[:3] * 2)
+    sf(jnp.ones(3, jnp.int32))
+    assert len(calls) == (2 if tracing_mode == "single-pass" else 4)
+
+
+def test_cache_key_covers_static_args_shapes_dtypes_weak_types_and_structure():
+    sf = StatefulFunction(lambda x, n: x, static_argnums=1)
+    k = sf.get_arg_cache_key
+    assert k(jnp.ones(3), 1) == k(jnp.zeros(3), 1)
+    assert k(jnp.ones(3), 1) != k(jnp.ones(3), 2)
+    assert k(jnp.ones(3), 1) != k(jnp.ones(4), 1)
+    assert k(jnp.ones(3), 1) != k(jnp.ones(3, jnp.int32), 1)
+    assert k(1.0, 1) != k(jnp.asarray(1.0, jnp.float32), 1)
+    assert k((jnp.ones(3),), 1) != k([jnp.ones(3)], 1)
+
+
+def test_static_argnames_and_name_positions():
+    seen = []
+
+    def f(x, mode="a"):
+        seen.append(mode)
+        return x * (2 if mode == "a" else 3)
+
+    sf = StatefulFunction(f, static_argnames="mode")
+    assert sf(1.0, mode="b") == 3 and sf(1.0, "b") == 3 and sf(1.0) == 2
+    assert sf.get_arg_cache_key(1.0, mode="b") != sf.get_arg_cache_key(1.0, mode="a")
+
+
+def test_non_array_leaves_are_static():
+    sf = StatefulFunction(lambda x, act: x * (2 if act == "double" else 1))
+    assert sf(jnp.ones(2), "double")[0] == 2 and sf(jnp.ones(2), "same")[0] == 1
+
+
+def test_cache_key_default_is_the_most_recent_and_unknown_keys_raise():
+    sf = StatefulFunction(lambda x: x + 1)
+    with pytest.raises(KeyError, match="has not been compiled yet"):
+        sf.get_jaxpr()
+    sf.make_jaxpr(jnp.ones(2)).make_jaxpr(jnp.ones(3))
+    assert sf.get_jaxpr().jaxpr.invars[0].aval.shape == (3,)
+    key = sf.get_arg_cache_key(jnp.ones(2))
+    assert sf.get_jaxpr(key).jaxpr.invars[0].aval.shape == (2,)
+    with pytest.raises(
+        es.UnknownCacheKeyError, match="no compilation for the cache key"
+    ):
+        sf.get_jaxpr(("not", "a", "key"))
+    with pytest.raises(KeyError, match=r"2 compilation\(s\)"):
+        sf.get_states("x")
+
+
+def test_clear_cache_forces_a_new_trace():
+    calls = []
+    sf = StatefulFunction(lambda x: calls.append(1) or x)
+    sf(1.0)
+    n = len(calls)
+    sf.clear_cache()
+    with pytest.raises(KeyError):
+        sf.get_jaxpr()
+    sf(1.0)
+    assert len(calls) == 2 * n
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(_stateful_function, "CACHE_SIZE", 3)
+    sf = StatefulFunction(lambda x: x)
+    for n in range(1, 6):
+        sf.make_jaxpr(jnp.ones(n))
+    assert len(sf._cache) == 3
+    with pytest.raises(KeyError):
+        sf.get_jaxpr(sf.get_arg_cache_key(jnp.ones(1)))
+
+
+@pytest.mark.parametrize("cache_type", [None, "jit"])
+def test_a_state_whose_shape_changed_retraces(cache_type):
+    w = es.State(jnp.ones(3), name="w")
+    sf = StatefulFunction(lambda: w.value.sum(), cache_type=cache_type)
+    assert sf() == 3
+    with es.scope(es.StateDict({w: jnp.ones(5)})):
+        assert sf() == 5
+    sd, out = sf.jaxpr_call(es.StateDict({w: jnp.ones(7)}))
+    assert out == 7
+    assert sf() == 3
+
+
+@pytest.mark.parametrize("cache_type", [None, "jit"])
+def test_concurrent_first_calls_compile_once_and_agree(cache_type, tracing_mode):
+    w = es.ParamState(jnp.arange(4.0))
+    traces = []
+    barrier = threading.Barrier(8)
+
+    def f(x):
+        traces.append(1)
+        return w.value * x
+
+    sf = StatefulFunction(f, cache_type=cache_type)
+    results = [None] * 8
+
+    def work(i):
+        barrier.wait()
+        results[i] = sf(jnp.ones(4))
+
+    # Each thread runs in a copy of this context, so that it uses this tracing mode.
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(work, i))
+        for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(traces) == (1 if tracing_mode == "single-pass" else 2)
+    assert all(tree_allclose(r, jnp.arange(4.0)) for r in results)
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+def test_a_state_passed_as_an_argument_is_refused(model):
+    f, w, b, count = model
+    sf = StatefulFunction(lambda s, x: s.value * x)
+    with pytest.raises(
+        TypeError, match=r"received ParamState 'w' .*argument \[0\]\[0\]"
+    ):
+        sf(w, 1.0)
+    with pytest.raises(TypeError, match="received ParamState 'w'"):
+        sf.get_arg_cache_key({"model": w}, 1.0)
+
+
+def test_a_module_holding_states_passed_as_an_argument_is_refused():
+    class M(eqx.Module):
+        w: es.ParamState
+
+    m = M(es.ParamState(jnp.ones(2), name="w"))
+    with pytest.raises(TypeError, match=r"received ParamState 'w' .*\.w"):
+        StatefulFunction(lambda m: m.w.value)(m)
+
+
+def test_a_pre_existing_state_returned_is_refused_and_values_kept(model):
+    f, w, b, count = model
+
+    def g(x):
+        f(x)
+        return w
+
+    with pytest.raises(TypeError, match=r"returned ParamState 'w'.* existed before"):
+        StatefulFunction(g)(jnp.ones(3))
+    assert count.value == 0
+
+
+def test_unhashable_static_argument_names_the_argument():
+    sf = StatefulFunction(lambda x, n: x, static_argnums=1)
+    with pytest.raises(TypeError, match="unhashable static argument 1: \\[1\\]"):
+        sf(1.0, [1])
+
+
+def test_static_argnums_out_of_range():
+    sf = StatefulFunction(lambda x: x, static_argnums=3)
+    with pytest.raises(
+        ValueError, match=r"`static_argnums` holds 3, but .* 1 positional"
+    ):
+        sf(1.0)
+
+
+def test_a_write_changing_shape_or_dtype_inside_a_trace_raises_and_keeps_values(model):
+    f, w, b, count = model
+
+    def bad(x):
+        f(x)
+        w.value = jnp.zeros(4)
+
+    with pytest.raises(ValueError, match=r"shape \(4,\) .* to ParamState 'w'"):
+        StatefulFunction(bad)(jnp.ones(3))
+
+    def bad_dtype(x):
+        f(x)
+        count.value = jnp.zeros((), jnp.float32)
+
+    with pytest.raises(ValueError, match="dtype float32 to ShortTermState 'count'"):
+        StatefulFunction(bad_dtype)(jnp.ones(3))
+    assert count.value == 0 and (w.value == jnp.arange(3.0)).all()
+
+
+def test_reading_a_state_no_context_knows():
+    _, states = es.make_with_states(lambda: es.State(jnp.zeros(2), name="orphan"))()
+    (orphan,) = states
+    with pytest.raises(es.StateNotFoundError, match="State 'orphan' has no value"):
+        StatefulFunction(lambda: orphan.value)()
+
+
+def test_an_exception_mid_trace_keeps_every_value_and_allows_a_new_call(model):
+    f, w, b, count = model
+    fail = [True]
+
+    def g(x):
+        out = f(x)
+        w.value = w.value * 10
+        if fail[0]:
+            raise RuntimeError("mid-trace failure")
+        return out
+
+    sf = StatefulFunction(g)
+    with pytest.raises(RuntimeError, match="mid-trace failure"):
+        sf(jnp.ones(3))
+    assert count.value == 0 and (w.value == jnp.arange(3.0)).all()
+    fail[0] = False
+    sf(jnp.ones(3))
+    assert count.value == 1 and (w.value == 10 * jnp.arange(3.0)).all()
+
+
+def test_jaxpr_call_with_the_wrong_number_of_values(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
+    with pytest.raises(
+        ValueError, match=r"touches 3 state\(s\), but `jaxpr_call` got 2"
+    ):
+        sf.jaxpr_call((count.value, w.value), jnp.ones(3))
+
+
+def test_jaxpr_call_with_a_none_value(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"position 1 .* ParamState 'w'.* is None"):
+        sf.jaxpr_call((count.value, None, b.value), jnp.ones(3))
+
+
+def test_jaxpr_call_with_a_wrongly_shaped_value(model):
+    f, w, b, count = model
+    sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
+    with pytest.raises(
+        ValueError, match=r"ParamState 'w'.* is f32\[4\], .* traced with f32\[3\]"
+    ):
+        sf.jaxpr_call((count.value, jnp.ones(4), b.value), jnp.ones(3))
+
+
+def test_jaxpr_call_with_a_plain_dict_is_refused(model):
+    f, w, b, count = model
+    with pytest.raises(TypeError, match="StateDict"):
+        StatefulFunction(f).jaxpr_call({w: w.value}, jnp.ones(3))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="cache_type"):
+        StatefulFunction(lambda: 0, cache_type="aot")
+    with pytest.raises(ValueError, match="state_returns"):
+        StatefulFunction(lambda: 0, state_returns=("all",))
+
+
+def test_name_appears_in_messages():
+    sf = StatefulFunction(lambda x, n: x, static_argnums=1, name="my_step")
+    assert repr(sf) == "StatefulFunction(my_step)"
+    with pytest.raises(TypeError, match="my_step got an unhashable"):
+        sf(1.0, {})
