@@ -63,7 +63,7 @@ _DOCSTRINGS = _public_objects()
 
 @pytest.mark.parametrize(
     "path",
-    sorted((_ROOT / "docs").rglob("*.md")),
+    [_ROOT / "README.md", *sorted((_ROOT / "docs").rglob("*.md"))],
     ids=lambda p: str(p.relative_to(_ROOT)),
 )
 def test_docs_code_blocks_run(path):
