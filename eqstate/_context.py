@@ -433,6 +433,8 @@ def _check_same_trace(
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
     aval = jax.typeof(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 

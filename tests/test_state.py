@@ -70,13 +70,15 @@ def test_pickling_a_handle_is_refused():
 
 
 def test_handle_is_weakly_referenceable_and_collected_handles_leave_the_world():
+    gc.collect()
     before = len(_context.WORLD)
     s = es.State(jnp.zeros(2))
-    ref = weakref.ref(s)
+    ref, key = weakref.ref(s), id(s)
     assert len(_context.WORLD) == before + 1
     del s
     gc.collect()
     assert ref() is None
+    assert key not in _context.WORLD._values
     assert len(_context.WORLD) == before
 
 

@@ -20,13 +20,16 @@ _ArrayImpl = type(jax.numpy.zeros(()))
 
 
 def is_dynamic(x: Any) -> bool:
-    """Whether an argument or output leaf is traced (arrays and Python scalars)."""
-    return isinstance(x, (jax.Array, np.ndarray, *_SCALAR_TYPES))
+    """Whether an argument or output leaf is traced: arrays, Python scalars, and
+    `jax.ShapeDtypeStruct`s (which stand for arrays when only tracing)."""
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, *_SCALAR_TYPES))
 
 
 def signature(x: Any) -> tuple:
-    """`(shape, dtype, weak_type)` of an array, tracer or scalar."""
+    """`(shape, dtype, weak_type)` of an array, tracer, scalar or ShapeDtypeStruct."""
     if type(x) is _ArrayImpl:
+        return (x.shape, x.dtype, x.weak_type)
+    if isinstance(x, jax.ShapeDtypeStruct):
         return (x.shape, x.dtype, x.weak_type)
     aval = jax.typeof(x)
     return (aval.shape, aval.dtype, aval.weak_type)

@@ -96,12 +96,7 @@ class JitDispatch:
             try:
                 values = frame.read_many(plan.read_order)
                 n = plan.n_written
-                out, updated = plan.jitted(
-                    *args,
-                    _eqstate_written=values[:n],
-                    _eqstate_kept=values[n:],
-                    **kwargs,
-                )
+                out, updated = plan.jitted(values[:n], values[n:], *args, **kwargs)
             except _PlanMismatch:
                 pass
             except Exception as exc:
@@ -124,9 +119,7 @@ class JitDispatch:
         values = frame.read_many(plan.read_order)
         n = plan.n_written
         try:
-            out, updated = plan.jitted(
-                *args, _eqstate_written=values[:n], _eqstate_kept=values[n:], **kwargs
-            )
+            out, updated = plan.jitted(values[:n], values[n:], *args, **kwargs)
         except _PlanMismatch:
             return False, None
         self._current = plan
@@ -148,9 +141,9 @@ class JitDispatch:
         order = {s: i for i, s in enumerate(plan.states)}
         positions = [order[s] for s in plan.read_order]
 
-        def body(*args, _eqstate_written, _eqstate_kept, **kwargs):
+        def body(written, kept, *args, **kwargs):
             values: list[Any] = [None] * len(positions)
-            for i, v in zip(positions, [*_eqstate_written, *_eqstate_kept]):
+            for i, v in zip(positions, [*written, *kept]):
                 values[i] = v
             try:
                 call = sf.parse_args(args, kwargs)
@@ -166,12 +159,23 @@ class JitDispatch:
             out, updated, _ = entry.split_outputs(entry.run(call.leaves, values))
             return entry.build_output(out, ()), updated
 
-        kwargs = dict(self._jit_kwargs)
+        return jax.jit(body, **self._jit_options())
+
+    def _jit_options(self) -> dict[str, Any]:
+        # The jitted body takes `(written, kept, *args, **kwargs)`: the user's
+        # positional options shift by two (negative indices count from the end).
+        sf = self._sf
+        options = dict(self._jit_kwargs)
+        shift = lambda nums: tuple(i + 2 if i >= 0 else i for i in nums)  # noqa: E731
+        options["static_argnums"] = shift(sf.static_positions)
+        options["static_argnames"] = sf.static_argnames
+        donate = shift(options.pop("donate_argnums", ()))
         if self._donate:
-            kwargs["donate_argnames"] = ("_eqstate_written",)
-        return jax.jit(
-            body,
-            static_argnums=sf.static_positions,
-            static_argnames=sf.static_argnames,
-            **kwargs,
-        )
+            donate = (0, *donate)
+        if donate:
+            options["donate_argnums"] = donate
+        in_shardings = options.pop("in_shardings", None)
+        if in_shardings is not None:
+            written, kept = options.pop("state_shardings", (None, None))
+            options["in_shardings"] = (written, kept, *in_shardings)
+        return options
