@@ -18,21 +18,31 @@ def machine() -> str:
     )
 
 
+class Timing:
+    """Per-call times of one system, in microseconds, one sample per round."""
+
+    def __init__(self, samples: list[float]):
+        self.samples = samples
+        self.median = statistics.median(samples)
+        self.min = min(samples)
+        self.max = max(samples)
+
+    def ratio_to(self, floor: "Timing") -> float:
+        """The median over rounds of this system's time divided by the floor's time in
+        the same round: paired, so that drift in the machine's speed cancels out."""
+        return statistics.median(a / b for a, b in zip(self.samples, floor.samples))
+
+
 def interleaved(
     systems: dict[str, Callable[[], object]],
     *,
     rounds: int = 30,
     calls: int = 20,
     warmup: int = 5,
-) -> dict[str, tuple[float, float, float]]:
-    """Times each system in turn, `rounds` times, so that drift in the machine's speed
-    affects them alike. Each sample is the mean over `calls` consecutive calls, the last
-    one blocked on.
-
-    **Returns:**
-
-    `{name: (median, min, max)}` of the per-call time, in microseconds.
-    """
+) -> dict[str, Timing]:
+    """Times each system in turn, `rounds` times (rotating the order), so that drift in
+    the machine's speed affects them alike. Each sample is the mean per-call time over
+    `calls` consecutive calls, the last one blocked on."""
     for fn in systems.values():
         for _ in range(warmup):
             jax.block_until_ready(fn())
@@ -47,7 +57,7 @@ def interleaved(
                 fn()
             jax.block_until_ready(fn())
             samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: (statistics.median(s), min(s), max(s)) for name, s in samples.items()}
+    return {name: Timing(s) for name, s in samples.items()}
 
 
 def once(fn: Callable[[], object]) -> float:

@@ -85,17 +85,21 @@ def _trace_times(n: int) -> tuple[float, float]:
 
 def main(sizes: tuple[int, ...] = (1, 10, 100, 1000), quick: bool = False) -> None:
     print(f"# dispatch: a jitted step touching N states ({machine()})\n")
-    print("per-call time, median us (min-max); ratio = median / floor median\n")
-    header = "| N | system | median us | min-max us | ratio |"
-    print(header + "\n| --- | --- | --- | --- | --- |")
+    print(
+        "per-call time in us: median (min-max) over interleaved rounds; ratio: median "
+        "over rounds of time / floor time in the same round\n"
+    )
+    print("| N | system | median us | min-max us | ratio |")
+    print("| --- | --- | --- | --- | --- |")
     for n in sizes:
-        rounds = 5 if quick else (30 if n < 1000 else 10)
-        calls = 5 if quick else (20 if n < 1000 else 5)
+        rounds = 5 if quick else (60 if n < 1000 else 15)
+        calls = 5 if quick else (50 if n < 100 else (20 if n < 1000 else 5))
         results = interleaved(_systems(n), rounds=rounds, calls=calls)
-        floor = results["floor"][0]
-        for name, (med, lo, hi) in results.items():
+        floor = results["floor"]
+        for name, t in results.items():
             print(
-                f"| {n} | {name} | {med:.1f} | {lo:.1f}-{hi:.1f} | {med / floor:.2f} |"
+                f"| {n} | {name} | {t.median:.1f} | {t.min:.1f}-{t.max:.1f} "
+                f"| {t.ratio_to(floor):.2f} |"
             )
     print("\nfirst trace, ms (eqstate traces the stateful function once)\n")
     print("| N | jax.make_jaxpr(pure) | StatefulFunction.make_jaxpr | us per state |")

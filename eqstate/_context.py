@@ -154,19 +154,26 @@ class Frame:
 class World(Frame):
     """The outermost, process-wide frame."""
 
-    __slots__ = ("__weakref__", "_lock", "_refs", "_values")
+    __slots__ = ("__weakref__", "_refs", "_values", "lock")
 
     def __init__(self):
+        # Values by `id(state)`: the jit fast path reads and writes this dict directly.
         self._values: dict[int, Any] = {}
         self._refs: dict[int, weakref.ref] = {}
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
+
+    @property
+    def by_id(self) -> dict[int, Any]:
+        """The values, keyed by `id(state)`. Only for callers that hold the handles
+        (so that the ids stay theirs) and have checked `compat.is_top_level()`."""
+        return self._values
 
     def __len__(self) -> int:
         return len(self._values)
 
     def snapshot(self) -> list[tuple[Any, Any]]:
         """The live `(state, value)` pairs, in creation order."""
-        with self._lock:
+        with self.lock:
             pairs = [(ref(), self._values[key]) for key, ref in self._refs.items()]
         return [(s, v) for s, v in pairs if s is not None]
 
@@ -209,7 +216,7 @@ class World(Frame):
                 LEAKED_TRACER_WRITE.format(label=state_label(state))
             )
         value = check_write(state, self.fetch(state), value)
-        with self._lock:
+        with self.lock:
             self._values[id(state)] = value
 
     def commit(self, updates, new=()):
@@ -218,7 +225,7 @@ class World(Frame):
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(state))
             )
-        with self._lock:
+        with self.lock:
             for state, value in updates.items():
                 self._values[id(state)] = value
             for state, value in new:
@@ -229,7 +236,7 @@ class World(Frame):
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(states[0]))
             )
-        with self._lock:
+        with self.lock:
             stored = self._values
             for state, value in zip(states, values):
                 stored[id(state)] = value
@@ -243,7 +250,7 @@ class World(Frame):
                 "(`eqstate.transform.jit`, `eqstate.transform.vmap_new_states`, ...), "
                 "or with `eqstate.make_with_states`."
             )
-        with self._lock:
+        with self.lock:
             self._register(state, value)
 
     def _register(self, state: Any, value: Any) -> None:
@@ -257,7 +264,7 @@ class World(Frame):
         def drop(_: weakref.ref) -> None:
             world = world_ref()
             if world is not None:
-                with world._lock:
+                with world.lock:
                     world._values.pop(key, None)
                     world._refs.pop(key, None)
 

@@ -7,9 +7,8 @@ import re
 import textwrap
 import types
 
-import pytest
-
 import eqstate as es
+import pytest
 
 
 _ROOT = pathlib.Path(__file__).parent.parent

@@ -16,6 +16,8 @@ from typing import Any, TYPE_CHECKING
 import jax
 
 from .. import _context, _jax_compat as compat
+from .._context import WORLD
+from .._jax_compat import is_top_level
 from ._compiled import Compiled
 
 
@@ -38,7 +40,15 @@ def _mark_from_trace(exc: BaseException) -> None:
 
 
 class _Plan:
-    __slots__ = ("jitted", "n_written", "read_order", "states", "updated_states")
+    __slots__ = (
+        "jitted",
+        "kept_keys",
+        "n_written",
+        "read_order",
+        "states",
+        "updated_states",
+        "written_keys",
+    )
 
     def __init__(self, entry: Compiled):
         self.states = entry.states
@@ -48,6 +58,9 @@ class _Plan:
         kept = tuple(s for s in entry.states if s not in updated)
         self.read_order = entry.updated_states + kept
         self.n_written = len(entry.updated_states)
+        # The plan holds the handles, so their ids stay valid world keys.
+        self.written_keys = [id(s) for s in entry.updated_states]
+        self.kept_keys = [id(s) for s in kept]
 
     def fits(self, entry: Compiled) -> bool:
         return (
@@ -94,6 +107,19 @@ class JitDispatch:
         if plan is not None:
             frame = _context.current_frame()
             try:
+                if frame is WORLD and is_top_level():
+                    # The hot path: no per-state work but one dict lookup each way.
+                    values = WORLD.by_id
+                    written = [values[k] for k in plan.written_keys]
+                    kept = [values[k] for k in plan.kept_keys]
+                    out, updated = plan.jitted(written, kept, *args, **kwargs)
+                    if len(updated) > 1:
+                        with WORLD.lock:
+                            for key, value in zip(plan.written_keys, updated):
+                                values[key] = value
+                    elif updated:
+                        values[plan.written_keys[0]] = updated[0]
+                    return out
                 values = frame.read_many(plan.read_order)
                 n = plan.n_written
                 out, updated = plan.jitted(values[:n], values[n:], *args, **kwargs)
@@ -126,6 +152,15 @@ class JitDispatch:
         if n:
             frame.commit_values(plan.updated_states, updated)
         return True, out
+
+    def lower(
+        self, entry: Compiled, frame: _context.Frame, args: tuple, kwargs: dict
+    ) -> Any:
+        """`jax.jit(...).lower` of the plan for `entry`."""
+        plan = self._plan_for(entry)
+        values = frame.read_many(plan.read_order)
+        n = plan.n_written
+        return plan.jitted.lower(values[:n], values[n:], *args, **kwargs)
 
     def _plan_for(self, entry: Compiled) -> _Plan:
         key = (entry.states, entry.updated_states)

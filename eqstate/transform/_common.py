@@ -1,0 +1,156 @@
+"""What every transform does: trace the function to find its states, then evaluate
+its pure form inside the JAX transform, then write the results back."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _context, _jax_compat as compat
+from .._custom_types import Filter
+from .._filters import to_predicate
+from .._pretty_print import state_label
+from .._state import fresh_copy, is_state, State
+from ._compiled import Compiled, is_dynamic
+from ._stateful_function import StatefulFunction
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+def abstract(tree: Any) -> Any:
+    """Replaces every array leaf with a `jax.ShapeDtypeStruct`."""
+
+    def to_struct(x):
+        if not is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        aval = jax.typeof(x)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+    return jtu.tree_map(to_struct, tree)
+
+
+def strong(tree: Any) -> Any:
+    """Drops weak types, so that loop carries keep one type across iterations."""
+
+    def to_strong(x):
+        weak = getattr(getattr(x, "aval", x), "weak_type", False)
+        return jnp.asarray(x, dtype=x.dtype) if weak else x
+
+    return jtu.tree_map(to_strong, tree)
+
+
+class Traced:
+    """A function traced for one call: its states, and their values in the calling
+    frame. `call` then evaluates it inside a JAX transform with other values."""
+
+    def __init__(
+        self,
+        fun: Callable,
+        args: tuple,
+        kwargs: dict | None = None,
+        *,
+        name: str | None = None,
+        static_argnums: Sequence[int] = (),
+        parent: "_context.Frame | None" = None,
+    ):
+        self.sf = StatefulFunction(
+            fun, static_argnums=tuple(static_argnums), state_returns="write", name=name
+        )
+        self.frame = parent if parent is not None else _context.current_frame()
+        call = self.sf.parse_args(args, kwargs or {})
+        entry = self.sf.compile(call, self.frame)
+        self.values = self.frame.read_many(entry.states)
+        if entry.stale_state(self.values) is not None:
+            entry = self.sf.compile(call, self.frame, stale=entry)
+            self.values = self.frame.read_many(entry.states)
+        self.entry: Compiled = entry
+        self.key = call.key
+
+    @property
+    def states(self) -> tuple[State, ...]:
+        return self.entry.states
+
+    @property
+    def written(self) -> tuple[State, ...]:
+        return self.entry.updated_states
+
+    def refuse_new_states(self, where: str) -> None:
+        if self.entry.new_states:
+            labels = ", ".join(state_label(s) for s in self.entry.new_states)
+            raise ValueError(
+                f"{where} creates states ({labels}). States cannot be created inside "
+                "it, because each call or iteration would create another set. Create "
+                "them before, outside the transformed function."
+            )
+
+    def call(
+        self, values: Sequence[Any], args: tuple, kwargs: dict | None = None
+    ) -> tuple[Any, dict[State, Any], list[tuple[State, Any]]]:
+        """Evaluates the function on `args` with `values` for `self.states`.
+
+        **Returns:**
+
+        `(out, updates, new)`: the output (new states' handles replaced by fresh
+        ones), the values of the written states, and `(fresh handle, value)` pairs.
+        """
+        call = self.sf.parse_args(args, kwargs or {})
+        # The discovery trace serves when the key matches, even if it could not be
+        # cached (it closes over tracers of an enclosing trace).
+        entry = (
+            self.entry if call.key == self.key else self.sf.compile(call, self.frame)
+        )
+        if entry.states != self.entry.states:
+            raise RuntimeError(
+                f"{self.sf.name} touched different states when traced inside the "
+                "transform than before it. Its states must not depend on the values "
+                "of its arguments."
+            )
+        out_leaves, updated, new_values = entry.split_outputs(
+            entry.run(call.leaves, list(values))
+        )
+        fresh = [fresh_copy(s) for s in entry.new_states]
+        out = entry.build_output(out_leaves, fresh)
+        return (
+            out,
+            dict(zip(entry.updated_states, updated)),
+            list(zip(fresh, new_values)),
+        )
+
+    def values_for(self, states: Sequence[State]) -> list[Any]:
+        index = {s: i for i, s in enumerate(self.states)}
+        return [self.values[index[s]] for s in states]
+
+    def commit(
+        self, updates: dict[State, Any], new: Sequence[tuple[State, Any]] = ()
+    ) -> None:
+        if updates or new:
+            self.frame.commit(updates, list(new))
+
+
+def select_states(
+    spec: Any, candidates: Sequence[State]
+) -> tuple[tuple[State, ...], bool]:
+    """The states `spec` names among `candidates`.
+
+    `spec` is either explicit (a handle, or a sequence or mapping of handles), or a
+    filter. Returns the states and whether they were explicit (explicit states are
+    kept, in their order, even if the function does not touch them).
+    """
+    if is_state(spec):
+        return (spec,), True
+    if isinstance(spec, dict) and all(is_state(s) for s in spec.values()):
+        return tuple(spec.values()), True
+    if hasattr(spec, "states") and all(is_state(s) for s in spec.states):
+        return tuple(spec.states), True
+    if isinstance(spec, (tuple, list)) and spec and all(is_state(s) for s in spec):
+        return tuple(dict.fromkeys(spec)), True
+    predicate = to_predicate(spec)
+    return tuple(s for s in candidates if predicate((), s)), False
+
+
+def matching(filter: Filter, states: Sequence[State]) -> list[State]:
+    predicate = to_predicate(filter)
+    return [s for s in states if predicate((), s)]

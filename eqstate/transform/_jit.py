@@ -1,0 +1,200 @@
+"""jit: `jax.jit` for functions that read and write states."""
+
+import functools as ft
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, overload, ParamSpec, TypeVar
+
+from .. import _context, _jax_compat as compat
+from .._custom_types import MISSING
+from ._compiled import jitted
+from ._dispatch import can_plan, JitDispatch
+from ._stateful_function import StatefulFunction
+
+
+compat.hide_from_tracebacks(__file__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+class JittedFunction:
+    """A function compiled by [`eqstate.transform.jit`][]. Call it like the original
+    function; `lower`, `eval_shape` and `clear_cache` mirror `jax.jit`'s."""
+
+    def __init__(self, fun: Callable, sf: StatefulFunction, dispatch: JitDispatch):
+        self.fun = fun
+        self.stateful_function = sf
+        self._dispatch = dispatch
+        ft.update_wrapper(self, fun)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dispatch(args, kwargs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        return ft.partial(self, instance)
+
+    def __repr__(self) -> str:
+        return f"jit({self.stateful_function.name})"
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """`jax.stages.Lowered` of the call with these arguments (the state values
+        are the current ones), as `jax.jit(f).lower` gives."""
+        sf = self.stateful_function
+        frame = _context.current_frame()
+        call = sf.parse_args(args, kwargs)
+        entry = sf.compile(call, frame)
+        if can_plan(call.all_dynamic, entry):
+            return self._dispatch.lower(entry, frame, args, kwargs)
+        values = frame.read_many(entry.states)
+        return jitted(entry).lower(call.leaves, values)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The output's shapes and dtypes, as `jax.ShapeDtypeStruct`s, without
+        computing anything or touching any value."""
+        sf = self.stateful_function
+        sf.compile(sf.parse_args(args, kwargs), _context.current_frame())
+        return sf.get_out_shapes(sf.get_arg_cache_key(*args, **kwargs))[0]
+
+    def clear_cache(self) -> None:
+        """Drops every trace and compiled executable."""
+        self.stateful_function.clear_cache()
+
+
+@overload
+def jit(
+    fun: Callable[_P, _T],
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_states: bool = False,
+    donate_argnums: int | Sequence[int] = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    keep_unused: bool = False,
+    device: Any = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+) -> Callable[_P, _T]: ...
+
+
+@overload
+def jit(
+    fun: Any = MISSING,
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_states: bool = False,
+    donate_argnums: int | Sequence[int] = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    keep_unused: bool = False,
+    device: Any = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+
+
+def jit(
+    fun: Any = MISSING,
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_states: bool = False,
+    donate_argnums: int | Sequence[int] = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    keep_unused: bool = False,
+    device: Any = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+) -> Any:
+    """Compiles `fun` with `jax.jit`, carrying every state it reads or writes.
+
+    The states are found by tracing `fun` once per cache key (see
+    [`eqstate.transform.StatefulFunction`][]). A call then reads their values from
+    the innermost context, hands them with the arguments to one `jax.jit`-compiled
+    function (JAX's C++ dispatch does the PyTree work, and the call does not block on
+    the result), and writes the new values of the written states back. Read-only
+    states are inputs only. A state whose shape changed since compilation makes JAX
+    retrace, and eqstate retraces with it, so a stale trace is never used.
+
+    States created inside `fun` get fresh handles on every call (its output may
+    return them, e.g. a model built by a jitted constructor).
+
+    **Arguments:**
+
+    - `fun`: the function to compile. If omitted, `jit` returns a decorator.
+    - `static_argnums`, `static_argnames`: as in `jax.jit`.
+    - `donate_states`: donate the buffers of the written states to the computation,
+        so that they are updated in place. Old references to those values become
+        invalid.
+    - `donate_argnums`, `in_shardings`, `out_shardings`, `keep_unused`, `device`,
+        `backend`, `inline`, `compiler_options`: as in `jax.jit`, for the arguments
+        and the output of `fun`.
+
+    **Returns:**
+
+    A [`eqstate.transform.JittedFunction`][] with the signature of `fun`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        count = es.ShortTermState(jnp.array(0))
+
+        @es.transform.jit
+        def step(x):
+            count.value = count.value + 1
+            return x * 2
+
+        step(1.0)
+        step(2.0)
+        assert count.value == 2
+        ```
+    """
+    options = dict(
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_states=donate_states,
+        donate_argnums=donate_argnums,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        keep_unused=keep_unused,
+        device=device,
+        backend=backend,
+        inline=inline,
+        compiler_options=compiler_options,
+    )
+    if fun is MISSING:
+        return lambda f: jit(f, **options)
+    sf = StatefulFunction(
+        fun,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        state_returns="write",
+        cache_type="jit",
+    )
+    jit_kwargs: dict[str, Hashable] = dict(
+        keep_unused=keep_unused, inline=inline, compiler_options=compiler_options
+    )
+    if device is not None:
+        jit_kwargs["device"] = device
+    if backend is not None:
+        jit_kwargs["backend"] = backend
+    donated = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+    if donated:
+        jit_kwargs["donate_argnums"] = tuple(donated)
+    if in_shardings is not None:
+        jit_kwargs["in_shardings"] = in_shardings
+    if out_shardings is not None:
+        jit_kwargs["out_shardings"] = (out_shardings, None)
+    dispatch = JitDispatch(sf, donate_states=donate_states, jit_kwargs=jit_kwargs)
+    sf._dispatch = dispatch
+    return JittedFunction(fun, sf, dispatch)
