@@ -22,6 +22,9 @@ class _Missing:
         return False
 
 
+Missing: TypeAlias = _Missing
+"""The type of `MISSING`, for the decorator overloads of transforms."""
+
 MISSING: Any = _Missing()
 """Marks an argument or a value that is absent (where `None` is a valid value)."""
 

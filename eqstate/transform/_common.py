@@ -13,6 +13,7 @@ from .._custom_types import Filter
 from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._state import fresh_copy, is_state, State
+from .._state_dict import StateDict
 from ._compiled import Compiled, is_dynamic
 from ._stateful_function import StatefulFunction
 
@@ -55,10 +56,16 @@ class Traced:
         name: str | None = None,
         static_argnums: Sequence[int] = (),
         parent: "_context.Frame | None" = None,
+        sf: StatefulFunction | None = None,
     ):
-        self.sf = StatefulFunction(
-            fun, static_argnums=tuple(static_argnums), state_returns="write", name=name
-        )
+        if sf is None:
+            sf = StatefulFunction(
+                fun,
+                static_argnums=tuple(static_argnums),
+                state_returns="write",
+                name=name,
+            )
+        self.sf = sf
         self.frame = parent if parent is not None else _context.current_frame()
         call = self.sf.parse_args(args, kwargs or {})
         entry = self.sf.compile(call, self.frame)
@@ -102,6 +109,11 @@ class Traced:
         entry = (
             self.entry if call.key == self.key else self.sf.compile(call, self.frame)
         )
+        if entry.stale_state(values) is not None:
+            # The values inside the transform differ from the outer ones (a batch axis
+            # removed, a weak type dropped for a loop carry): trace against them.
+            inner = _context.DictFrame(zip(entry.states, values))
+            entry = self.sf.compile(call, inner, stale=entry)
         if entry.states != self.entry.states:
             raise RuntimeError(
                 f"{self.sf.name} touched different states when traced inside the "
@@ -141,10 +153,10 @@ def select_states(
     """
     if is_state(spec):
         return (spec,), True
+    if isinstance(spec, StateDict):
+        return spec.states, True
     if isinstance(spec, dict) and all(is_state(s) for s in spec.values()):
         return tuple(spec.values()), True
-    if hasattr(spec, "states") and all(is_state(s) for s in spec.states):
-        return tuple(spec.states), True
     if isinstance(spec, (tuple, list)) and spec and all(is_state(s) for s in spec):
         return tuple(dict.fromkeys(spec)), True
     predicate = to_predicate(spec)
@@ -154,3 +166,19 @@ def select_states(
 def matching(filter: Filter, states: Sequence[State]) -> list[State]:
     predicate = to_predicate(filter)
     return [s for s in states if predicate((), s)]
+
+
+def partition(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """Splits a PyTree into its array leaves, which can cross a JAX transform, and a
+    function that puts them back with the other leaves (handles, static values)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    index = [i for i, x in enumerate(leaves) if is_dynamic(x)]
+    dynamic = [leaves[i] for i in index]
+
+    def rebuild(new_dynamic: Sequence[Any]) -> Any:
+        full = list(leaves)
+        for i, x in zip(index, new_dynamic):
+            full[i] = x
+        return jtu.tree_unflatten(treedef, full)
+
+    return dynamic, rebuild

@@ -289,7 +289,7 @@ class StaleTrace(Exception):
     """Raised inside `jax.jit` when a state's shape changed since the trace."""
 
 
-def jitted(entry: Compiled) -> Callable[[list, list], list]:
+def jitted(entry: Compiled) -> Any:
     """`jax.jit` of the entry's pure form, made once per entry and returning the kept
     outputs. It checks the state shapes whenever JAX traces it (`StaleTrace`)."""
     fn = entry.jitted

@@ -50,6 +50,8 @@ class _Plan:
         "written_keys",
     )
 
+    jitted: Any
+
     def __init__(self, entry: Compiled):
         self.states = entry.states
         self.updated_states = entry.updated_states

@@ -1,11 +1,11 @@
 """jit: `jax.jit` for functions that read and write states."""
 
 import functools as ft
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload, ParamSpec, TypeVar
 
 from .. import _context, _jax_compat as compat
-from .._custom_types import MISSING
+from .._custom_types import MISSING, Missing
 from ._compiled import jitted
 from ._dispatch import can_plan, JitDispatch
 from ._stateful_function import StatefulFunction
@@ -25,7 +25,7 @@ class JittedFunction:
         self.fun = fun
         self.stateful_function = sf
         self._dispatch = dispatch
-        ft.update_wrapper(self, fun)
+        ft.update_wrapper(self, fun, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._dispatch(args, kwargs)
@@ -82,7 +82,7 @@ def jit(
 
 @overload
 def jit(
-    fun: Any = MISSING,
+    fun: Missing = MISSING,
     *,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
@@ -159,7 +159,7 @@ def jit(
         assert count.value == 2
         ```
     """
-    options = dict(
+    options: dict[str, Any] = dict(
         static_argnums=static_argnums,
         static_argnames=static_argnames,
         donate_states=donate_states,
@@ -181,7 +181,7 @@ def jit(
         state_returns="write",
         cache_type="jit",
     )
-    jit_kwargs: dict[str, Hashable] = dict(
+    jit_kwargs: dict[str, Any] = dict(
         keep_unused=keep_unused, inline=inline, compiler_options=compiler_options
     )
     if device is not None:

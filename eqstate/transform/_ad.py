@@ -1,0 +1,514 @@
+"""Autodiff: grad, value_and_grad, vjp, jvp, jacrev, jacfwd, hessian.
+
+Each traces the function to find its states, differentiates its pure form with the
+JAX transform of the same name (with respect to the values of `grad_states` and the
+arguments in `argnums`), and writes back the states the function wrote.
+"""
+
+import functools as ft
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _jax_compat as compat
+from .._custom_types import MISSING
+from .._pretty_print import state_label
+from .._state import State
+from .._state_dict import StateDict
+from ._common import partition, select_states, Traced
+from ._stateful_function import StatefulFunction
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+def _as_argnums(argnums: int | Sequence[int] | None) -> tuple[tuple[int, ...], bool]:
+    if argnums is None:
+        return (), False
+    if isinstance(argnums, int):
+        return (argnums,), True
+    return tuple(argnums), False
+
+
+class _Differentiable:
+    """The parts every autodiff transform shares: trace, pick the states to
+    differentiate, and build the pure function JAX differentiates."""
+
+    def __init__(self, traced: Traced, grad_states: Any, check_states: bool):
+        self.traced = traced
+        if grad_states is None:
+            self.grad_states: tuple[State, ...] = ()
+        else:
+            states, explicit = select_states(grad_states, traced.states)
+            if explicit and check_states:
+                unused = [s for s in states if s not in traced.states]
+                if unused:
+                    raise ValueError(
+                        f"`grad_states` holds {state_label(unused[0])}, which "
+                        f"{traced.sf.name} does not use, so its gradient would be zero. "
+                        "Remove it, or pass `check_states=False` to get zeros."
+                    )
+            self.grad_states = states
+        self.box: dict[str, Any] = {}
+
+    def grad_values(self) -> StateDict:
+        traced = self.traced
+        index = {s: i for i, s in enumerate(traced.states)}
+        values = {}
+        for s in self.grad_states:
+            values[s] = traced.values[index[s]] if s in index else traced.frame.read(s)
+        return StateDict._wrap(values)
+
+    def pure(self, kwargs: dict, has_aux: bool) -> Callable:
+        """`(grad_values: StateDict, *args) -> (out, (aux_leaves, updated, new))`."""
+        traced = self.traced
+        index = {s: i for i, s in enumerate(traced.states)}
+
+        def pure(grad_values: StateDict, *args):
+            values = list(traced.values)
+            for state, value in grad_values.items():
+                if state in index:
+                    values[index[state]] = value
+            out, updates, new = traced.call(values, args, kwargs)
+            main, aux = out if has_aux else (out, None)
+            aux_leaves, rebuild_aux = partition(aux)
+            self.box["rebuild_aux"] = rebuild_aux
+            self.box["new_states"] = [s for s, _ in new]
+            self.box["updated_states"] = list(updates)
+            return main, (aux_leaves, list(updates.values()), [v for _, v in new])
+
+        return pure
+
+    def finish(self, extras: tuple) -> Any:
+        """Writes back the states and returns the auxiliary output."""
+        aux_leaves, updated, new_values = extras
+        self.traced.commit(
+            dict(zip(self.box["updated_states"], updated)),
+            list(zip(self.box["new_states"], new_values)),
+        )
+        return self.box["rebuild_aux"](aux_leaves)
+
+
+class _GradientTransform:
+    """`grad`, `jacrev`, `jacfwd` and `hessian`: see `grad` for the outputs."""
+
+    def __init__(
+        self,
+        fun: Callable,
+        jax_transform: Callable,
+        *,
+        grad_states: Any,
+        argnums: int | Sequence[int] | None,
+        has_aux: bool,
+        return_value: bool,
+        check_states: bool,
+        transform_kwargs: dict[str, Any],
+        name: str,
+    ):
+        self.fun = fun
+        self._jax_transform = jax_transform
+        self._grad_states = grad_states
+        if argnums is None and grad_states is None:
+            argnums = 0
+        self._argnums, self._single_arg = _as_argnums(argnums)
+        self._has_aux = has_aux
+        self._return_value = return_value
+        self._check_states = check_states
+        self._transform_kwargs = transform_kwargs
+        self._sf = StatefulFunction(fun, state_returns="write", name=name)
+        ft.update_wrapper(self, fun, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        traced = Traced(self.fun, args, kwargs, sf=self._sf)
+        diff = _Differentiable(traced, self._grad_states, self._check_states)
+        pure = diff.pure(kwargs, self._has_aux)
+
+        def with_value(grad_values, *args):
+            main, extras = pure(grad_values, *args)
+            return main, (main, extras)
+
+        argnums = (0, *(i + 1 for i in self._argnums))
+        transformed = self._jax_transform(
+            with_value, argnums=argnums, has_aux=True, **self._transform_kwargs
+        )
+        grad_values = diff.grad_values()
+        grads, (value, extras) = transformed(grad_values, *args)
+        aux = diff.finish(extras)
+        # Jacobians come output-first (each output leaf holds one entry per input);
+        # eqstate returns them input-first: `(state_grads, *arg_grads)`.
+        inputs = (grad_values, *(args[i] for i in self._argnums))
+        grads = jtu.tree_transpose(
+            jtu.tree_structure(value), jtu.tree_structure(inputs), grads
+        )
+        state_grads, arg_grads = grads[0], grads[1:]
+        if self._single_arg:
+            arg_grads = arg_grads[0]
+        if self._grad_states is None:
+            result = arg_grads
+        elif not self._argnums:
+            result = state_grads
+        else:
+            result = (state_grads, arg_grads)
+        if self._return_value and self._has_aux:
+            return result, value, aux
+        if self._return_value:
+            return result, value
+        if self._has_aux:
+            return result, aux
+        return result
+
+
+def _decorator_or_transform(fun: Any, make: Callable[[Callable], Any]) -> Any:
+    return make if fun is MISSING else make(fun)
+
+
+def grad(
+    fun: Any = MISSING,
+    grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_value: bool = False,
+    *,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    check_states: bool = True,
+) -> Any:
+    """Gradient of a scalar function with respect to state values and arguments.
+
+    The function is traced to find its states; its pure form is differentiated by
+    `jax.grad` with respect to the values of `grad_states` and the arguments in
+    `argnums`. States the function writes (running statistics, counters) are written
+    back with their new values.
+
+    **Arguments:**
+
+    - `fun`: a function returning a scalar (or `(scalar, aux)` with `has_aux`). If
+        omitted, `grad` returns a decorator.
+    - `grad_states`: the states to differentiate with respect to: handles (a handle,
+        a sequence, or a [`eqstate.StateDict`][] whose keys are used), or a filter
+        (e.g. `eqstate.ParamState`), matched against the states the function uses.
+    - `argnums`: the positional arguments to differentiate with respect to. Defaults
+        to `0` without `grad_states`, to none with them.
+    - `has_aux`: `fun` returns `(value, aux)`.
+    - `return_value`: also return the function's value.
+    - `holomorphic`, `allow_int`: as in `jax.grad`. (Keyword only arguments.)
+    - `check_states`: raise if a handle in `grad_states` is not used by `fun`;
+        otherwise its gradient is zero. (Keyword only argument.)
+
+    **Returns:**
+
+    A function returning, with `state_grads` a `StateDict` keyed by the handles:
+
+    - without `grad_states`: `arg_grads`;
+    - with `grad_states` and no `argnums`: `state_grads`;
+    - with both: `(state_grads, arg_grads)`;
+
+    followed by the value if `return_value` (`(grads, value)`), and by the
+    auxiliary output if `has_aux` (`(grads, aux)`, or `(grads, value, aux)`).
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array([1.0, 2.0]))
+
+        def loss(x):
+            return jnp.sum((w.value * x) ** 2)
+
+        grads = es.transform.grad(loss, grad_states=es.ParamState)(jnp.ones(2))
+        assert (grads[w] == 2 * w.value).all()
+        ```
+    """
+    return _decorator_or_transform(
+        fun,
+        lambda f: _GradientTransform(
+            f,
+            jax.grad,
+            grad_states=grad_states,
+            argnums=argnums,
+            has_aux=has_aux,
+            return_value=return_value,
+            check_states=check_states,
+            transform_kwargs={"holomorphic": holomorphic, "allow_int": allow_int},
+            name=getattr(f, "__name__", "fun"),
+        ),
+    )
+
+
+def value_and_grad(
+    fun: Any = MISSING,
+    grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    *,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    check_states: bool = True,
+) -> Any:
+    """Like `jax.value_and_grad`, with the states of [`eqstate.transform.grad`][].
+
+    **Returns:**
+
+    A function returning `(value, grads)`, or `((value, aux), grads)` with
+    `has_aux`, where `grads` is as for [`eqstate.transform.grad`][].
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array(3.0))
+        value, grads = es.transform.value_and_grad(
+            lambda: w.value**2, grad_states=[w]
+        )()
+        assert value == 9.0 and grads[w] == 6.0
+        ```
+    """
+
+    def make(f: Callable) -> Callable:
+        inner = grad(
+            f,
+            grad_states,
+            argnums,
+            has_aux,
+            return_value=True,
+            holomorphic=holomorphic,
+            allow_int=allow_int,
+            check_states=check_states,
+        )
+
+        @ft.wraps(f)
+        def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
+            if has_aux:
+                grads, value, aux = inner(*args, **kwargs)
+                return (value, aux), grads
+            grads, value = inner(*args, **kwargs)
+            return value, grads
+
+        return value_and_grad_fn
+
+    return _decorator_or_transform(fun, make)
+
+
+def _jacobian(jax_transform: Callable, name: str, transform_kwargs: tuple[str, ...]):
+    def transform(
+        fun: Any = MISSING,
+        grad_states: Any = None,
+        argnums: int | Sequence[int] | None = None,
+        has_aux: bool = False,
+        return_value: bool = False,
+        *,
+        holomorphic: bool = False,
+        allow_int: bool = False,
+        check_states: bool = True,
+    ) -> Any:
+        options = {"holomorphic": holomorphic, "allow_int": allow_int}
+        return _decorator_or_transform(
+            fun,
+            lambda f: _GradientTransform(
+                f,
+                jax_transform,
+                grad_states=grad_states,
+                argnums=argnums,
+                has_aux=has_aux,
+                return_value=return_value,
+                check_states=check_states,
+                transform_kwargs={k: options[k] for k in transform_kwargs},
+                name=getattr(f, "__name__", name),
+            ),
+        )
+
+    return transform
+
+
+jacrev = _jacobian(jax.jacrev, "jacrev", ("holomorphic", "allow_int"))
+jacrev.__name__ = jacrev.__qualname__ = "jacrev"
+jacrev.__doc__ = """Jacobian by reverse-mode autodiff (`jax.jacrev`), with respect to state
+values and arguments. Arguments and outputs are as for [`eqstate.transform.grad`][],
+with Jacobians in place of gradients: `state_grads[s]` has the output's shape followed
+by the state's.
+
+!!! Example
+
+    ```python
+    import eqstate as es
+    import jax.numpy as jnp
+
+    w = es.ParamState(jnp.array([1.0, 2.0]))
+    jac = es.transform.jacrev(lambda x: w.value * x, grad_states=[w])(jnp.ones(2))
+    assert jac[w].shape == (2, 2)
+    ```
+"""
+
+jacfwd = _jacobian(jax.jacfwd, "jacfwd", ("holomorphic",))
+jacfwd.__name__ = jacfwd.__qualname__ = "jacfwd"
+jacfwd.__doc__ = """Jacobian by forward-mode autodiff (`jax.jacfwd`), with respect to state
+values and arguments. Arguments and outputs are as for [`eqstate.transform.jacrev`][].
+
+!!! Example
+
+    ```python
+    import eqstate as es
+    import jax.numpy as jnp
+
+    w = es.ParamState(jnp.array([1.0, 2.0]))
+    jac = es.transform.jacfwd(lambda x: w.value * x, grad_states=[w])(jnp.ones(2))
+    assert jac[w].shape == (2, 2)
+    ```
+"""
+
+
+def hessian(
+    fun: Any = MISSING,
+    grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    *,
+    holomorphic: bool = False,
+    check_states: bool = True,
+) -> Any:
+    """Hessian of a scalar function with respect to state values and arguments:
+    [`eqstate.transform.jacfwd`][] of [`eqstate.transform.jacrev`][], as in
+    `jax.hessian`. Arguments are as for [`eqstate.transform.grad`][].
+
+    **Returns:**
+
+    For `grad_states` alone, a `StateDict` of `StateDict`s: `h[a][b]` is the block
+    for states `a` and `b`. For `argnums` alone, what `jax.hessian` returns. With
+    both, the Jacobian (by `jacfwd`) of the pair `(state_grads, arg_grads)`.
+    Followed by the auxiliary output if `has_aux`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array([1.0, 2.0]))
+        h = es.transform.hessian(lambda: jnp.sum(w.value**3), grad_states=[w])()
+        assert (h[w][w] == jnp.diag(6 * w.value)).all()
+        ```
+    """
+
+    def make(f: Callable) -> Callable:
+        options = {"holomorphic": holomorphic, "check_states": check_states}
+        inner = jacrev(f, grad_states, argnums, has_aux, **options)
+        return jacfwd(inner, grad_states, argnums, has_aux, **options)
+
+    return _decorator_or_transform(fun, make)
+
+
+def vjp(
+    fun: Callable,
+    *primals: Any,
+    grad_states: Any = None,
+    has_aux: bool = False,
+    check_states: bool = True,
+) -> Any:
+    """Like `jax.vjp`, also with respect to the values of `grad_states`. The states the
+    function writes are written back at once.
+
+    **Arguments:**
+
+    - `fun`: the function.
+    - `*primals`: its arguments.
+    - `grad_states`: handles or a filter, as for [`eqstate.transform.grad`][].
+        (Keyword only argument.)
+    - `has_aux`: `fun` returns `(out, aux)`. (Keyword only argument.)
+    - `check_states`: as for [`eqstate.transform.grad`][]. (Keyword only argument.)
+
+    **Returns:**
+
+    `(out, vjp_fn)`, or `(out, vjp_fn, aux)`. `vjp_fn(cotangent)` returns the
+    cotangents of the primals (a tuple), preceded by a `StateDict` of the states'
+    cotangents if `grad_states` is given: `(state_cotangents, primal_cotangents)`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array(2.0))
+        out, vjp_fn = es.transform.vjp(lambda x: w.value * x, 3.0, grad_states=[w])
+        state_ct, (x_ct,) = vjp_fn(1.0)
+        assert out == 6.0 and state_ct[w] == 3.0 and x_ct == 2.0
+        ```
+    """
+    traced = Traced(fun, primals, name=getattr(fun, "__name__", "vjp"))
+    diff = _Differentiable(traced, grad_states, check_states)
+    out, vjp_fn, extras = jax.vjp(
+        diff.pure({}, has_aux), diff.grad_values(), *primals, has_aux=True
+    )
+    aux = diff.finish(extras)
+
+    def state_vjp(cotangent: Any) -> Any:
+        cotangents = vjp_fn(cotangent)
+        if grad_states is None:
+            return cotangents[1:]
+        return cotangents[0], cotangents[1:]
+
+    return (out, state_vjp, aux) if has_aux else (out, state_vjp)
+
+
+def jvp(
+    fun: Callable,
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    *,
+    state_tangents: StateDict | None = None,
+    has_aux: bool = False,
+) -> Any:
+    """Like `jax.jvp`, also along tangents of state values. The states the function
+    writes are written back.
+
+    **Arguments:**
+
+    - `fun`: the function.
+    - `primals`, `tangents`: as in `jax.jvp`.
+    - `state_tangents`: a [`eqstate.StateDict`][] of tangents for some of the states
+        `fun` uses; the others have zero tangents. (Keyword only argument.)
+    - `has_aux`: `fun` returns `(out, aux)`. (Keyword only argument.)
+
+    **Returns:**
+
+    `(primal_out, tangent_out)`, or `(primal_out, tangent_out, aux)`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array(2.0))
+        out, t = es.transform.jvp(
+            lambda x: w.value * x, (3.0,), (0.0,),
+            state_tangents=es.StateDict({w: 1.0}),
+        )
+        assert out == 6.0 and t == 3.0
+        ```
+    """
+    traced = Traced(fun, tuple(primals), name=getattr(fun, "__name__", "jvp"))
+    tangents_sd = state_tangents if state_tangents is not None else StateDict()
+    diff = _Differentiable(traced, tangents_sd if len(tangents_sd) else None, True)
+    grad_values = diff.grad_values()
+    state_tangent_values = StateDict._wrap(
+        {
+            s: jtu.tree_map(lambda t, v: jnp.asarray(t, v.dtype), tangents_sd[s], v)
+            for s, v in grad_values.items()
+        }
+    )
+    out, tangent_out, extras = jax.jvp(
+        diff.pure({}, has_aux),
+        (grad_values, *primals),
+        (state_tangent_values, *tangents),
+        has_aux=True,
+    )
+    aux = diff.finish(extras)
+    return (out, tangent_out, aux) if has_aux else (out, tangent_out)

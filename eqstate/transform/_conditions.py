@@ -1,0 +1,168 @@
+"""Conditionals: cond, switch, ifelse.
+
+Every branch is traced to find its states. The states written by any branch are
+threaded through `jax.lax.switch` (a branch that does not write one passes its value
+through); the others are closed over. States cannot be created inside a branch.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import ArrayLike, Bool, Int
+
+from .. import _jax_compat as compat
+from .._state import State
+from ._common import strong, Traced
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+def switch(
+    index: Int[ArrayLike, ""], branches: Sequence[Callable], *operands: Any
+) -> Any:
+    """Like `jax.lax.switch`, for branches that read and write states.
+
+    **Arguments:**
+
+    - `index`: which branch to run; clamped to `[0, len(branches) - 1]` as in
+        `jax.lax.switch`.
+    - `branches`: functions of `*operands` returning outputs of the same structure,
+        shapes and dtypes. They may read and write states, but not create them.
+    - `*operands`: passed to the chosen branch.
+
+    **Returns:**
+
+    The output of the chosen branch. The states it wrote hold their new values.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        mode = es.State(jnp.array(0))
+        branches = [lambda x: x, lambda x: x * 2, lambda x: x * 3]
+
+        def tripled(x):
+            mode.value = jnp.array(2)
+            return x * 3
+
+        assert es.transform.switch(2, [*branches[:2], tripled], 1.0) == 3.0
+        assert mode.value == 2
+        ```
+    """
+    branches = tuple(branches)
+    if not branches:
+        raise ValueError("`switch` needs at least one branch.")
+    if not all(callable(b) for b in branches):
+        raise TypeError("`branches` must be a sequence of functions.")
+    traced = [
+        Traced(b, operands, name=getattr(b, "__name__", f"branch {i}"))
+        for i, b in enumerate(branches)
+    ]
+    for i, t in enumerate(traced):
+        t.refuse_new_states(f"branch {i} of a conditional")
+    values: dict[State, Any] = {}
+    for t in traced:
+        values.update(zip(t.states, t.values))
+    written = tuple(dict.fromkeys(s for t in traced for s in t.written))
+
+    def make_branch(t: Traced) -> Callable:
+        def branch(written_values, *ops):
+            current = dict(zip(written, written_values))
+            state_values = [current.get(s, values[s]) for s in t.states]
+            out, updates, _ = t.call(state_values, ops)
+            return out, strong([updates.get(s, current[s]) for s in written])
+
+        return branch
+
+    out, new_values = jax.lax.switch(
+        index,
+        [make_branch(t) for t in traced],
+        strong([values[s] for s in written]),
+        *operands,
+    )
+    traced[0].commit(dict(zip(written, new_values)))
+    return out
+
+
+def cond(
+    pred: Bool[ArrayLike, ""],
+    true_fun: Callable,
+    false_fun: Callable,
+    *operands: Any,
+) -> Any:
+    """Like `jax.lax.cond`, for branches that read and write states (see
+    [`eqstate.transform.switch`][]).
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        hits = es.State(jnp.array(0))
+
+        def hit(x):
+            hits.value = hits.value + 1
+            return x
+
+        es.transform.cond(True, hit, lambda x: -x, 1.0)
+        es.transform.cond(False, hit, lambda x: -x, 1.0)
+        assert hits.value == 1
+        ```
+    """
+    index = jnp.asarray(pred).astype(jnp.int32)
+    return switch(index, [false_fun, true_fun], *operands)
+
+
+def ifelse(
+    conditions: Sequence[Bool[ArrayLike, ""]],
+    branches: Sequence[Callable],
+    *operands: Any,
+    check_cond: bool = True,
+) -> Any:
+    """Runs the branch of the first condition that holds: `if c0: b0 elif c1: b1 ...`.
+    Make the last condition `True` for an `else` branch.
+
+    **Arguments:**
+
+    - `conditions`: boolean scalars, one per branch.
+    - `branches`: functions of `*operands`, as for [`eqstate.transform.switch`][].
+    - `*operands`: passed to the chosen branch.
+    - `check_cond`: check at run time that exactly one condition holds (an
+        `eqx.error_if` error otherwise). (Keyword only argument.)
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+
+        def sign(x):
+            return es.transform.ifelse(
+                [x > 0, x < 0, True], [lambda: 1, lambda: -1, lambda: 0],
+                check_cond=False,
+            )
+
+        assert sign(3.0) == 1 and sign(-2.0) == -1 and sign(0.0) == 0
+        ```
+    """
+    branches = tuple(branches)
+    if len(conditions) != len(branches):
+        raise ValueError(
+            f"`ifelse` got {len(conditions)} condition(s) and {len(branches)} "
+            "branch(es); give one condition per branch (the last can be `True`)."
+        )
+    if not branches:
+        raise ValueError("`ifelse` needs at least one branch.")
+    flags = jnp.stack([jnp.asarray(c, dtype=bool) for c in conditions])
+    index = jnp.argmax(flags)
+    if check_cond:
+        index = eqx.error_if(
+            index, jnp.sum(flags) != 1, "`ifelse`: exactly one condition must hold."
+        )
+    return switch(index, branches, *operands)

@@ -1,0 +1,289 @@
+"""Loops: scan, for_loop, while_loop, bounded_while_loop.
+
+The body is traced once to find its states. Written states become part of the loop
+carry (with their weak types dropped, so that the carry keeps one type); states only
+read are closed over. States cannot be created inside a loop body.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _jax_compat as compat
+from .._state import State
+from ._common import abstract, strong, Traced
+from ._conditions import cond
+from ._progress_bar import ProgressBar
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+def _loop_length(xs: Any, length: int | None) -> int:
+    leaves = jtu.tree_leaves(xs)
+    if length is not None:
+        return length
+    if not leaves:
+        raise ValueError("`scan` needs `length` when `xs` has no arrays.")
+    return jnp.shape(leaves[0])[0]
+
+
+def _slice(xs: Any) -> Any:
+    """What the body sees of `xs`: one slice along the leading axis, abstractly."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, weak_type=x.weak_type),
+        abstract(xs),
+    )
+
+
+class _Carried:
+    """The states of one or more traced loop functions, split into the written ones
+    (carried) and the others (closed over)."""
+
+    def __init__(self, *traced: Traced):
+        values: dict[State, Any] = {}
+        for t in traced:
+            values.update(zip(t.states, t.values))
+        self.values = values
+        self.written = tuple(dict.fromkeys(s for t in traced for s in t.written))
+
+    def initial(self) -> list[Any]:
+        return strong([self.values[s] for s in self.written])
+
+    def values_for(self, traced: Traced, carried: Sequence[Any]) -> list[Any]:
+        current = dict(zip(self.written, carried))
+        return [current.get(s, self.values[s]) for s in traced.states]
+
+    def carry_out(self, updates: dict[State, Any], carried: Sequence[Any]) -> list[Any]:
+        return strong([updates.get(s, v) for s, v in zip(self.written, carried)])
+
+
+def scan(
+    f: Callable,
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    pbar: ProgressBar | None = None,
+) -> tuple[Any, Any]:
+    """Like `jax.lax.scan`, for a body that reads and writes states.
+
+    The states the body writes are carried through the loop and written back once it
+    finishes; the ones it only reads are constants of the loop.
+
+    **Arguments:**
+
+    - `f`: `(carry, x) -> (carry, y)`. It may read and write states, but not create
+        them.
+    - `init`, `xs`, `length`, `reverse`, `unroll`: as in `jax.lax.scan`.
+    - `pbar`: a [`eqstate.transform.ProgressBar`][] to print progress.
+
+    **Returns:**
+
+    `(final_carry, stacked_ys)`, as `jax.lax.scan`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        total = es.State(jnp.array(0.0))
+
+        def step(carry, x):
+            total.value = total.value + x
+            return carry + 1, total.value
+
+        n, running = es.transform.scan(step, 0, jnp.arange(4.0))
+        assert n == 4 and total.value == 6.0 and (running == jnp.array([0, 1, 3, 6.0])).all()
+        ```
+    """
+    n = _loop_length(xs, length)
+    traced = Traced(f, (init, _slice(xs)), name=getattr(f, "__name__", "scan body"))
+    traced.refuse_new_states("the body of `scan`")
+    carried = _Carried(traced)
+
+    def body(carry, x):
+        if pbar is not None:
+            x, index = x
+            pbar.tick(index, n)
+        user_carry, state_values = carry
+        out, updates, _ = traced.call(
+            carried.values_for(traced, state_values), (user_carry, x)
+        )
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"The body of `scan` must return a pair `(carry, y)`, got {out!r}."
+            )
+        new_carry, y = out
+        return (new_carry, carried.carry_out(updates, state_values)), y
+
+    scanned = xs if pbar is None else (xs, jnp.arange(n))
+    (final, state_values), ys = jax.lax.scan(
+        body,
+        (init, carried.initial()),
+        scanned,
+        length=length,
+        reverse=reverse,
+        unroll=unroll,
+    )
+    traced.commit(dict(zip(carried.written, state_values)))
+    return final, ys
+
+
+def for_loop(
+    f: Callable,
+    *operands: Any,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    pbar: ProgressBar | None = None,
+) -> Any:
+    """Calls `f(*xs)` for each slice `xs` of `operands` along their leading axis, and
+    stacks the outputs: a loop without a carry, for bodies that update states.
+
+    **Arguments:**
+
+    - `f`: called with one slice of each operand. It may read and write states.
+    - `*operands`: arrays (or PyTrees of arrays) with a common leading axis.
+    - `reverse`, `unroll`: as in `jax.lax.scan`.
+    - `pbar`: a [`eqstate.transform.ProgressBar`][] to print progress.
+
+    **Returns:**
+
+    The outputs of `f`, stacked along a new leading axis.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        h = es.ShortTermState(jnp.array(0.0))
+
+        def step(x):
+            h.value = 0.5 * h.value + x
+            return h.value
+
+        hs = es.transform.for_loop(step, jnp.ones(3))
+        assert (hs == jnp.array([1.0, 1.5, 1.75])).all() and h.value == 1.75
+        ```
+    """
+
+    def body(carry, xs):
+        return carry, f(*xs)
+
+    _, ys = scan(body, None, operands, reverse=reverse, unroll=unroll, pbar=pbar)
+    return ys
+
+
+def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
+    """Like `jax.lax.while_loop`, for functions that read states; `body_fun` may also
+    write them. (Not reverse-mode differentiable, like `jax.lax.while_loop`; see
+    [`eqstate.transform.bounded_while_loop`][].)
+
+    **Arguments:**
+
+    - `cond_fun`: `val -> bool`. It may read states, but not write them.
+    - `body_fun`: `val -> val`. It may read and write states.
+    - `init_val`: the initial value.
+
+    **Returns:**
+
+    The final value.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        steps = es.State(jnp.array(0))
+
+        def body(x):
+            steps.value = steps.value + 1
+            return x * 2
+
+        out = es.transform.while_loop(lambda x: x < 100, body, 1)
+        assert out == 128 and steps.value == 7
+        ```
+    """
+    traced_cond = Traced(
+        cond_fun, (init_val,), name=getattr(cond_fun, "__name__", "cond_fun")
+    )
+    traced_body = Traced(
+        body_fun, (init_val,), name=getattr(body_fun, "__name__", "body_fun")
+    )
+    if traced_cond.written:
+        raise ValueError(
+            f"`cond_fun` of `while_loop` writes {traced_cond.written[0]!r}. The "
+            "condition may read states but not write them: move the write into "
+            "`body_fun`."
+        )
+    traced_cond.refuse_new_states("`cond_fun` of `while_loop`")
+    traced_body.refuse_new_states("`body_fun` of `while_loop`")
+    carried = _Carried(traced_cond, traced_body)
+
+    def loop_cond(carry):
+        val, state_values = carry
+        out, _, _ = traced_cond.call(
+            carried.values_for(traced_cond, state_values), (val,)
+        )
+        return out
+
+    def loop_body(carry):
+        val, state_values = carry
+        out, updates, _ = traced_body.call(
+            carried.values_for(traced_body, state_values), (val,)
+        )
+        return out, carried.carry_out(updates, state_values)
+
+    final, state_values = jax.lax.while_loop(
+        loop_cond, loop_body, (init_val, carried.initial())
+    )
+    traced_body.commit(dict(zip(carried.written, state_values)))
+    return final
+
+
+def bounded_while_loop(
+    cond_fun: Callable, body_fun: Callable, init_val: Any, max_steps: int
+) -> Any:
+    """A while loop of at most `max_steps` iterations that reverse-mode autodiff can
+    differentiate (`jax.lax.while_loop` cannot). It runs `max_steps` guarded steps,
+    each applying `body_fun` only while `cond_fun` holds, so its cost is that of
+    `max_steps` iterations.
+
+    **Arguments:**
+
+    - `cond_fun`, `body_fun`, `init_val`: as for [`eqstate.transform.while_loop`][].
+    - `max_steps`: the most iterations to run; the loop stops there even if
+        `cond_fun` still holds.
+
+    **Returns:**
+
+    The final value.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax
+        import jax.numpy as jnp
+
+        def f(x):
+            return es.transform.bounded_while_loop(lambda v: v < 10.0, lambda v: v * 2, x, 8)
+
+        assert f(1.0) == 16.0 and jax.grad(f)(1.0) == 16.0
+        ```
+    """
+    if max_steps < 0:
+        raise ValueError(f"`max_steps` must be non-negative, got {max_steps}.")
+
+    def step(val, _):
+        return cond(cond_fun(val), body_fun, lambda v: v, val), None
+
+    final, _ = scan(step, init_val, None, length=max_steps)
+    return final

@@ -1,0 +1,91 @@
+"""checkpoint / remat: `jax.checkpoint` for functions that use states."""
+
+import functools as ft
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .. import _jax_compat as compat
+from .._custom_types import MISSING
+from ._common import partition, Traced
+from ._stateful_function import StatefulFunction
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+def checkpoint(
+    fun: Any = MISSING,
+    *,
+    prevent_cse: bool = True,
+    policy: Callable[..., bool] | None = None,
+    static_argnums: int | Sequence[int] = (),
+) -> Any:
+    """Like `jax.checkpoint` (also called `remat`): under reverse-mode autodiff, the
+    intermediate values of `fun` are recomputed on the backward pass instead of being
+    stored. The states `fun` reads are inputs of the checkpointed computation, and the
+    ones it writes are written back.
+
+    **Arguments:**
+
+    - `fun`: the function. If omitted, `checkpoint` returns a decorator.
+    - `prevent_cse`, `policy`, `static_argnums`: as in `jax.checkpoint` (e.g.
+        `policy=jax.checkpoint_policies.nothing_saveable`).
+
+    **Returns:**
+
+    A function with the signature of `fun`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array(2.0))
+        layer = es.transform.checkpoint(lambda x: jnp.sin(w.value * x))
+        g = es.transform.grad(lambda x: layer(layer(x)), grad_states=[w])(1.0)
+        assert g[w].shape == ()
+        ```
+    """
+    if fun is MISSING:
+        return lambda f: checkpoint(
+            f, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums
+        )
+    statics = (
+        (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    )
+    sf = StatefulFunction(
+        fun,
+        static_argnums=statics,
+        state_returns="write",
+        name=getattr(fun, "__name__", None),
+    )
+
+    @ft.wraps(fun)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        traced = Traced(fun, args, kwargs, sf=sf)
+        box: dict[str, Any] = {}
+
+        def pure(values, *args):
+            out, updates, new = traced.call(values, args, kwargs)
+            leaves, box["rebuild"] = partition(out)
+            box["updated"], box["new"] = list(updates), [s for s, _ in new]
+            return leaves, list(updates.values()), [v for _, v in new]
+
+        shifted = tuple(i + 1 if i >= 0 else i for i in statics)
+        remat = jax.checkpoint(
+            pure, prevent_cse=prevent_cse, policy=policy, static_argnums=shifted
+        )
+        leaves, updated, new_values = remat(traced.values, *args)
+        traced.commit(
+            dict(zip(box["updated"], updated)), list(zip(box["new"], new_values))
+        )
+        return box["rebuild"](leaves)
+
+    return checkpointed
+
+
+remat = checkpoint
