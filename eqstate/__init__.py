@@ -12,10 +12,12 @@ from ._errors import (
     UnknownCacheKeyError as UnknownCacheKeyError,
 )
 from ._run import (
+    assign as assign,
     make_with_states as make_with_states,
     run as run,
     scope as scope,
     states_of as states_of,
+    values_of as values_of,
     world as world,
 )
 from ._state import (

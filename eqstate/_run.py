@@ -2,7 +2,7 @@
 make_with_states, states_of."""
 
 import functools as ft
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import jax.tree_util as jtu
@@ -200,3 +200,63 @@ def states_of(
     if with_paths:
         return tuple((path, state) for state, path in found.items())
     return tuple(found)
+
+
+def values_of(pytree: PyTree, *filters: Filter) -> StateDict:
+    """The current values of the states found in a PyTree, as a [`eqstate.StateDict`][]:
+    `states_of` followed by a read of each state in the innermost context.
+
+    **Arguments:**
+
+    - `pytree`: any PyTree, e.g. a model holding handles.
+    - `*filters`: keep the states matching any of these; every state if none.
+
+    **Returns:**
+
+    A `StateDict`, in the order of [`eqstate.states_of`][].
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        model = {"w": es.ParamState(jnp.ones(2)), "n": es.ShortTermState(jnp.array(0))}
+        params = es.values_of(model, es.ParamState)
+        assert params.states == (model["w"],)
+        ```
+    """
+    states = states_of(pytree, *filters)
+    frame = _context.current_frame()
+    return StateDict._wrap(dict(zip(states, frame.read_many(states) if states else [])))
+
+
+def assign(values: Mapping[State, PyTree]) -> None:
+    """Writes every value of `values` to its state in the innermost context, as
+    `state.value = value` would, all at once: every write is checked before any is
+    made, so a bad value leaves every state as it was.
+
+    **Arguments:**
+
+    - `values`: a [`eqstate.StateDict`][] or mapping from handles to new values,
+        e.g. parameters updated by an optimiser.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.zeros(2))
+        es.assign(es.values_of(w).set(w, jnp.ones(2)))
+        assert (w.value == 1).all()
+        ```
+    """
+    frame = _context.current_frame()
+    states = list(values)
+    current = frame.read_many(states) if states else []
+    checked = {
+        s: _context.check_write(s, old, values[s]) for s, old in zip(states, current)
+    }
+    for state in states:
+        frame.write(state, checked[state])

@@ -171,3 +171,20 @@ def test_threads_each_run_their_own_scope():
         t.join()
     assert results == {i: i + 50 for i in range(8)}
     assert s.value == 0
+
+
+def test_values_of_reads_the_states_of_a_pytree():
+    model = _Linear(2)
+    params = es.values_of(model, es.ParamState)
+    assert params.states == (model.w,) and (params[model.w] == 1).all()
+    with es.scope(es.StateDict({model.w: jnp.full(2, 3.0), model.count: jnp.array(0)})):
+        assert (es.values_of(model)[model.w] == 3).all()
+
+
+def test_assign_writes_all_or_nothing():
+    model = _Linear(2)
+    es.assign({model.w: jnp.full(2, 2.0), model.count: jnp.array(5)})
+    assert (model.w.value == 2).all() and model.count.value == 5
+    with pytest.raises(ValueError, match="ShortTermState 'count'"):
+        es.assign({model.w: jnp.zeros(2), model.count: jnp.zeros(3)})
+    assert (model.w.value == 2).all() and model.count.value == 5

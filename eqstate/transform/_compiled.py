@@ -1,6 +1,6 @@
 """What one trace of a StatefulFunction produces, and how a call uses it."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax

@@ -127,16 +127,30 @@ class JitDispatch:
                 out, updated = plan.jitted(values[:n], values[n:], *args, **kwargs)
             except _PlanMismatch:
                 pass
-            except Exception as exc:
+            except KeyError:
+                pass  # A state missing from the world: the slow path names it.
+            except (TypeError, ValueError) as exc:
                 if getattr(exc, "_eqstate_from_trace", False):
                     raise
-                # Arguments `jax.jit` refuses, or states this call does not need:
-                # the slow path gives the right answer or the right error.
+                self._raise_if_planned(exc, args, kwargs)
             else:
                 if n:
                     frame.commit_values(plan.updated_states, updated)
                 return out
         return self._sf._call_auto_slow(args, kwargs)
+
+    def _raise_if_planned(self, exc: Exception, args: tuple, kwargs: dict) -> None:
+        """Re-raises `exc` if the call fits the current plan: then the error came from
+        running it (JAX reports some runtime errors as `ValueError`), and the slow path
+        would only run it again. Otherwise `jax.jit` refused the arguments (a static
+        leaf, a handle, ...): returns, and the slow path gives the answer or a clear
+        error."""
+        sf = self._sf
+        call = sf.parse_args(args, kwargs)
+        entry = sf.compile(call, _context.current_frame())
+        plan = self._current
+        if plan is not None and can_plan(call.all_dynamic, entry) and plan.fits(entry):
+            raise exc
 
     def call_planned(
         self, entry: Compiled, frame: _context.Frame, args: tuple, kwargs: dict

@@ -1,0 +1,228 @@
+import eqstate as es
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+import pytest
+
+from .helpers import tree_allclose
+
+
+pytestmark = pytest.mark.usefixtures("tracing_mode")
+
+
+@pytest.fixture
+def linear(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3, 2)), name="w")
+    b = es.ParamState(jr.normal(getkey(), (2,)), name="b")
+    calls = es.ShortTermState(jnp.array(0), name="calls")
+
+    def loss(x):
+        calls.value = calls.value + 1
+        y = x @ w.value + b.value
+        return jnp.sum(y**2), y
+
+    def pure(w, b, x):
+        y = x @ w + b
+        return jnp.sum(y**2), y
+
+    return loss, pure, w, b, calls
+
+
+def test_grad_with_respect_to_states_matches_jax(linear, getkey):
+    loss, pure, w, b, calls = linear
+    x = jr.normal(getkey(), (4, 3))
+    grads = es.transform.grad(loss, grad_states=[w, b], has_aux=True)(x)[0]
+    ref_w, ref_b = jax.grad(lambda w, b: pure(w, b, x)[0], argnums=(0, 1))(
+        w.value, b.value
+    )
+    assert isinstance(grads, es.StateDict) and grads.states == (w, b)
+    assert tree_allclose(grads[w], ref_w) and tree_allclose(grads[b], ref_b)
+    assert calls.value == 1
+
+
+def test_grad_states_as_a_filter(linear, getkey):
+    loss, pure, w, b, calls = linear
+    x = jr.normal(getkey(), (4, 3))
+    grads, _ = es.transform.grad(loss, grad_states=es.ParamState, has_aux=True)(x)
+    assert grads.states == (w, b)
+
+
+def test_grad_with_respect_to_arguments_only(linear, getkey):
+    loss, pure, w, b, calls = linear
+    x = jr.normal(getkey(), (4, 3))
+    gx = es.transform.grad(lambda x: loss(x)[0])(x)
+    wv, bv = w.value, b.value
+    ref = jax.grad(lambda x: pure(wv, bv, x)[0])(x)
+    assert tree_allclose(gx, ref)
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+@pytest.mark.parametrize("return_value", [False, True])
+@pytest.mark.parametrize("argnums", [None, 0, (0,)])
+def test_grad_output_layout(linear, getkey, has_aux, return_value, argnums):
+    loss, pure, w, b, calls = linear
+    x = jr.normal(getkey(), (4, 3))
+    f = loss if has_aux else (lambda x: loss(x)[0])
+    out = es.transform.grad(
+        f, grad_states=[w], argnums=argnums, has_aux=has_aux, return_value=return_value
+    )(x)
+    bv = b.value
+    ref_value, ref_y = pure(w.value, bv, x)
+    ref_gw, ref_gx = jax.grad(lambda w, x: pure(w, bv, x)[0], argnums=(0, 1))(
+        w.value, x
+    )
+    parts = list(out) if (has_aux or return_value) else [out]
+    grads = parts.pop(0)
+    if argnums is None:
+        assert tree_allclose(grads[w], ref_gw)
+    else:
+        state_grads, arg_grads = grads
+        assert tree_allclose(state_grads[w], ref_gw)
+        assert tree_allclose(arg_grads if argnums == 0 else arg_grads[0], ref_gx)
+    if return_value:
+        assert tree_allclose(parts.pop(0), ref_value)
+    if has_aux:
+        assert tree_allclose(parts.pop(0), ref_y)
+
+
+def test_value_and_grad_follows_jax_layout(linear, getkey):
+    loss, pure, w, b, calls = linear
+    x = jr.normal(getkey(), (4, 3))
+    (value, y), grads = es.transform.value_and_grad(
+        loss, grad_states=[w], has_aux=True
+    )(x)
+    bv = b.value
+    ref = jax.value_and_grad(lambda w: pure(w, bv, x), has_aux=True)(w.value)
+    assert tree_allclose((value, y), ref[0]) and tree_allclose(grads[w], ref[1])
+
+
+def test_written_states_are_written_back_with_primal_values():
+    running = es.LongTermState(jnp.zeros(2), name="running")
+    w = es.ParamState(jnp.ones(2))
+
+    def loss(x):
+        running.value = 0.9 * running.value + 0.1 * x
+        return jnp.sum(w.value * x)
+
+    es.transform.grad(loss, grad_states=[w])(jnp.full(2, 5.0))
+    assert tree_allclose(running.value, jnp.full(2, 0.5))
+
+
+def test_unused_explicit_grad_state_is_an_error_unless_unchecked(linear):
+    loss, _, w, b, calls = linear
+    unused = es.ParamState(jnp.ones(2), name="unused")
+    with pytest.raises(ValueError, match=r"ParamState 'unused'.* does not use"):
+        es.transform.grad(lambda x: loss(x)[0], grad_states=[w, unused])(
+            jnp.ones((1, 3))
+        )
+    grads = es.transform.grad(
+        lambda x: loss(x)[0], grad_states=[w, unused], check_states=False
+    )(jnp.ones((1, 3)))
+    assert (grads[unused] == 0).all()
+    assert calls.value == 1
+
+
+def test_grads_feed_optax(linear, getkey):
+    loss, pure, w, b, calls = linear
+    params = es.world().filter(es.ParamState)
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(params)
+    x = jr.normal(getkey(), (4, 3))
+    grads = es.transform.grad(lambda: loss(x)[0], grad_states=es.ParamState)()
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    assert isinstance(new_params, es.StateDict)
+    assert tree_allclose(new_params[w], params[w] - 0.1 * grads[w])
+
+
+def test_jacrev_and_jacfwd_match_jax(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3,)))
+    f = lambda x: jnp.sin(w.value * x)  # noqa: E731
+    x = jr.normal(getkey(), (3,))
+    for ours, theirs in [
+        (es.transform.jacrev, jax.jacrev),
+        (es.transform.jacfwd, jax.jacfwd),
+    ]:
+        jac = ours(f, grad_states=[w])(x)
+        ref = theirs(lambda w: jnp.sin(w * x))(w.value)
+        assert tree_allclose(jac[w], ref)
+        jx = ours(f)(x)
+        wv = w.value
+        assert tree_allclose(jx, theirs(lambda x, wv=wv: jnp.sin(wv * x))(x))
+
+
+def test_jacobian_of_a_pytree_output_is_input_first(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3,)))
+    f = lambda: {"a": w.value * 2, "b": jnp.sum(w.value)}  # noqa: E731
+    jac = es.transform.jacrev(f, grad_states=[w])()
+    assert jac[w]["a"].shape == (3, 3) and jac[w]["b"].shape == (3,)
+
+
+def test_hessian(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3,)))
+    f = lambda x: jnp.sum(jnp.sin(w.value) * x**2)  # noqa: E731
+    x = jr.normal(getkey(), (3,))
+    h = es.transform.hessian(f, grad_states=[w])(x)
+    assert tree_allclose(
+        h[w][w], jax.hessian(lambda w: jnp.sum(jnp.sin(w) * x**2))(w.value)
+    )
+    hx = es.transform.hessian(f, argnums=0)(x)
+    wv = w.value
+    assert tree_allclose(hx, jax.hessian(lambda x: jnp.sum(jnp.sin(wv) * x**2))(x))
+
+
+def test_vjp_matches_jax(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3,)))
+    x = jr.normal(getkey(), (3,))
+    out, vjp_fn = es.transform.vjp(lambda x: w.value * x, x, grad_states=[w])
+    ct = jr.normal(getkey(), (3,))
+    state_ct, (x_ct,) = vjp_fn(ct)
+    ref_out, ref_vjp = jax.vjp(lambda w, x: w * x, w.value, x)
+    ref_w, ref_x = ref_vjp(ct)
+    assert tree_allclose(out, ref_out) and tree_allclose(state_ct[w], ref_w)
+    assert tree_allclose(x_ct, ref_x)
+    out, vjp_fn, aux = es.transform.vjp(lambda x: (x * 2, "aux"), x, has_aux=True)
+    assert aux == "aux" and tree_allclose(vjp_fn(ct)[0], 2 * ct)
+
+
+def test_jvp_matches_jax(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3,)))
+    x, tx, tw = (jr.normal(getkey(), (3,)) for _ in range(3))
+    out, tangent = es.transform.jvp(
+        lambda x: jnp.sin(w.value * x),
+        (x,),
+        (tx,),
+        state_tangents=es.StateDict({w: tw}),
+    )
+    ref = jax.jvp(lambda w, x: jnp.sin(w * x), (w.value, x), (tw, tx))
+    assert tree_allclose((out, tangent), ref)
+
+
+def test_nested_grad_of_grad():
+    w = es.ParamState(jnp.array(2.0))
+    inner = es.transform.grad(lambda x: w.value * x**3)
+    second = es.transform.grad(inner)(3.0)
+    assert second == pytest.approx(6 * 2.0 * 3.0)
+
+
+def test_grad_under_jit_and_jit_under_grad(linear, getkey):
+    loss, pure, w, b, calls = linear
+    x = jr.normal(getkey(), (4, 3))
+    step = es.transform.jit(es.transform.grad(lambda x: loss(x)[0], grad_states=[w]))
+    g1 = step(x)
+    inner = es.transform.jit(lambda x: loss(x)[0])
+    g2 = es.transform.grad(inner, grad_states=[w])(x)
+    assert tree_allclose(g1[w], g2[w]) and calls.value == 2
+
+
+def test_failure_inside_grad_keeps_values(linear):
+    loss, _, w, b, calls = linear
+
+    def bad(x):
+        loss(x)
+        raise RuntimeError("nope")
+
+    with pytest.raises(RuntimeError, match="nope"):
+        es.transform.grad(bad, grad_states=[w])(jnp.ones((1, 3)))
+    assert calls.value == 0

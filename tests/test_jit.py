@@ -1,0 +1,243 @@
+import eqstate as es
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from eqstate.transform import _stateful_function
+
+from .helpers import tree_allclose
+
+
+pytestmark = pytest.mark.usefixtures("tracing_mode")
+
+
+@pytest.fixture
+def rnn(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3, 3)) * 0.5, name="w")
+    h = es.ShortTermState(jnp.zeros(3), name="h")
+    steps = es.ShortTermState(jnp.array(0), name="steps")
+
+    def step(x):
+        h.value = jnp.tanh(w.value @ h.value + x)
+        steps.value = steps.value + 1
+        return h.value.sum()
+
+    def pure(w, h, steps, x):
+        h = jnp.tanh(w @ h + x)
+        return h.sum(), h, steps + 1
+
+    return step, pure, w, h, steps
+
+
+def test_jit_matches_plain_jit_of_the_pure_program(rnn, getkey):
+    step, pure, w, h, steps = rnn
+    jitted = es.transform.jit(step)
+    pure_jit = jax.jit(pure)
+    ref_h, ref_steps = h.value, steps.value
+    for _ in range(4):
+        x = jr.normal(getkey(), (3,))
+        out = jitted(x)
+        ref_out, ref_h, ref_steps = pure_jit(w.value, ref_h, ref_steps, x)
+        assert tree_allclose(out, ref_out)
+    assert tree_allclose(h.value, ref_h) and steps.value == ref_steps == 4
+
+
+def test_jit_traces_once_and_steady_calls_take_the_plan_path(
+    rnn, monkeypatch, tracing_mode
+):
+    step, _, *_ = rnn
+    traces = []
+
+    def counted(x):
+        traces.append(1)
+        return step(x)
+
+    jitted = es.transform.jit(counted)
+    jitted(jnp.ones(3))
+    slow_calls = []
+    original = _stateful_function.StatefulFunction._call_auto_slow
+    monkeypatch.setattr(
+        _stateful_function.StatefulFunction,
+        "_call_auto_slow",
+        lambda self, *a: slow_calls.append(1) or original(self, *a),
+    )
+    for _ in range(5):
+        jitted(jnp.ones(3))
+    assert slow_calls == []
+    assert len(traces) == (1 if tracing_mode == "single-pass" else 2)
+
+
+def test_read_only_states_are_not_outputs(rnn):
+    step, _, w, h, steps = rnn
+    jitted = es.transform.jit(step)
+    jitted(jnp.ones(3))
+    sf = jitted.stateful_function
+    assert sf.get_read_states() == (w,)
+    assert set(sf.get_write_states()) == {h, steps}
+    assert len(sf.get_jaxpr().jaxpr.outvars) == 3  # out, h, steps
+
+
+def test_donate_states_updates_written_states_in_place(rnn):
+    step, _, w, h, steps = rnn
+    jitted = es.transform.jit(step, donate_states=True)
+    jitted(jnp.ones(3))
+    old_h, old_w = h.value, w.value
+    jitted(jnp.ones(3))
+    assert old_h.is_deleted() and not old_w.is_deleted()
+    assert not h.value.is_deleted()
+
+
+def test_static_arguments(rnn):
+    step, *_ = rnn
+    calls = []
+
+    def f(x, n):
+        calls.append(n)
+        return x * n
+
+    jitted = es.transform.jit(f, static_argnums=1)
+    assert jitted(2.0, 3) == 6.0 and jitted(2.0, 4) == 8.0 and jitted(2.0, 3) == 6.0
+    assert sorted(set(calls)) == [3, 4]
+    named = es.transform.jit(f, static_argnames="n")
+    assert named(2.0, n=5) == 10.0
+
+
+def test_decorator_form_and_methods():
+    class Counter(eqx.Module):
+        n: es.State
+
+        def __init__(self):
+            self.n = es.State(jnp.array(0))
+
+        @es.transform.jit
+        def tick(self, k):
+            self.n.value = self.n.value + k
+            return self.n.value
+
+    @es.transform.jit(static_argnums=0)
+    def times(k, x):
+        return k * x
+
+    assert times(3, 2.0) == 6.0
+    c = Counter()
+    # `self` holds handles, which are not passed into eqstate transforms.
+    with pytest.raises(TypeError, match=r"tick received unnamed State .*\.n\. "):
+        c.tick(2)
+
+
+def test_lower_and_eval_shape(rnn):
+    step, _, w, h, steps = rnn
+    jitted = es.transform.jit(step)
+    lowered = jitted.lower(jnp.ones(3))
+    assert "tanh" in lowered.as_text()
+    shape = jitted.eval_shape(jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert shape.shape == () and steps.value == 0
+
+
+def test_a_state_whose_shape_changed_retraces_under_jit():
+    w = es.State(jnp.ones(3), name="w")
+    jitted = es.transform.jit(lambda: w.value.sum())
+    assert jitted() == 3
+    with es.scope(es.StateDict({w: jnp.ones(5)})):
+        assert jitted() == 5
+    assert jitted() == 3
+
+
+def test_jit_of_a_constructor_gives_fresh_states_each_call(getkey):
+    @es.transform.jit
+    def make(key):
+        return es.ParamState(jr.normal(key, (2,)), name="p")
+
+    a, b = make(getkey()), make(getkey())
+    assert a is not b and a.name == "p"
+    assert not jnp.allclose(a.value, b.value)
+
+
+def test_jit_under_an_outer_trace_and_in_a_scope(rnn):
+    step, _, w, h, steps = rnn
+    jitted = es.transform.jit(step)
+    outer = es.transform.StatefulFunction(lambda x: jitted(x) + jitted(x))
+    outer(jnp.ones(3))
+    assert steps.value == 2
+    sd = es.world().filter(w, h, steps)
+    with es.scope(sd) as sc:
+        jitted(jnp.ones(3))
+    assert sc.states is not None and sc.states[steps] == 3 and steps.value == 2
+
+
+def test_switching_between_argument_shapes_with_different_states():
+    a = es.State(jnp.zeros(()), name="a")
+    b = es.State(jnp.zeros(()), name="b")
+
+    def f(x):
+        target = a if x.shape[0] == 1 else b
+        target.value = target.value + x.sum()
+        return x
+
+    jitted = es.transform.jit(f)
+    for _ in range(3):
+        jitted(jnp.ones(1))
+        jitted(jnp.ones(2))
+    assert a.value == 3 and b.value == 6
+
+
+def test_failing_jit_keeps_every_value(rnn):
+    step, _, w, h, steps = rnn
+
+    def bad(x):
+        step(x)
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        es.transform.jit(bad)(jnp.ones(3))
+    assert steps.value == 0 and (h.value == 0).all()
+
+
+def test_user_errors_while_jax_retraces_are_not_swallowed(rnn):
+    def f(x):
+        if x.shape[0] == 4:
+            raise RuntimeError("only three")
+        return x
+
+    jitted = es.transform.jit(f)
+    jitted(jnp.ones(3))
+    with pytest.raises(RuntimeError, match="only three"):
+        jitted(jnp.ones(4))
+
+
+def test_jit_inside_raw_jit_at_world_level_is_refused(rnn):
+    step, *_ = rnn
+    jitted = es.transform.jit(step)
+    with pytest.raises(es.TraceContextError, match="Cannot read"):
+        jax.jit(jitted)(jnp.ones(3))
+
+
+def test_clear_cache(rnn):
+    step, *_ = rnn
+    traces = []
+    jitted = es.transform.jit(lambda x: traces.append(1) or step(x))
+    jitted(jnp.ones(3))
+    n = len(traces)
+    jitted.clear_cache()
+    jitted(jnp.ones(3))
+    assert len(traces) == 2 * n
+
+
+def test_a_runtime_error_runs_the_computation_once():
+    import equinox as eqx
+
+    runs = []
+
+    def f(x):
+        jax.debug.callback(lambda: runs.append(1))
+        return eqx.error_if(x, x > 1, "too big")
+
+    jitted = es.transform.jit(f)
+    jitted(0.5)
+    jax.effects_barrier()
+    runs.clear()
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="too big"):
+        jitted(2.0)
+    jax.effects_barrier()
+    assert len(runs) == 1

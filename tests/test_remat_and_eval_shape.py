@@ -1,0 +1,79 @@
+import eqstate as es
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+from .helpers import tree_allclose
+
+
+pytestmark = pytest.mark.usefixtures("tracing_mode")
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        None,
+        jax.checkpoint_policies.nothing_saveable,
+        jax.checkpoint_policies.dots_saveable,
+    ],
+)
+def test_checkpoint_gives_the_same_gradients(getkey, policy):
+    w = es.ParamState(jr.normal(getkey(), (4, 4)) * 0.5)
+    calls = es.ShortTermState(jnp.array(0))
+
+    def layer(x):
+        calls.value = calls.value + 1
+        return jnp.tanh(w.value @ x)
+
+    remat_layer = es.transform.checkpoint(layer, policy=policy)
+    x = jr.normal(getkey(), (4,))
+    plain = es.transform.grad(lambda x: jnp.sum(layer(layer(x))), grad_states=[w])(x)
+    remat = es.transform.grad(
+        lambda x: jnp.sum(remat_layer(remat_layer(x))), grad_states=[w]
+    )(x)
+    assert tree_allclose(plain[w], remat[w], atol=1e-5)
+    assert calls.value == 4
+
+
+def test_checkpoint_recomputes_in_the_backward_pass(getkey):
+    w = es.ParamState(jnp.ones((3, 3)))
+    layer = es.transform.remat(lambda x: jnp.sin(w.value @ x))
+    jaxpr = jax.make_jaxpr(
+        lambda sd, x: es.run(
+            es.transform.grad(lambda x: jnp.sum(layer(x)), grad_states=[w]), sd, x
+        )[1]
+    )(es.world().filter(w), jnp.ones(3))
+    assert "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
+
+
+def test_checkpoint_static_argnums_and_decorator():
+    @es.transform.checkpoint(static_argnums=1)
+    def f(x, n):
+        return x * n
+
+    assert f(2.0, 3) == 6.0
+
+
+def test_checkpoint_keeps_outputs_static_leaves():
+    s = es.State(jnp.array(1.0))
+    out = es.transform.checkpoint(lambda x: {"y": x * s.value, "tag": "ok"})(2.0)
+    assert out["tag"] == "ok" and out["y"] == 2.0
+
+
+def test_eval_shape_touches_no_value():
+    w = es.ParamState(jnp.ones((3, 5)))
+    count = es.State(jnp.array(0))
+
+    def f(x):
+        count.value = count.value + 1
+        return {"y": x @ w.value, "n": count.value}
+
+    out = es.transform.eval_shape(f, jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    assert out["y"].shape == (2, 5) and out["n"].dtype == jnp.int32
+    assert count.value == 0
+
+
+def test_eval_shape_of_a_constructor_keeps_handles():
+    out = es.transform.eval_shape(lambda: es.ParamState(jnp.zeros(4), name="p"))
+    assert isinstance(out, es.ParamState) and out.name == "p"
