@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from . import filters as filters, transform as transform
+from . import filters as filters, random as random, transform as transform
 from ._errors import (
     BatchAxisError as BatchAxisError,
     CheckpointError as CheckpointError,

@@ -101,6 +101,13 @@ def new_input(trace: Any, aval: jax.ShapeDtypeStruct) -> jax.Array:
     return trace.new_arg(abstract, source_info=_source_info_util.current())
 
 
-def is_unbatched(x: Any) -> bool:
-    """Whether `x`, seen inside `jax.vmap`, holds the same value for every lane."""
-    return getattr(x, "batch_dim", None) is None
+def is_batched_here(x: Any) -> bool:
+    """Whether `x`, seen inside `jax.vmap`, differs across the lanes of the innermost
+    vmap (a tracer of the current batching trace with a batch axis). Values of outer
+    traces or of outer vmaps count as unbatched here."""
+    # JAX 0.10: unbatched values are plain values or `BatchTracer`s whose `batch_dim`
+    # is None (the old `not_mapped`).
+    return (
+        getattr(x, "_trace", None) is current_trace()
+        and getattr(x, "batch_dim", None) is not None
+    )

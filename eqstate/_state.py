@@ -2,6 +2,9 @@
 
 from typing import Any, Generic, NoReturn, TypeVar
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jaxtyping import ArrayLike, PyTree
 
 from . import _context
@@ -132,11 +135,47 @@ class NonBatchState(State[_Value]):
     __slots__ = ()
 
 
-class RandomState(State[_Value]):
+class RandomState(State[Any]):
     """State holding a typed PRNG key (`jax.random.key`). Each sampler of
-    `eqstate.random` reads the key and writes back its successor."""
+    `eqstate.random` reads the key and writes back its successor, so random numbers
+    are ordinary state reads and writes to every transform.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+
+        rng = es.RandomState(42, name="rng")
+        k1, k2 = rng.split_key(), rng.split_key()
+        assert not (k1 == k2)
+        ```
+    """
 
     __slots__ = ()
+
+    def __init__(
+        self,
+        seed_or_key: int | ArrayLike = 0,
+        *,
+        tag: str | None = None,
+        name: str | None = None,
+    ):
+        """**Arguments:**
+
+        - `seed_or_key`: an integer seed, or a typed PRNG key (`jax.random.key`).
+        - `tag`, `name`: as for [`eqstate.State`][].
+        """
+        super().__init__(_as_key(seed_or_key), tag=tag, name=name)
+
+    def seed(self, seed_or_key: int | ArrayLike) -> None:
+        """Resets the key from an integer seed or a typed key."""
+        self.value = _as_key(seed_or_key)
+
+    def split_key(self, n: int | None = None) -> Any:
+        """Advances the key and returns a fresh one (or `n` fresh ones, stacked)."""
+        keys = jax.random.split(self.value, 2 if n is None else n + 1)
+        self.value = keys[0]
+        return keys[1] if n is None else keys[1:]
 
 
 def fresh_copy(state: State) -> State:
@@ -151,6 +190,22 @@ def fresh_copy(state: State) -> State:
         fresh.__dict__.update(state.__dict__)
     object.__setattr__(fresh, "_expired_in", None)
     return fresh
+
+
+def _as_key(seed_or_key: Any) -> Any:
+    if isinstance(seed_or_key, (int, np.integer)) or (
+        hasattr(seed_or_key, "dtype")
+        and jnp.issubdtype(seed_or_key.dtype, jnp.integer)
+        and jnp.ndim(seed_or_key) == 0
+    ):
+        return jax.random.key(seed_or_key)
+    if not jax.dtypes.issubdtype(jnp.result_type(seed_or_key), jax.dtypes.prng_key):
+        raise TypeError(
+            "A RandomState holds a typed PRNG key: pass an integer seed or a key from "
+            f"`jax.random.key`, got {seed_or_key!r}. (Legacy `uint32[2]` keys can be "
+            "converted with `jax.random.wrap_key_data`.)"
+        )
+    return seed_or_key
 
 
 def is_state(x: Any) -> bool:

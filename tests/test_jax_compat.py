@@ -66,12 +66,23 @@ def test_single_pass_can_be_switched_off_for_a_block():
     assert compat.single_pass_enabled()
 
 
-def test_is_unbatched_tells_mapped_from_broadcast_values():
+def test_is_batched_here_tells_mapped_from_broadcast_values():
     seen = []
 
     def f(x, y):
-        seen.append((compat.is_unbatched(x), compat.is_unbatched(y)))
+        seen.append((compat.is_batched_here(x), compat.is_batched_here(y)))
         return x + y
 
-    jax.vmap(f, in_axes=(0, None))(jnp.ones(3), 1.0)
+    jax.vmap(f, in_axes=(0, None))(jnp.ones(3), jnp.ones(()))
+    assert seen == [(True, False)]
+
+
+def test_is_batched_here_looks_at_the_innermost_vmap_only():
+    seen = []
+
+    def inner(x, y):
+        seen.append((compat.is_batched_here(x), compat.is_batched_here(y)))
+        return x + y
+
+    jax.vmap(lambda x: jax.vmap(inner, in_axes=(None, 0))(x, jnp.ones(2)))(jnp.ones(3))
     assert seen == [(False, True)]

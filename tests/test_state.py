@@ -18,7 +18,6 @@ KINDS = [
     es.LongTermState,
     es.ParamState,
     es.NonBatchState,
-    es.RandomState,
 ]
 
 

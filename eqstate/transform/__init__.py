@@ -19,9 +19,14 @@ from ._loops import (
     scan as scan,
     while_loop as while_loop,
 )
+from ._new_states import (
+    vmap2_new_states as vmap2_new_states,
+    vmap_new_states as vmap_new_states,
+)
 from ._progress_bar import ProgressBar as ProgressBar
 from ._remat import checkpoint as checkpoint, remat as remat
 from ._stateful_function import (
     make_jaxpr as make_jaxpr,
     StatefulFunction as StatefulFunction,
 )
+from ._vmap import vmap as vmap

@@ -57,6 +57,7 @@ class Traced:
         static_argnums: Sequence[int] = (),
         parent: "_context.Frame | None" = None,
         sf: StatefulFunction | None = None,
+        discover_in: "_context.Frame | None" = None,
     ):
         if sf is None:
             sf = StatefulFunction(
@@ -68,11 +69,17 @@ class Traced:
         self.sf = sf
         self.frame = parent if parent is not None else _context.current_frame()
         call = self.sf.parse_args(args, kwargs or {})
-        entry = self.sf.compile(call, self.frame)
-        self.values = self.frame.read_many(entry.states)
-        if entry.stale_state(self.values) is not None:
-            entry = self.sf.compile(call, self.frame, stale=entry)
+        if discover_in is not None:
+            # The states are seen as they are inside the transform (`vmap` strips
+            # their batch axes); their values come from the calling frame.
+            entry = self.sf.compile(call, discover_in)
             self.values = self.frame.read_many(entry.states)
+        else:
+            entry = self.sf.compile(call, self.frame)
+            self.values = self.frame.read_many(entry.states)
+            if entry.stale_state(self.values) is not None:
+                entry = self.sf.compile(call, self.frame, stale=entry)
+                self.values = self.frame.read_many(entry.states)
         self.entry: Compiled = entry
         self.key = call.key
 

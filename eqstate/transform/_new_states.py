@@ -1,0 +1,401 @@
+"""vmap_new_states and vmap2_new_states: build ensembles by vectorising over the states
+a function creates."""
+
+import functools as ft
+from collections.abc import Callable, Hashable
+from typing import Any, overload, ParamSpec, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from .. import _context, _jax_compat as compat
+from .._context import check_write
+from .._custom_types import AxisSpec, Filter, MISSING, Missing
+from .._errors import BatchAxisError, RAW_TRANSFORM_WRITE, TraceContextError
+from .._filters import to_predicate
+from .._pretty_print import state_label
+from .._run import run
+from .._state import NonBatchState, RandomState, State
+from .._state_dict import StateDict
+from ..random import DEFAULT
+from ._vmap import arrays_only, axis_size_of, per_argument_axes
+
+
+compat.hide_from_tracebacks(__file__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+_REPLICATED_BUT_BATCHED = (
+    "{label} is {why}, so it is created once for every lane, but its value differs "
+    "across the lanes of `vmap_new_states`. Keeping lane 0 would silently drop the "
+    "others. Make its value independent of the mapped arguments and of random draws, "
+    "or let it be batched{how}."
+)
+
+_PRE_EXISTING_WRITE = (
+    "`vmap_new_states` maps over the states its function creates; {label} existed "
+    "before the call, and writing it from every lane has no single result. Use "
+    "`eqstate.transform.vmap` with `in_states` to map over existing states."
+)
+
+
+class _LaneFrame(_context.Frame):
+    """The frame of one lane of `vmap_new_states` (it sees every lane at once, as the
+    function is traced under `jax.vmap`).
+
+    New states are kept here and returned stacked. Every random state first read in
+    the lane (the default one included) draws from a key derived from the lane's key,
+    so lanes differ; its lane-local writes are dropped, the outer key advancing once
+    per call. Pre-existing states are read (broadcast to every lane) but not written.
+    """
+
+    __slots__ = (
+        "jax_trace",
+        "lane_key",
+        "new_states",
+        "parent",
+        "randoms",
+        "tag",
+        "values",
+    )
+
+    def __init__(self, parent: _context.Frame, lane_key: Any, tag: str | None):
+        self.parent = parent
+        self.jax_trace = compat.current_trace()
+        self.lane_key = lane_key
+        self.tag = tag
+        self.values: dict[State, Any] = {}
+        self.new_states: list[State] = []
+        self.randoms: list[State] = []
+
+    def _lane_key_for(self, state: State) -> Any:
+        # Computed in the vmap's own trace even when a nested transform asks for it.
+        with compat.in_trace(self.jax_trace):
+            if state is DEFAULT:
+                key = self.lane_key
+            else:
+                key = jax.random.fold_in(self.lane_key, 1 + len(self.randoms))
+        self.randoms.append(state)
+        return key
+
+    def read(self, state):
+        value = self.values.get(state, MISSING)
+        if value is MISSING:
+            if isinstance(state, RandomState):
+                value = self.values[state] = self._lane_key_for(state)
+            else:
+                value = self.parent.fetch(state)
+        return value
+
+    fetch = read
+
+    def _store(self, state: State, value: Any) -> None:
+        if state not in self.values and not isinstance(state, RandomState):
+            raise TraceContextError(
+                _PRE_EXISTING_WRITE.format(label=_context.describe(state))
+            )
+        self.values[state] = check_write(state, self.read(state), value)
+
+    def write(self, state, value):
+        if compat.current_trace() is not self.jax_trace:
+            raise TraceContextError(
+                RAW_TRANSFORM_WRITE.format(label=state_label(state))
+            )
+        self._store(state, value)
+
+    def commit(self, updates, new=()):
+        if compat.current_trace() is not self.jax_trace:
+            label = state_label(next(iter(updates), None) or new[0][0])
+            raise TraceContextError(RAW_TRANSFORM_WRITE.format(label=label))
+        for state, value in updates.items():
+            self._store(state, value)
+        for state, value in new:
+            self.add_new(state, value)
+
+    def add_new(self, state, value):
+        if compat.current_trace() is not self.jax_trace:
+            raise TraceContextError(
+                RAW_TRANSFORM_WRITE.format(label=state_label(state))
+            )
+        if self.tag is not None:
+            object.__setattr__(state, "_tag", self.tag)
+        if isinstance(state, RandomState) and not _batched(value):
+            # A new random state seeded alike in every lane is re-keyed per lane.
+            value = self._lane_key_for(state)
+        self.values[state] = value
+        self.new_states.append(state)
+
+    def peek(self, state):
+        value = self.values.get(state, MISSING)
+        return self.parent.peek(state) if value is MISSING else value
+
+
+def _batched(value: Any) -> bool:
+    return any(compat.is_batched_here(x) for x in jtu.tree_leaves(value))
+
+
+def _build(
+    fun: Callable,
+    args: tuple,
+    *,
+    in_axes: AxisSpec,
+    out_axes: AxisSpec,
+    axis_name: Hashable | None,
+    axis_size: int | None,
+    spmd_axis_name: Any,
+    state_tag: str | None,
+    excluded: Callable[[tuple, State], bool],
+) -> Any:
+    """One call of a `vmap_new_states` function: `fun` traced once under
+    `eqx.filter_vmap`, its new states registered, stacked, in the innermost frame."""
+    frame = _context.current_frame()
+    axes = per_argument_axes(in_axes, len(args))
+    size = axis_size_of(axes, args, axis_size)
+    keys = jax.random.split(frame.read(DEFAULT), size + 1)
+    box: dict[str, Any] = {}
+
+    def lane(lane_key, args):
+        lane_frame = _LaneFrame(frame, lane_key, state_tag)
+        token = _context.enter(lane_frame)
+        try:
+            out = fun(*args)
+        finally:
+            _context.leave(token)
+        new = lane_frame.new_states
+        replicated = [isinstance(s, NonBatchState) or excluded((), s) for s in new]
+        for state, is_replicated in zip(new, replicated):
+            if is_replicated and _batched(lane_frame.values[state]):
+                non_batch = isinstance(state, NonBatchState)
+                raise BatchAxisError(
+                    _REPLICATED_BUT_BATCHED.format(
+                        label=state_label(state),
+                        why="a NonBatchState" if non_batch else "in `state_to_exclude`",
+                        how="" if non_batch else " (drop it from `state_to_exclude`)",
+                    )
+                )
+        box["new"], box["replicated"] = new, replicated
+        values = [lane_frame.values[s] for s in new]
+        batched = [v for v, r in zip(values, replicated) if not r]
+        shared = [v for v, r in zip(values, replicated) if r]
+        return out, batched, shared
+
+    out, batched, shared = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
+        lane,
+        in_axes=(0, arrays_only(axes)),
+        out_axes=(arrays_only(out_axes), 0, None),
+        axis_name=axis_name,
+        axis_size=size,
+        spmd_axis_name=spmd_axis_name,
+    )(keys[1:], args)
+    batched_iter, shared_iter = iter(batched), iter(shared)
+    new = [
+        (s, next(shared_iter) if r else next(batched_iter))
+        for s, r in zip(box["new"], box["replicated"])
+    ]
+    frame.commit({DEFAULT: keys[0]}, new)
+    return out
+
+
+@overload
+def vmap_new_states(
+    fun: Callable[_P, _T],
+    *,
+    in_axes: AxisSpec = 0,
+    out_axes: AxisSpec = 0,
+    axis_name: Hashable | None = None,
+    axis_size: int | None = None,
+    spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    state_tag: str | None = None,
+    state_to_exclude: Filter = None,
+    in_states: Any = None,
+    out_states: Any = None,
+) -> Callable[_P, _T]: ...
+
+
+@overload
+def vmap_new_states(
+    fun: Missing = MISSING,
+    *,
+    in_axes: AxisSpec = 0,
+    out_axes: AxisSpec = 0,
+    axis_name: Hashable | None = None,
+    axis_size: int | None = None,
+    spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    state_tag: str | None = None,
+    state_to_exclude: Filter = None,
+    in_states: Any = None,
+    out_states: Any = None,
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+
+
+def vmap_new_states(
+    fun: Any = MISSING,
+    *,
+    in_axes: AxisSpec = 0,
+    out_axes: AxisSpec = 0,
+    axis_name: Hashable | None = None,
+    axis_size: int | None = None,
+    spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    state_tag: str | None = None,
+    state_to_exclude: Filter = None,
+    in_states: Any = None,
+    out_states: Any = None,
+) -> Any:
+    """Vectorises `fun` over the states it creates: builds an ensemble in one call.
+
+    Unlike [`eqstate.transform.vmap`][], which maps over states that already exist,
+    this maps over the states created during the call (for example, the parameters a
+    model's `__init__` allocates). Each lane of the mapped axis creates its own copy of
+    every new state; their values are stacked on a leading axis and registered in the
+    enclosing context (the world, a scope, or the trace of an enclosing transform).
+    Random states are split per lane, so randomly initialised values differ across
+    lanes; the default random key advances once per call.
+
+    `fun` is executed **exactly once per call**, traced under `eqx.filter_vmap` over a
+    constructor that receives its lane's random key. There is no eager probe, so
+    `fun` need not be idempotent, and the handles it hands out through Python side
+    effects are the real batched states (the reference library runs `fun` twice: an
+    eager probe, then the mapped pass). Calling the mapped function twice creates two
+    distinct sets of states.
+
+    `NonBatchState`s and the states matching `state_to_exclude` are replicated: one
+    value shared by every lane. Their value must not differ across lanes, else
+    [`eqstate.BatchAxisError`][] (rather than silently keeping lane 0).
+
+    Inside `fun`, pre-existing states can be read (every lane sees the same value) but
+    not written.
+
+    **Arguments:**
+
+    - `fun`: the function to vectorise. If omitted, returns a decorator.
+    - `in_axes`: the mapped axis of each positional argument, as in `jax.vmap`;
+        `None` broadcasts an argument.
+    - `out_axes`: where the mapped axis goes in the output. Handles in the output are
+        returned as they are.
+    - `axis_name`: a name for the mapped axis, for collectives (`jax.lax.psum`, ...).
+    - `axis_size`: the size of the mapped axis; inferred from the mapped arguments
+        when omitted. Must be positive.
+    - `spmd_axis_name`: as in `jax.vmap`.
+    - `state_tag`: a tag given to every new state.
+    - `state_to_exclude`: a filter of new states to replicate instead of batching.
+    - `in_states`, `out_states`: not supported: there are no pre-existing states to
+        declare. Passing either raises `ValueError`; use
+        [`eqstate.transform.vmap`][].
+
+    **Returns:**
+
+    A function with the signature of `fun` (positional arguments only:
+    keyword arguments raise `NotImplementedError`).
+
+    **Raises:**
+
+    `ValueError` if `axis_size` is not positive, or if `in_states` or `out_states` is
+    given.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        @es.transform.vmap_new_states(in_axes=0, axis_size=4)
+        def build(x):
+            scratch = es.ShortTermState(jnp.zeros(()))
+            scratch.value = scratch.value + x
+            return scratch.value
+
+        assert (build(jnp.arange(4.0)) == jnp.array([0.0, 1.0, 2.0, 3.0])).all()
+        ```
+    """
+    if in_states is not None or out_states is not None:
+        raise ValueError(
+            "`vmap_new_states` maps over the states `fun` creates, so there are no "
+            "pre-existing states to declare: `in_states` and `out_states` are not "
+            "supported. Use `eqstate.transform.vmap` to map over existing states."
+        )
+    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
+        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    excluded = to_predicate(state_to_exclude)
+    options = dict(
+        in_axes=in_axes,
+        out_axes=out_axes,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        spmd_axis_name=spmd_axis_name,
+        state_tag=state_tag,
+    )
+    if fun is MISSING:
+        return lambda f: vmap_new_states(
+            f, **options, state_to_exclude=state_to_exclude
+        )
+
+    @ft.wraps(fun)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise NotImplementedError(
+                "`vmap_new_states` does not map keyword arguments "
+                f"({', '.join(sorted(kwargs))}). Pass them positionally, with "
+                "`in_axes=None` for those to broadcast, or close over them."
+            )
+        return _build(fun, args, **options, excluded=excluded)
+
+    return mapped
+
+
+def vmap2_new_states(
+    ctor: Callable[..., _T],
+    *,
+    axis_size: int,
+    in_axes: AxisSpec = None,
+    state_tag: str | None = None,
+    state_to_exclude: Filter = None,
+) -> Callable[..., tuple[_T, StateDict]]:
+    """Builds an ensemble of modules without touching the world: the module-oriented
+    form of [`eqstate.transform.vmap_new_states`][].
+
+    **Arguments:**
+
+    - `ctor`: builds one member (e.g. an `eqx.Module` class). It runs once, traced
+        under the vmap.
+    - `axis_size`: the number of members. (Keyword only argument.)
+    - `in_axes`: the mapped axis of each argument of `ctor`; by default every
+        argument is shared. (Keyword only argument.)
+    - `state_tag`, `state_to_exclude`: as for `vmap_new_states`.
+
+    **Returns:**
+
+    A function taking `ctor`'s arguments and returning `(module, states)`: the module
+    (its handles name the batched states) and a [`eqstate.StateDict`][] of their
+    stacked values, ready for `eqstate.run` or `eqstate.transform.vmap` with
+    `in_states={0: states}`. The default random key of the calling context advances
+    once; no state is registered there.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+
+        make = es.transform.vmap2_new_states(
+            lambda: es.ParamState(es.random.normal((3,))), axis_size=5
+        )
+        w, states = make()
+        assert states[w].shape == (5, 3)
+        ```
+    """
+    build = vmap_new_states(
+        ctor,
+        in_axes=in_axes,
+        axis_size=axis_size,
+        state_tag=state_tag,
+        state_to_exclude=state_to_exclude,
+    )
+
+    @ft.wraps(ctor)
+    def make(*args: Any) -> tuple[_T, StateDict]:
+        seed = StateDict({DEFAULT: DEFAULT.split_key()})
+        states, module = run(build, seed, *args)
+        return module, states.split(DEFAULT)[1]
+
+    return make

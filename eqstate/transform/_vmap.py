@@ -1,0 +1,412 @@
+"""vmap: `jax.vmap` over a function that uses pre-existing states."""
+
+import functools as ft
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _context, _jax_compat as compat
+from .._custom_types import AxisSpec, Filter, MISSING
+from .._errors import BatchAxisError, StateValueError
+from .._filters import to_predicate
+from .._pretty_print import state_label, value_summary
+from .._state import RandomState, State
+from .._state_dict import StateDict
+from ._common import abstract, Traced
+from ._stateful_function import StatefulFunction
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+_UNDECLARED_BATCHED_WRITE = (
+    "{label} is written inside `vmap` with a value that differs across the mapped "
+    "axis, but it is not declared in `in_states`, so it holds one value for every "
+    "lane and a batched write cannot be stored without losing lanes. Declare it to "
+    "give it a batch axis (its value must then have one): `vmap(f, in_states={{0: "
+    "state}})`, or write a value that does not depend on the mapped arguments."
+)
+
+
+def per_argument_axes(in_axes: AxisSpec, n_args: int) -> tuple:
+    """`in_axes` as one (prefix) entry per positional argument, as `jax.vmap` reads it."""
+    if in_axes is None or isinstance(in_axes, int):
+        return (in_axes,) * n_args
+    if isinstance(in_axes, (list, tuple)):
+        if len(in_axes) != n_args:
+            raise ValueError(
+                f"`in_axes` has {len(in_axes)} entries, but the function was called "
+                f"with {n_args} positional argument(s). Give one entry per argument, "
+                "or a single int or None for all of them."
+            )
+        return tuple(in_axes)
+    raise TypeError(
+        f"`in_axes` must be an int, None, or a tuple/list with one entry per "
+        f"argument, got {in_axes!r}."
+    )
+
+
+def axis_size_of(
+    axes: tuple,
+    args: tuple,
+    axis_size: int | None,
+    extra: dict[str, int] | None = None,
+    *,
+    required: bool = True,
+) -> Any:
+    """The size of the mapped axis, shared by `axis_size` (if given), every mapped
+    argument, and every entry of `extra` (e.g. mapped states)."""
+    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
+        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    sizes: dict[str, int] = {} if axis_size is None else {"axis_size": axis_size}
+    sizes.update(extra or {})
+
+    def collect(axis: Any, subtree: Any, where: str) -> None:
+        if axis is None:
+            return
+        for path, leaf in jtu.tree_leaves_with_path(subtree):
+            shape = getattr(leaf, "shape", None)
+            if shape is None:
+                continue
+            if not -len(shape) <= axis < len(shape):
+                raise ValueError(
+                    f"`in_axes` maps {where}{jtu.keystr(path)} along axis {axis}, but it "
+                    f"has shape {tuple(shape)}."
+                )
+            sizes[f"{where}{jtu.keystr(path)}"] = shape[axis]
+
+    for i, (axis, arg) in enumerate(zip(axes, args)):
+        jtu.tree_map(
+            lambda a, sub, i=i: collect(a, sub, f"argument {i}"),
+            axis,
+            arg,
+            is_leaf=lambda x: x is None,
+        )
+    if not sizes:
+        if not required:
+            return None
+        raise ValueError(
+            "Cannot infer the size of the mapped axis: no argument (or state) is mapped. "
+            "Pass `axis_size`."
+        )
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise ValueError(f"The mapped axis has inconsistent sizes ({shown}).")
+    return next(iter(sizes.values()))
+
+
+def arrays_only(axes: AxisSpec) -> AxisSpec:
+    """Makes every int of an axis spec apply to array leaves only (`eqx.if_array`), so
+    that non-array leaves, such as handles, pass through `eqx.filter_vmap` as they
+    are."""
+    return jtu.tree_map(
+        lambda a: eqx.if_array(a) if isinstance(a, int) else a,
+        axes,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def parse_state_axes(spec: Any, what: str) -> list[tuple[int, Callable]]:
+    """`{axis: filter}` (or a bare filter, for axis 0) as `(axis, predicate)` pairs."""
+    if spec is None:
+        return []
+    if isinstance(spec, StateDict):
+        spec = spec.states
+    if isinstance(spec, dict) and all(isinstance(k, int) for k in spec):
+        pairs = []
+        for axis, filter in spec.items():
+            if isinstance(filter, StateDict):
+                filter = filter.states
+            pairs.append((axis, to_predicate(filter)))
+        return pairs
+    if isinstance(spec, dict):
+        raise TypeError(
+            f"`{what}` must map integer axes to filters, like `{{0: eqstate.ParamState}}`, "
+            f"got keys {list(spec)!r}."
+        )
+    return [(0, to_predicate(spec))]
+
+
+def axis_of(state: State, pairs: list[tuple[int, Callable]]) -> int | None:
+    return next((axis for axis, p in pairs if p((), state)), None)
+
+
+class _LaneView(_context.Frame):
+    """What the function sees of the calling frame inside `vmap`: mapped states lose
+    their batch axis. Used only as the parent of the discovery trace."""
+
+    __slots__ = ("axes", "parent")
+
+    def __init__(self, parent: _context.Frame, axes: Callable[[State], int | None]):
+        self.parent = parent
+        self.axes = axes
+
+    def fetch(self, state):
+        value = self.parent.fetch(state)
+        axis = self.axes(state)
+        if axis is None:
+            return value
+        return jtu.tree_map(lambda x: _lane_of(state, x, axis), value)
+
+    read = fetch
+
+    def peek(self, state):
+        return self.parent.peek(state)
+
+
+def _lane_of(state: State, x: Any, axis: int) -> Any:
+    aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+    shape = aval.shape
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(
+            f"`in_states` maps {state_label(state, x)} along axis {axis}, which it does "
+            "not have. A mapped state's value needs the batch axis."
+        )
+    axis %= len(shape)
+    lane = jax.ShapeDtypeStruct(
+        shape[:axis] + shape[axis + 1 :], aval.dtype, weak_type=aval.weak_type
+    )
+    # Single-pass tracing only needs the type; the two-pass fallback runs the function
+    # on its first pass, so it needs a value.
+    return lane if compat.single_pass_enabled() else placeholder(lane)
+
+
+def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
+    """An array of type `struct` (zeros, or keys made from zeros)."""
+    if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(jax.random.key(0, impl=None))
+        data_shape = jax.random.key_data(jax.random.key(0)).shape
+        return jax.random.wrap_key_data(
+            jnp.zeros(struct.shape + data_shape, jnp.uint32), impl=impl
+        )
+    return jnp.zeros(struct.shape, struct.dtype)
+
+
+def vmap(
+    fun: Any = MISSING,
+    *,
+    in_axes: AxisSpec = 0,
+    out_axes: AxisSpec = 0,
+    axis_name: Hashable | None = None,
+    axis_size: int | None = None,
+    spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    in_states: Filter | dict[int, Filter] | None = None,
+    out_states: Filter | dict[int, Filter] | None = None,
+) -> Any:
+    """Vectorises `fun` over its arguments and over the pre-existing states declared
+    in `in_states`, like `jax.vmap`.
+
+    Declared states are mapped: their values have a batch axis, each lane sees one
+    slice, and their new values are stacked back. Every other state is broadcast: all
+    lanes see the same value, and writing it with a value that differs across lanes
+    raises [`eqstate.BatchAxisError`][] naming it. Random states read inside are split
+    per lane (so every lane draws different numbers) and their outer key advances
+    once. States cannot be created inside `vmap`: use
+    [`eqstate.transform.vmap_new_states`][].
+
+    **Arguments:**
+
+    - `fun`: the function to vectorise. If omitted, `vmap` returns a decorator.
+    - `in_axes`, `out_axes`, `axis_name`, `axis_size`, `spmd_axis_name`: as in
+        `jax.vmap` (keyword arguments of the call are mapped along axis 0).
+    - `in_states`: the states to map, as `{axis: filter}` (a bare filter means axis
+        0); filters as in [`eqstate.filters`][], e.g. `{0: ensemble_states}`.
+    - `out_states`: the axis of mapped states in the output, as `{axis: filter}`;
+        by default their input axis. A state must keep its shape.
+
+    **Returns:**
+
+    A function with the signature of `fun`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.arange(6.0).reshape(3, 2))  # 3 ensemble members
+        scale = es.State(jnp.array(10.0))                 # shared
+
+        @es.transform.vmap(in_states={0: w})
+        def predict(x):
+            return scale.value * (w.value @ x)
+
+        assert predict(jnp.ones((3, 2))).shape == (3,)
+        ```
+    """
+    if fun is MISSING:
+        return lambda f: vmap(
+            f,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            spmd_axis_name=spmd_axis_name,
+            in_states=in_states,
+            out_states=out_states,
+        )
+    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
+        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    in_pairs = parse_state_axes(in_states, "in_states")
+    out_pairs = parse_state_axes(out_states, "out_states")
+    name = getattr(fun, "__name__", None)
+    # With `axis_name`, the discovery trace needs the axis (and its size) in scope.
+    traces: dict[int | None, StatefulFunction] = {}
+
+    def stateful_function(size: int | None) -> StatefulFunction:
+        key = size if axis_name is not None else None
+        if key not in traces:
+            axis_env = None if key is None else [(axis_name, key)]
+            traces[key] = StatefulFunction(
+                fun, state_returns="write", name=name, axis_env=axis_env
+            )
+        return traces[key]
+
+    @ft.wraps(fun)
+    def vmapped(*args: Any, **kwargs: Any) -> Any:
+        frame = _context.current_frame()
+        axes = per_argument_axes(in_axes, len(args))
+        lane_args = tuple(_lane_args(a, ax) for a, ax in zip(args, axes))
+        lane_kwargs = {k: _lane_args(v, 0) for k, v in kwargs.items()}
+        # None if only states are mapped: their values give the size.
+        size = axis_size_of((*axes, 0), (*args, kwargs), axis_size, required=False)
+
+        def mapped_axis(state: State) -> int | None:
+            return axis_of(state, in_pairs)
+
+        def discover(size: int | None) -> Traced:
+            return Traced(
+                fun,
+                lane_args,
+                lane_kwargs,
+                sf=stateful_function(size),
+                discover_in=_LaneView(frame, mapped_axis),
+            )
+
+        if size is None and axis_name is not None:
+            # Only states are mapped, so their values give the size: find them with
+            # a stand-in size, then trace again with the real one.
+            first = discover(1)
+            size = axis_size_of(axes, args, None, _state_sizes(first, mapped_axis))
+        traced = discover(size)
+        traced.refuse_new_states("`vmap` (use `vmap_new_states` to create states)")
+        return _call_vmapped(
+            traced, args, kwargs, axes, mapped_axis, out_pairs,
+            out_axes=out_axes, axis_name=axis_name, axis_size=size,
+            spmd_axis_name=spmd_axis_name,
+        )  # fmt: skip
+
+    return vmapped
+
+
+def _lane_args(tree: Any, axis: Any) -> Any:
+    """The per-lane abstract values of an argument mapped with `axis` (a prefix)."""
+
+    def strip(a: Any, sub: Any) -> Any:
+        if a is None:
+            return sub
+
+        def one(x: Any) -> Any:
+            if not hasattr(x, "shape"):
+                return x
+            ax = a % len(x.shape)
+            return jax.ShapeDtypeStruct(x.shape[:ax] + x.shape[ax + 1 :], x.dtype)
+
+        return jtu.tree_map(one, abstract(sub))
+
+    return jtu.tree_map(strip, axis, tree, is_leaf=lambda x: x is None)
+
+
+def _call_vmapped(
+    traced: Traced,
+    args: tuple,
+    kwargs: dict,
+    axes: tuple,
+    mapped_axis: Callable[[State], int | None],
+    out_pairs: list,
+    **vmap_options: Any,
+) -> Any:
+    states = traced.states
+    values = dict(zip(states, traced.values))
+    mapped = {s: a for s in states if (a := mapped_axis(s)) is not None}
+    randoms = [
+        s
+        for s in states
+        if isinstance(s, RandomState) and s not in mapped and jnp.ndim(values[s]) == 0
+    ]
+    written = set(traced.written)
+    mapped_written = [s for s in states if s in mapped and s in written]
+    broadcast_written = [
+        s for s in states if s in written and s not in mapped and s not in randoms
+    ]
+    size = axis_size_of(
+        axes, args, vmap_options.pop("axis_size"), _state_sizes(traced, mapped_axis)
+    )
+
+    outer_keys, lane_keys = [], []
+    for s in randoms:
+        keys = jax.random.split(values[s], size + 1)
+        outer_keys.append(keys[0])
+        lane_keys.append(keys[1:])
+
+    mapped_states = list(mapped)
+
+    def lane(mapped_values, keys, args, kwargs):
+        current = dict(values)
+        current.update(zip(mapped_states, mapped_values))
+        current.update(zip(randoms, keys))
+        out, updates, _ = traced.call([current[s] for s in states], args, kwargs)
+        for s in broadcast_written:
+            if any(compat.is_batched_here(x) for x in jtu.tree_leaves(updates[s])):
+                raise BatchAxisError(
+                    _UNDECLARED_BATCHED_WRITE.format(label=state_label(s))
+                )
+        return (
+            out,
+            [updates[s] for s in mapped_written],
+            [updates[s] for s in broadcast_written],
+        )
+
+    out_state_axes = [axis_of(s, out_pairs) for s in mapped_written]
+    out_state_axes = [
+        mapped[s] if a is None else a for s, a in zip(mapped_written, out_state_axes)
+    ]
+    in_vmap_axes = ([mapped[s] for s in mapped_states], 0, arrays_only(axes), 0)
+    out, new_mapped, new_broadcast = eqx.filter_vmap(
+        lane,
+        in_axes=in_vmap_axes,
+        out_axes=(arrays_only(vmap_options.pop("out_axes")), out_state_axes, None),
+        axis_size=size,
+        **vmap_options,
+    )([values[s] for s in mapped_states], lane_keys, args, kwargs)
+    updates = dict(zip(broadcast_written, new_broadcast))
+    for state, value in zip(mapped_written, new_mapped):
+        _check_same_shape(state, values[state], value)
+        updates[state] = value
+    updates.update(zip(randoms, outer_keys))
+    traced.commit(updates)
+    return out
+
+
+def _state_sizes(traced: Traced, mapped_axis: Callable) -> dict[str, int]:
+    sizes = {}
+    for state, value in zip(traced.states, traced.values):
+        axis = mapped_axis(state)
+        if axis is not None:
+            sizes[state_label(state, value)] = jtu.tree_leaves(value)[0].shape[axis]
+    return sizes
+
+
+def _check_same_shape(state: State, old: Any, new: Any) -> None:
+    if [x.shape for x in jtu.tree_leaves(old)] != [
+        x.shape for x in jtu.tree_leaves(new)
+    ]:
+        raise StateValueError(
+            f"`out_states` would change the shape of {state_label(state, old)} to "
+            f"{value_summary(new)}. A mapped state keeps its shape: give it the same "
+            "axis in `out_states` as in `in_states`."
+        )

@@ -1,0 +1,276 @@
+import eqstate as es
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+import pytest
+
+from .helpers import tree_allclose, tree_bitwise_equal
+
+
+pytestmark = pytest.mark.usefixtures("tracing_mode")
+
+
+def test_the_reference_docstring_example():
+    @es.transform.vmap_new_states(in_axes=0, axis_size=4)
+    def build(x):
+        scratch = es.ShortTermState(jnp.zeros(()))
+        scratch.value = scratch.value + x
+        return scratch.value
+
+    out = build(jnp.arange(4.0))
+    assert out.dtype == jnp.float32 and (out == jnp.array([0.0, 1.0, 2.0, 3.0])).all()
+
+
+def test_each_lane_creates_its_own_copy_stacked_and_registered_in_the_world():
+    @es.transform.vmap_new_states(axis_size=3)
+    def make():
+        return es.ParamState(jnp.ones(2), name="w"), es.ShortTermState(jnp.array(0))
+
+    w, n = make()
+    assert w.value.shape == (3, 2) and n.value.shape == (3,)
+    assert w in es.world() and w.name == "w"
+
+
+def test_axis_size_is_inferred_from_mapped_arguments():
+    make = es.transform.vmap_new_states(lambda x: es.State(x * 2))
+    s = make(jnp.arange(5.0))
+    assert tree_allclose(s.value, jnp.arange(5.0) * 2)
+
+
+def test_fun_runs_exactly_once_per_call_and_side_effect_handles_are_real():
+    runs, handed_out = [], []
+
+    def ctor():
+        runs.append(1)
+        s = es.ParamState(es.random.normal((2,)))
+        handed_out.append(s)
+        return None
+
+    es.transform.vmap_new_states(ctor, axis_size=4)()
+    assert len(runs) == 1
+    (s,) = handed_out
+    assert s.value.shape == (4, 2)
+
+
+def test_random_initialisation_differs_across_lanes_and_the_key_advances_once():
+    es.random.seed(1)
+    before = es.random.get_key()
+    w = es.transform.vmap_new_states(
+        lambda: es.ParamState(es.random.normal((3,))), axis_size=6
+    )()
+    rows = {tuple(r) for r in w.value.tolist()}
+    assert len(rows) == 6
+    assert tree_bitwise_equal(es.random.get_key(), jax.random.split(before, 7)[0])
+
+
+def test_new_random_states_are_rekeyed_per_lane():
+    rng = es.transform.vmap_new_states(lambda: es.RandomState(0), axis_size=3)()
+    data = jax.random.key_data(rng.value)
+    assert len({tuple(d) for d in data.tolist()}) == 3
+
+
+def test_calling_twice_creates_two_sets_of_states():
+    make = es.transform.vmap_new_states(
+        lambda: es.ParamState(jnp.zeros(2)), axis_size=2
+    )
+    a, b = make(), make()
+    assert a is not b and a in es.world() and b in es.world()
+
+
+def test_state_tag_tags_the_new_states():
+    make = es.transform.vmap_new_states(
+        lambda: (es.ParamState(jnp.zeros(2)), es.State(jnp.zeros(()), tag="own")),
+        axis_size=2,
+        state_tag="ensemble",
+    )
+    a, b = make()
+    assert a.tag == "ensemble" and b.tag == "ensemble"
+    assert set(es.world().filter("ensemble").states) >= {a, b}
+
+
+def test_non_batch_and_excluded_states_are_replicated():
+    def ctor():
+        shared = es.NonBatchState(jnp.arange(3.0), name="shared")
+        excluded = es.State(jnp.ones(2), tag="skip")
+        batched = es.State(jnp.ones(2))
+        return shared, excluded, batched
+
+    shared, excluded, batched = es.transform.vmap_new_states(
+        ctor, axis_size=4, state_to_exclude="skip"
+    )()
+    assert shared.value.shape == (3,) and excluded.value.shape == (2,)
+    assert batched.value.shape == (4, 2)
+
+
+def test_a_replicated_state_that_differs_across_lanes_is_an_error():
+    def ctor(x):
+        return es.NonBatchState(x, name="shared")
+
+    with pytest.raises(
+        es.BatchAxisError, match="NonBatchState 'shared' is a NonBatchState"
+    ):
+        es.transform.vmap_new_states(ctor)(jnp.arange(3.0))
+    with pytest.raises(es.BatchAxisError, match="in `state_to_exclude`"):
+        es.transform.vmap_new_states(
+            lambda: es.State(es.random.normal(), tag="x"),
+            axis_size=2,
+            state_to_exclude="x",
+        )()
+
+
+def test_in_states_out_states_and_bad_axis_sizes_are_refused():
+    with pytest.raises(ValueError, match=r"Use `eqstate\.transform\.vmap`"):
+        es.transform.vmap_new_states(lambda: None, in_states=es.State)
+    with pytest.raises(
+        ValueError, match="in_states` and `out_states` are not supported"
+    ):
+        es.transform.vmap_new_states(lambda: None, out_states={0: es.State})
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="positive integer"):
+            es.transform.vmap_new_states(lambda: None, axis_size=bad)
+
+
+def test_keyword_arguments_are_not_implemented():
+    make = es.transform.vmap_new_states(lambda x=1.0: es.State(x), axis_size=2)
+    with pytest.raises(NotImplementedError, match="keyword arguments"):
+        make(x=jnp.ones(2))
+
+
+def test_decorator_form_and_in_axes_none():
+    @es.transform.vmap_new_states(in_axes=(0, None))
+    def make(x, scale):
+        return es.State(x * scale)
+
+    s = make(jnp.arange(3.0), 2.0)
+    assert tree_allclose(s.value, jnp.arange(3.0) * 2)
+
+
+def test_axis_name_collectives_work():
+    @es.transform.vmap_new_states(axis_name="lane", axis_size=4)
+    def make():
+        s = es.State(es.random.uniform())
+        return s, jax.lax.psum(s.value, "lane")
+
+    s, total = make()
+    assert tree_allclose(total, jnp.full(4, s.value.sum()))
+
+
+def test_pre_existing_states_can_be_read_but_not_written():
+    scale = es.State(jnp.array(3.0), name="scale")
+    s = es.transform.vmap_new_states(
+        lambda: es.State(jnp.ones(2) * scale.value), axis_size=2
+    )()
+    assert tree_allclose(s.value, jnp.full((2, 2), 3.0))
+
+    def bad():
+        scale.value = jnp.array(4.0)
+
+    with pytest.raises(
+        es.TraceContextError, match=r"State 'scale' \(f32\[\]\) existed before"
+    ):
+        es.transform.vmap_new_states(bad, axis_size=2)()
+    assert scale.value == 3.0
+
+
+def test_new_states_register_in_the_enclosing_scope_or_trace():
+    with es.scope(es.world().filter(es.random.DEFAULT)) as sc:
+        s = es.transform.vmap_new_states(lambda: es.State(jnp.zeros(2)), axis_size=3)()
+    assert sc.states is not None and sc.states[s].shape == (3, 2)
+    assert s not in es.world()
+
+    @es.transform.jit
+    def build():
+        return es.transform.vmap_new_states(
+            lambda: es.ParamState(es.random.normal((2,))), axis_size=3
+        )()
+
+    a, b = build(), build()
+    assert a is not b and a.value.shape == (3, 2)
+    assert not jnp.allclose(a.value, b.value)
+
+
+def test_a_jit_inside_the_constructor_reads_random_states_per_lane():
+    inner = es.transform.jit(lambda: es.random.normal((2,)))
+    s = es.transform.vmap_new_states(lambda: es.State(inner()), axis_size=3)()
+    assert len({tuple(r) for r in s.value.tolist()}) == 3
+
+
+def test_a_failing_constructor_registers_nothing():
+    before = len(es.world())
+    key = es.random.get_key()
+
+    def ctor():
+        es.ParamState(jnp.zeros(2))
+        raise RuntimeError("half-built")
+
+    with pytest.raises(RuntimeError, match="half-built"):
+        es.transform.vmap_new_states(ctor, axis_size=2)()
+    assert len(es.world()) <= before
+    assert tree_bitwise_equal(es.random.get_key(), key)
+
+
+class MLP(eqx.Module):
+    w1: es.ParamState
+    b1: es.ParamState
+    w2: es.ParamState
+    b2: es.ParamState
+
+    def __init__(self, n_in=2, n_hidden=8):
+        self.w1 = es.ParamState(es.random.normal((n_hidden, n_in)) * 0.5, name="w1")
+        self.b1 = es.ParamState(jnp.zeros(n_hidden), name="b1")
+        self.w2 = es.ParamState(es.random.normal((1, n_hidden)) * 0.5, name="w2")
+        self.b2 = es.ParamState(jnp.zeros(1), name="b2")
+
+    def __call__(self, x):
+        h = jnp.tanh(self.w1.value @ x + self.b1.value)
+        return (self.w2.value @ h + self.b2.value)[0]
+
+
+def test_vmap2_new_states_builds_without_touching_the_world():
+    before = set(es.world().states)
+    model, states = es.transform.vmap2_new_states(MLP, axis_size=5)()
+    assert set(es.world().states) == before
+    assert states[model.w1].shape == (5, 8, 2)
+    outs = es.transform.vmap(lambda x: model(x), in_states={0: es.ParamState})
+    with es.scope(states):
+        ys = outs(jnp.ones((5, 2)))
+    assert ys.shape == (5,) and len(set(ys.tolist())) == 5
+
+
+def test_ensemble_of_mlps_built_evaluated_and_trained(getkey):
+    es.random.seed(0)
+    ensemble = es.transform.vmap_new_states(MLP, axis_size=8)()
+    params = es.states_of(ensemble, es.ParamState)
+    xs = jr.normal(getkey(), (16, 2))
+    ys = jnp.sin(xs[:, 0]) * xs[:, 1]
+
+    def member_loss(x_batch, y_batch):
+        preds = jax.vmap(ensemble)(x_batch)
+        return jnp.mean((preds - y_batch) ** 2)
+
+    @es.transform.vmap(in_states={0: params}, in_axes=None)
+    def losses(x_batch, y_batch):
+        return member_loss(x_batch, y_batch)
+
+    before = losses(xs, ys)
+    assert before.shape == (8,) and len(set(before.tolist())) == 8
+
+    optimizer = optax.adam(3e-2)
+    opt_state = optimizer.init(es.values_of(ensemble, es.ParamState))
+    loss_and_grad = es.transform.jit(
+        es.transform.value_and_grad(
+            lambda x, y: losses(x, y).sum(), grad_states=es.ParamState
+        )
+    )
+    for _ in range(30):
+        _, grads = loss_and_grad(xs, ys)
+        current = es.values_of(ensemble, es.ParamState)
+        updates, opt_state = optimizer.update(grads, opt_state, current)
+        es.assign(optax.apply_updates(current, updates))
+
+    after = losses(xs, ys)
+    assert (after < before).all()
+    w1 = ensemble.w1.value
+    assert len({tuple(r.ravel().tolist()) for r in w1}) == 8

@@ -1,0 +1,147 @@
+import eqstate as es
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+from .helpers import tree_allclose, tree_bitwise_equal
+
+
+pytestmark = pytest.mark.usefixtures("tracing_mode")
+
+
+def test_vmap_over_arguments_matches_jax_with_broadcast_states(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3, 2)))
+    xs = jr.normal(getkey(), (5, 2))
+    out = es.transform.vmap(lambda x: w.value @ x)(xs)
+    wv = w.value
+    assert tree_allclose(out, jax.vmap(lambda x: wv @ x)(xs))
+
+
+def test_declared_states_are_mapped_and_written_back(getkey):
+    w = es.ParamState(jr.normal(getkey(), (4, 3)), name="w")
+    count = es.ShortTermState(jnp.zeros(4), name="count")
+
+    @es.transform.vmap(in_states={0: (w, count)})
+    def step(x):
+        count.value = count.value + x
+        return jnp.sum(w.value * x)
+
+    xs = jnp.arange(4.0)
+    out = step(xs)
+    assert tree_allclose(out, jnp.sum(w.value, axis=1) * xs)
+    assert tree_allclose(count.value, xs)
+
+
+def test_a_bare_filter_maps_along_axis_zero_and_other_axes_work(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3, 5)), tag="ens")
+    by_tag = es.transform.vmap(lambda: w.value.sum(), in_states="ens", axis_size=3)()
+    assert tree_allclose(by_tag, w.value.sum(axis=1))
+    by_axis = es.transform.vmap(lambda: w.value.sum(), in_states={1: w})()
+    assert tree_allclose(by_axis, w.value.sum(axis=0))
+
+
+def test_out_states_must_keep_the_shape(getkey):
+    w = es.State(jnp.zeros((2, 3)), name="w")
+    f = es.transform.vmap(
+        lambda: setattr(w, "value", w.value + 1), in_states={0: w}, out_states={1: w}
+    )
+    with pytest.raises(ValueError, match="would change the shape of State 'w'"):
+        f()
+    assert (w.value == 0).all()
+
+
+def test_batched_write_to_an_undeclared_state_raises_naming_it():
+    s = es.State(jnp.zeros(()), name="total")
+
+    def f(x):
+        s.value = s.value + x
+        return x
+
+    with pytest.raises(
+        es.BatchAxisError, match="State 'total' is written inside `vmap`"
+    ):
+        es.transform.vmap(f)(jnp.arange(3.0))
+    assert s.value == 0
+
+
+def test_unbatched_write_to_an_undeclared_state_is_kept():
+    s = es.State(jnp.zeros(()), name="seen")
+    es.transform.vmap(lambda x: setattr(s, "value", jnp.ones(())) or x)(jnp.arange(3.0))
+    assert s.value == 1
+
+
+def test_random_states_are_split_per_lane_and_advance_once():
+    es.random.seed(0)
+    key = es.random.get_key()
+    samples = es.transform.vmap(lambda _: es.random.normal(), axis_size=4)(jnp.zeros(4))
+    assert len(set(samples.tolist())) == 4
+    advanced, lanes = jax.random.split(key, 5)[0], jax.random.split(key, 5)[1:]
+    assert tree_bitwise_equal(es.random.get_key(), advanced)
+    expected = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[1]))(lanes)
+    assert tree_allclose(samples, expected)
+
+
+def test_axis_name_collectives(getkey):
+    w = es.ParamState(jr.normal(getkey(), (4,)))
+    out = es.transform.vmap(
+        lambda: w.value / jax.lax.psum(w.value, "i"), in_states=w, axis_name="i"
+    )()
+    assert tree_allclose(out, w.value / w.value.sum())
+
+
+def test_in_axes_none_and_keyword_arguments(getkey):
+    out = es.transform.vmap(lambda x, y, *, z: x + y + z, in_axes=(0, None))(
+        jnp.arange(3.0), 10.0, z=jnp.ones(3)
+    )
+    assert tree_allclose(out, jnp.arange(3.0) + 11)
+
+
+def test_axis_size_inference_errors():
+    with pytest.raises(ValueError, match="Cannot infer the size"):
+        es.transform.vmap(lambda: 1.0)()
+    with pytest.raises(ValueError, match="inconsistent sizes"):
+        es.transform.vmap(lambda x, y: x + y)(jnp.ones(2), jnp.ones(3))
+    with pytest.raises(ValueError, match="positive integer"):
+        es.transform.vmap(lambda: 1.0, axis_size=0)
+    with pytest.raises(ValueError, match="one entry per argument"):
+        es.transform.vmap(lambda x: x, in_axes=(0, 0))(jnp.ones(2))
+
+
+def test_a_mapped_state_needs_the_axis():
+    s = es.State(jnp.zeros(()), name="scalar")
+    with pytest.raises(ValueError, match=r"maps State 'scalar' .* along axis 0"):
+        es.transform.vmap(lambda: s.value, in_states=s, axis_size=2)()
+
+
+def test_bad_state_spec():
+    with pytest.raises(TypeError, match="integer axes"):
+        es.transform.vmap(lambda: 0.0, in_states={"a": es.State})
+
+
+def test_states_cannot_be_created_inside_vmap():
+    with pytest.raises(ValueError, match="use `vmap_new_states`"):
+        es.transform.vmap(lambda x: es.State(x).name)(jnp.ones(2))
+
+
+def test_vmap_as_a_decorator_inside_jit_and_grad(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3, 2)))
+
+    @es.transform.jit
+    def loss(xs):
+        return jnp.sum(es.transform.vmap(lambda x: jnp.tanh(w.value @ x))(xs) ** 2)
+
+    xs = jr.normal(getkey(), (5, 2))
+    grads = es.transform.grad(loss, grad_states=[w])(xs)
+    wv = w.value
+    ref = jax.grad(lambda w: jnp.sum(jax.vmap(lambda x: jnp.tanh(w @ x))(xs) ** 2))(wv)
+    assert tree_allclose(grads[w], ref, atol=1e-5)
+
+
+def test_nested_vmaps(getkey):
+    w = es.ParamState(jr.normal(getkey(), (2, 3)))
+    inner = es.transform.vmap(lambda x: w.value[0] * x)
+    xs = jr.normal(getkey(), (4, 3))
+    out = es.transform.vmap(inner)(xs)
+    wv = w.value
+    assert tree_allclose(out, jax.vmap(jax.vmap(lambda x: wv[0] * x))(xs))
