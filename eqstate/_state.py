@@ -173,9 +173,13 @@ class RandomState(State[Any]):
 
     def split_key(self, n: int | None = None) -> Any:
         """Advances the key and returns a fresh one (or `n` fresh ones, stacked)."""
-        keys = jax.random.split(self.value, 2 if n is None else n + 1)
+        if n is None:
+            # Unpacking is one operation; indexing twice would be two (costly eagerly).
+            self.value, key = jax.random.split(self.value)
+            return key
+        keys = jax.random.split(self.value, n + 1)
         self.value = keys[0]
-        return keys[1] if n is None else keys[1:]
+        return keys[1:]
 
 
 def fresh_copy(state: State) -> State:

@@ -62,7 +62,7 @@ def test_random_initialisation_differs_across_lanes_and_the_key_advances_once():
     )()
     rows = {tuple(r) for r in w.value.tolist()}
     assert len(rows) == 6
-    assert tree_bitwise_equal(es.random.get_key(), jax.random.split(before, 7)[0])
+    assert tree_bitwise_equal(es.random.get_key(), jax.random.split(before)[0])
 
 
 def test_new_random_states_are_rekeyed_per_lane():

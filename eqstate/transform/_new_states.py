@@ -153,7 +153,8 @@ def _build(
     frame = _context.current_frame()
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
-    keys = jax.random.split(frame.read(DEFAULT), size + 1)
+    outer_key, lanes_key = jax.random.split(frame.read(DEFAULT))
+    lane_keys = jax.random.split(lanes_key, size)
     box: dict[str, Any] = {}
 
     def lane(lane_key, args):
@@ -188,13 +189,13 @@ def _build(
         axis_name=axis_name,
         axis_size=size,
         spmd_axis_name=spmd_axis_name,
-    )(keys[1:], args)
+    )(lane_keys, args)
     batched_iter, shared_iter = iter(batched), iter(shared)
     new = [
         (s, next(shared_iter) if r else next(batched_iter))
         for s, r in zip(box["new"], box["replicated"])
     ]
-    frame.commit({DEFAULT: keys[0]}, new)
+    frame.commit({DEFAULT: outer_key}, new)
     return out
 
 
