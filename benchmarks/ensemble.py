@@ -16,12 +16,11 @@ and how many times the user's constructor ran per build.
 
 import argparse
 
+import eqstate as es
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-
-import eqstate as es
 
 from ._timing import interleaved, machine
 
@@ -89,7 +88,9 @@ def main(sizes: tuple[int, ...] = (8, 64), quick: bool = False) -> None:
     print("| K | system | median us | min-max us | ratio | constructor runs |")
     print("| --- | --- | --- | --- | --- | --- |")
     for k in sizes:
-        results = interleaved(_systems(k), rounds=3 if quick else 20, calls=2 if quick else 5)
+        results = interleaved(
+            _systems(k), rounds=3 if quick else 20, calls=2 if quick else 5
+        )
         runs = _runs_per_build(k)
         for name, t in results.items():
             floor = results["jit floor" if "jit" in name else "eqx.filter_vmap"]

@@ -2,7 +2,8 @@
 
 import importlib.metadata
 
-from . import filters as filters, random as random, transform as transform
+from . import filters as filters, nn as nn, random as random, transform as transform
+from ._checkpoint import load as load, save as save
 from ._errors import (
     BatchAxisError as BatchAxisError,
     CheckpointError as CheckpointError,

@@ -359,6 +359,7 @@ class TraceFrame(Frame):
         "new_states",
         "parent",
         "preloaded",
+        "reads",
         "values",
         "written",
     )
@@ -369,6 +370,7 @@ class TraceFrame(Frame):
         self.values: dict[Any, Any] = {}
         self.accessed: list[Any] = []
         self.written: set[Any] = set()
+        self.reads: set[Any] = set()  # States whose value the function looked at.
         self.new_states: list[Any] = []
         self.preloaded = preloaded
         self.missing: list[Any] = []
@@ -388,11 +390,13 @@ class TraceFrame(Frame):
         self.accessed.append(state)
         return value
 
-    def read(self, state):
+    def _current(self, state: Any) -> Any:
         value = self.values.get(state, MISSING)
-        if value is MISSING:
-            value = self._import(state)
-        return value
+        return self._import(state) if value is MISSING else value
+
+    def read(self, state):
+        self.reads.add(state)
+        return self._current(state)
 
     fetch = read
 
@@ -401,7 +405,7 @@ class TraceFrame(Frame):
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(state))
             )
-        old = self.read(state)
+        old = self._current(state)
         self.values[state] = check_write(state, old, value)
         self.written.add(state)
 

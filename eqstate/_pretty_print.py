@@ -4,6 +4,7 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+import wadler_lindig as wl
 
 from ._custom_types import MISSING
 
@@ -73,3 +74,58 @@ def state_label(state: Any, value: Any = MISSING) -> str:
     if value is not MISSING:
         label += f" ({value_summary(value)})"
     return label
+
+
+def state_doc(state: Any, value: Any = MISSING, **kwargs: Any) -> wl.AbstractDoc:
+    """The pretty-doc of a handle, in Equinox's style: `ParamState(name='w',
+    value=f32[3])`. Unnamed, untagged handles show their identity."""
+    name = getattr(state, "name", None)
+    tag = getattr(state, "tag", None)
+    pairs: list[tuple[str, Any]] = []
+    if name is not None:
+        pairs.append(("name", name))
+    if tag is not None:
+        pairs.append(("tag", tag))
+    if name is None and tag is None:
+        pairs.append(("id", _Summary(f"{id(state):#x}")))
+    if value is not MISSING:
+        pairs.append(("value", _Summary(value_summary(value))))
+    return wl.bracketed(
+        begin=wl.TextDoc(f"{type(state).__name__}("),
+        docs=wl.named_objs(pairs, **kwargs),
+        sep=wl.comma,
+        end=wl.TextDoc(")"),
+        indent=kwargs.get("indent", 2),
+    )
+
+
+def state_dict_doc(items: Any, **kwargs: Any) -> wl.AbstractDoc:
+    """The pretty-doc of a StateDict, laid out like a dict: handles (without their
+    values) to value summaries."""
+    kwargs = {**kwargs, "eqstate_hide_values": True}
+    summaries = {state: _Summary(value_summary(value)) for state, value in items}
+    return wl.ConcatDoc(
+        wl.TextDoc("StateDict("), wl.pdoc(summaries, **kwargs), wl.TextDoc(")")
+    )
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table with aligned columns."""
+    widths = [
+        max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))
+    ]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def state_name(state: Any) -> str:
+    """A state's name; its tag in brackets, or its identity, if it has none."""
+    name = getattr(state, "name", None)
+    if name is not None:
+        return name
+    tag = getattr(state, "tag", None)
+    return f"[{tag}]" if tag is not None else f"<{id(state):#x}>"

@@ -5,10 +5,12 @@ from typing import Any, Generic, NoReturn, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
 from . import _context
 from ._context import current_frame, describe, to_value
+from ._pretty_print import state_doc
 
 
 _Value = TypeVar("_Value")
@@ -106,8 +108,14 @@ class State(Generic[_Value]):
             "Save values with `eqstate.save` instead."
         )
 
+    def __pdoc__(self, **kwargs: Any) -> Any:
+        # Equinox's pretty printer (`eqx.tree_pformat`) calls this.
+        if kwargs.pop("eqstate_hide_values", False):
+            return state_doc(self, **kwargs)
+        return state_doc(self, _context.current_frame().peek(self), **kwargs)
+
     def __repr__(self) -> str:
-        return describe(self)
+        return wl.pformat(self)
 
 
 class ShortTermState(State[_Value]):

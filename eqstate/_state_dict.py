@@ -4,13 +4,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax.tree_util as jtu
+import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
 from ._context import check_write, to_value
 from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError
 from ._filters import to_predicate
-from ._pretty_print import state_label, value_summary
+from ._pretty_print import state_dict_doc, state_label
 from ._state import State
 
 
@@ -151,13 +152,11 @@ class StateDict(Mapping[State, PyTree]):
             merged = merged.update(sd)
         return merged
 
+    def __pdoc__(self, **kwargs: Any) -> Any:
+        return state_dict_doc(self._values.items(), **kwargs)
+
     def __repr__(self) -> str:
-        if not self._values:
-            return "StateDict({})"
-        entries = ",\n".join(
-            f"  {state_label(s)}: {value_summary(v)}" for s, v in self._values.items()
-        )
-        return f"StateDict({{\n{entries}\n}})"
+        return wl.pformat(self)
 
 
 def _summarise_states(values: Mapping, limit: int = 5) -> str:

@@ -167,13 +167,6 @@ def test_creating_a_state_inside_raw_jit_raises():
         jax.jit(lambda: es.State(jnp.zeros(2)).name)()
 
 
-def test_repr_shows_kind_name_and_shape():
-    s = es.ParamState(jnp.zeros((2, 3)), name="w")
-    assert repr(s) == "ParamState 'w' (f32[2,3])"
-    t = es.ShortTermState(jnp.zeros(()), tag="hidden")
-    assert repr(t) == "ShortTermState tagged 'hidden' (f32[])"
-
-
 def test_state_is_generic_for_annotations():
     from jaxtyping import Array, Float
 

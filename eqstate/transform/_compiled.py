@@ -127,6 +127,7 @@ class Compiled:
         "out_index",
         "out_template",
         "read_states",
+        "read_written_states",
         "returned_defs",
         "returned_states",
         "simple_out",
@@ -223,6 +224,7 @@ class TraceRecord:
                 self.template.append(leaf)
         accessed, written = frame.accessed, frame.written
         self.written = tuple(s for s in accessed if s in written)
+        self.read_written = tuple(s for s in self.written if s in frame.reads)
         self.read_only = tuple(s for s in accessed if s not in written)
         self.returned = tuple(
             s
@@ -253,6 +255,7 @@ class TraceRecord:
         )
         entry.read_states = self.read_only
         entry.write_states = self.written
+        entry.read_written_states = self.read_written
         entry.returned_states = self.returned
         entry.returned_defs = self.returned_defs
         written = set(self.written)

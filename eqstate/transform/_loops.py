@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
+from .._pretty_print import state_label
 from .._state import State
 from ._common import abstract, strong, Traced
 from ._conditions import cond
@@ -219,7 +220,7 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     )
     if traced_cond.written:
         raise ValueError(
-            f"`cond_fun` of `while_loop` writes {traced_cond.written[0]!r}. The "
+            f"`cond_fun` of `while_loop` writes {state_label(traced_cond.written[0])}. The "
             "condition may read states but not write them: move the write into "
             "`body_fun`."
         )

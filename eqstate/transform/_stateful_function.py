@@ -14,7 +14,7 @@ from jaxtyping import PyTree
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING, PyTreeDef
 from .._errors import STATE_AS_ARGUMENT, StateNotFoundError, UnknownCacheKeyError
-from .._pretty_print import state_label, value_summary
+from .._pretty_print import state_label, state_name, table, value_summary
 from .._state import fresh_copy, is_state, State
 from .._state_dict import StateDict
 from ._compiled import (
@@ -406,6 +406,68 @@ class StatefulFunction:
         fresh handles in their place; these ones have no value outside the trace."""
         return self.compiled(cache_key).new_states
 
+    def describe(self, *args: Any, **kwargs: Any) -> str:
+        """A readable table of the states the function reads, writes and creates when
+        called with these arguments (it is traced if needed; nothing runs).
+
+        **Returns:**
+
+        A string: one row per state (per leaf, for a state holding a PyTree), with its
+        kind, name, shape, dtype and access (`read`, `write`, `read+write`, `new`).
+
+        !!! Example
+
+            ```python
+            import eqstate as es
+            import jax.numpy as jnp
+
+            w = es.ParamState(jnp.ones((2, 3)), name="w")
+            steps = es.ShortTermState(jnp.array(0), name="steps")
+
+            def f(x):
+                steps.value = steps.value + 1
+                return w.value @ x
+
+            print(es.transform.StatefulFunction(f).describe(jnp.ones(3)))
+            ```
+
+            prints
+
+            ```
+            f: reads 1, writes 1, creates 0 state(s)
+            kind            name   shape   dtype    access
+            --------------  -----  ------  -------  ----------
+            ShortTermState  steps  ()      int32    read+write
+            ParamState      w      (2, 3)  float32  read
+            ```
+        """
+        entry = self.compile(self.parse_args(args, kwargs), _context.current_frame())
+        written, read_written = set(entry.write_states), set(entry.read_written_states)
+        rows, start = [], 0
+        for state, treedef in zip(entry.states, entry.state_defs):
+            sigs = entry.state_signatures[start : start + treedef.num_leaves]
+            start += treedef.num_leaves
+            access = "read"
+            if state in written:
+                access = "read+write" if state in read_written else "write"
+            rows += _describe_rows(state, treedef, sigs, access)
+        outvars = entry.jaxpr.jaxpr.outvars
+        new_avals = outvars[len(outvars) - sum(d.num_leaves for d in entry.new_defs) :]
+        start = 0
+        for state, treedef in zip(entry.new_states, entry.new_defs):
+            sigs = [
+                (v.aval.shape, v.aval.dtype, v.aval.weak_type)
+                for v in new_avals[start : start + treedef.num_leaves]
+            ]
+            start += treedef.num_leaves
+            rows += _describe_rows(state, treedef, sigs, "new")
+        title = (
+            f"{self.name}: reads {len(entry.states) - len(written)}, writes "
+            f"{len(written)}, creates {len(entry.new_states)} state(s)"
+        )
+        headers = ["kind", "name", "shape", "dtype", "access"]
+        return f"{title}\n{table(headers, rows)}"
+
     def to_state_manager(self, cache_key: Hashable = ()) -> StateDict:
         """A [`eqstate.StateDict`][] of the touched states with their current values
         in the innermost context."""
@@ -554,6 +616,17 @@ class StatefulFunction:
         return entry.build_output(out, fresh)
 
     __call__ = jaxpr_call_auto
+
+
+def _describe_rows(
+    state: State, treedef: PyTreeDef, sigs: Sequence[tuple], access: str
+) -> list[list[str]]:
+    placeholder = jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(placeholder)[0]]
+    return [
+        [type(state).__name__, state_name(state) + path, str(shape), str(dtype), access]
+        for path, (shape, dtype, _) in zip(paths, sigs)
+    ]
 
 
 def _check_sequence(name: str, entry: Compiled, values: tuple) -> None:

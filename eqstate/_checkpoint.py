@@ -1,0 +1,670 @@
+"""Checkpoints: `save` and `load` store the values of states in one file, by PyTree path.
+
+File format, version 1
+----------------------
+
+A checkpoint is one file. No pickle: every byte is either a fixed-size integer, UTF-8
+JSON, or the raw bytes of an array. Integers are little-endian.
+
+| offset       | size     | content                                                |
+| ------------ | -------- | ------------------------------------------------------ |
+| 0            | 8        | magic bytes `\\x93EQSTATE`                              |
+| 8            | 4        | format version, `uint32` (this is version 1)           |
+| 12           | 8        | header length `H` in bytes, `uint64`                   |
+| 20           | `H`      | header: a UTF-8 JSON object (below)                    |
+| 20 + `H`     | 4        | CRC32 of bytes `[0, 20 + H)`, `uint32`                 |
+| 24 + `H`     | `D`      | data: the entries' bytes, back to back, in header order |
+
+The file ends right after the data: its size is exactly `24 + H + D`, where `D` is the
+sum of the entries' lengths. The header is `{"entries": [entry, ...]}`, each entry an
+object with
+
+- `path`: the entry's name, e.g. `"layers.0.bn.running_mean"`, unique in the file;
+- `dtype`: a NumPy / `ml_dtypes` dtype name, e.g. `"float32"`, `"bfloat16"`, `"bool"`;
+- `shape`: a list of non-negative integers;
+- `offset`: where its bytes start, counted from the start of the data section (the
+    first entry starts at 0 and each next one where the previous ended);
+- `length`: its size in bytes, `prod(shape) * itemsize`;
+- `crc32`: the CRC32 of its bytes, an unsigned integer;
+- `key_impl` (PRNG keys only): the key implementation, e.g. `"threefry2x32"`. The
+    entry then holds `jax.random.key_data` of the keys, and loading restores them with
+    `jax.random.wrap_key_data(data, impl=key_impl)`.
+
+An array's bytes are its elements in C order, little-endian. Every byte of the file is
+covered by a check: the magic, the version, the header CRC, the entries' CRCs and the
+exact file size.
+"""
+
+import contextlib
+import json
+import math
+import os
+import secrets
+import struct
+import sys
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any, cast, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import ml_dtypes  # noqa: F401  # registers the names `bfloat16`, `float8_*` with NumPy
+import numpy as np
+from jax.core import Tracer
+from jaxtyping import PyTree
+
+from ._context import to_value
+from ._errors import CheckpointError
+from ._pretty_print import state_label
+from ._run import states_of, values_of
+from ._state import is_state, State
+from ._state_dict import StateDict
+
+
+_MAGIC = b"\x93EQSTATE"
+_VERSION = 1
+# magic, version, header length
+_PREAMBLE = struct.Struct("<8sIQ")
+_CRC = struct.Struct("<I")
+_ENTRY_FIELDS = {
+    "path": str,
+    "dtype": str,
+    "shape": list,
+    "offset": int,
+    "length": int,
+    "crc32": int,
+}
+_LIST_LIMIT = 5
+
+_NAMES_NEEDED = (
+    "Cannot {verb} {what} without a model: without one, each state's entry in the "
+    "file is named after the state, so every state needs a unique, non-None name. "
+    "Either pass the model holding the states, which names each entry by the state's "
+    "PyTree path:\n"
+    "    {example}\n"
+    "or name the states when creating them:\n"
+    "    w = eqstate.ParamState(jnp.zeros(3), name='w')"
+)
+_NAMES_EXAMPLES = {
+    "save": "eqstate.save(path, eqstate.values_of(model), model=model)",
+    "load": "eqstate.load(path, model)",
+}
+
+
+class _Leaf(NamedTuple):
+    """One array of a state's value, as stored (or expected) in a checkpoint."""
+
+    path: str
+    state: State
+    dtype: np.dtype  # of the stored bytes: for PRNG keys, of their key data
+    shape: tuple[int, ...]
+    key_impl: str | None
+
+
+def _key_text(entry: Any) -> str:
+    if isinstance(entry, jtu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, jtu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, jtu.DictKey):
+        return str(entry.key)
+    if isinstance(entry, jtu.FlattenedIndexKey):
+        return str(entry.key)
+    return jtu.keystr((entry,)).lstrip(".")
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def _path_text(path: tuple) -> str:
+    """`(GetAttrKey('layers'), SequenceKey(0), DictKey('w'))` -> `layers.0.w`."""
+    return _join(*(_key_text(entry) for entry in path))
+
+
+def _names(items: Iterable[str], limit: int = _LIST_LIMIT) -> str:
+    items = list(items)
+    shown = ", ".join(f"`{item}`" for item in items[:limit])
+    more = len(items) - limit
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _labels(states: Iterable[State], limit: int = _LIST_LIMIT) -> str:
+    states = list(states)
+    shown = ", ".join(state_label(s) for s in states[:limit])
+    more = len(states) - limit
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _describe(dtype: Any, shape: tuple[int, ...], key_impl: str | None) -> str:
+    if key_impl is not None:
+        return f"a {key_impl} PRNG key (key data of shape {shape}, dtype {dtype})"
+    return f"shape {shape} and dtype {dtype}"
+
+
+def _state_paths(
+    states: tuple[State, ...], model: PyTree | None, verb: str
+) -> dict[State, str]:
+    """The path under which each state is stored: its PyTree path in `model` (the
+    first one, if it sits at several), or its name when there is no model."""
+    if model is not None:
+        found = cast(tuple[tuple[tuple, State], ...], states_of(model, with_paths=True))
+        paths = {state: _path_text(path) for path, state in found}
+        missing = [s for s in states if s not in paths]
+        if missing:
+            one = len(missing) == 1
+            raise CheckpointError(
+                f"Cannot {verb} {_labels(missing)}: {'it is' if one else 'they are'} "
+                "not in `model`, which gives each state its path in the file. Pass "
+                "the model holding every state of the StateDict, or leave the others "
+                "out of it, e.g. use `eqstate.values_of(model)`."
+            )
+        return {s: paths[s] for s in states}
+    named: dict[State, str] = {}
+    by_name: dict[str, State] = {}
+    for state in states:
+        if state.name is None:
+            unnamed = [s for s in states if s.name is None]
+            raise CheckpointError(
+                _NAMES_NEEDED.format(
+                    verb=verb, what=_labels(unnamed), example=_NAMES_EXAMPLES[verb]
+                )
+            )
+        if state.name in by_name:
+            other = by_name[state.name]
+            raise CheckpointError(
+                _NAMES_NEEDED.format(
+                    verb=verb,
+                    example=_NAMES_EXAMPLES[verb],
+                    what=f"two states named {state.name!r} ({state_label(other)} and "
+                    f"{state_label(state)})",
+                )
+            )
+        by_name[state.name] = state
+        named[state] = state.name
+    return named
+
+
+def _leaves(
+    paths: Mapping[State, str], values: Mapping[State, PyTree]
+) -> list[tuple[_Leaf, Any]]:
+    """Every array of every state's value with the path it is stored under, in order;
+    a value with several leaves gets one entry per leaf (`opt.mu.0`)."""
+    out: list[tuple[_Leaf, Any]] = []
+    seen: dict[str, State] = {}
+    for state, base in paths.items():
+        for subpath, leaf in jtu.tree_leaves_with_path(values[state]):
+            path = _join(base, _path_text(subpath))
+            if path in seen:
+                raise CheckpointError(
+                    f"Two arrays would be stored under the same path `{path}` (of "
+                    f"{state_label(seen[path])} and {state_label(state)}). Paths join "
+                    "PyTree keys with dots, so e.g. a dict key 'a.b' and a nested "
+                    "key 'a' -> 'b' collide: rename one of them."
+                )
+            if _is_key(leaf):
+                impl = str(jax.random.key_impl(leaf))
+                data = jax.eval_shape(jax.random.key_data, leaf)
+                spec = _Leaf(path, state, np.dtype(data.dtype), data.shape, impl)
+            else:
+                spec = _Leaf(path, state, np.dtype(leaf.dtype), tuple(leaf.shape), None)
+            seen[path] = state
+            out.append((spec, leaf))
+    return out
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
+    if sys.byteorder == "big" and array.dtype.itemsize > 1:
+        return array.byteswap()
+    return array
+
+
+def _host_bytes(spec: _Leaf, leaf: Any) -> memoryview:
+    if isinstance(leaf, Tracer):
+        raise CheckpointError(
+            f"Cannot save `{spec.path}` ({state_label(spec.state)}): its value is a "
+            "JAX tracer. `eqstate.save` writes a file, so call it outside `jax.jit`, "
+            "`jax.vmap` and eqstate transforms, on concrete values."
+        )
+    if spec.key_impl is not None:
+        leaf = jax.random.key_data(leaf)
+    array = np.ascontiguousarray(_little_endian(np.asarray(leaf)))
+    # A view as bytes: NumPy cannot export `ml_dtypes` types (bfloat16) as a buffer.
+    return array.reshape(-1).view(np.uint8).data
+
+
+def _fsync_directory(directory: str) -> None:
+    # Makes the rename itself durable. Not every platform can open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
+    """Writes to a temporary file next to `path` and renames it onto `path`, so a
+    reader sees either the previous file or the whole new one, never a partial one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(
+        directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp"
+    )
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(tmp, flags, 0o666)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {path!r}: the directory {directory!r} does "
+            "not exist. Create it first, e.g. with `os.makedirs(directory, "
+            "exist_ok=True)`."
+        ) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+
+
+def save(
+    path: str | os.PathLike,
+    states: Mapping[State, PyTree],
+    *,
+    model: PyTree | None = None,
+) -> None:
+    """Saves the values of states to a checkpoint file.
+
+    Each array is stored under a readable path. With `model`, a state's path is where
+    it sits in the model, with dots between PyTree keys: `layers.0.bn.running_mean`.
+    Without `model`, it is the state's `name`. A value with several arrays stores one
+    entry per array, its path extended by the array's place in the value:
+    `opt.mu.0`. Every dtype round-trips bit for bit, including `bfloat16`, integers,
+    booleans and typed PRNG keys.
+
+    The write is atomic: the file is written next to `path` under a temporary name,
+    flushed to disk and renamed onto `path`. If anything fails, the temporary file is
+    removed and a checkpoint already at `path` is left as it was. The format (one file,
+    no pickle) is described in the how-to guide on checkpoints.
+
+    **Arguments:**
+
+    - `path`: the file to write. Its directory must exist.
+    - `states`: the values to save, a [`eqstate.StateDict`][] (or a mapping from
+        handles to values), e.g. `eqstate.values_of(model)`.
+    - `model`: a PyTree holding the handles, e.g. an `eqx.Module`; it gives each state
+        its path. A state found at several places is stored under the first. If
+        omitted, every state must have a unique name. (Keyword only argument.)
+
+    **Raises:**
+
+    [`eqstate.CheckpointError`][] if a state is not in `model`, if states lack unique
+    names when there is no `model`, or if two arrays would get the same path.
+
+    !!! Example
+
+        ```python
+        import os
+        import tempfile
+
+        import eqstate as es
+        import jax.numpy as jnp
+
+        model = {"w": es.ParamState(jnp.ones(3)), "n": es.ShortTermState(jnp.array(2))}
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "model.eqstate")
+            es.save(path, es.values_of(model), model=model)
+            loaded = es.load(path, model)
+        assert (loaded[model["w"]] == 1).all() and loaded[model["n"]] == 2
+        ```
+    """
+    path = os.fspath(path)
+    values = {state: to_value(value) for state, value in states.items()}
+    leaves = _leaves(_state_paths(tuple(values), model, "save"), values)
+    entries, blobs, offset = [], [], 0
+    for spec, leaf in leaves:
+        blob = _host_bytes(spec, leaf)
+        entry: dict[str, Any] = {
+            "path": spec.path,
+            "dtype": spec.dtype.name,
+            "shape": list(spec.shape),
+            "offset": offset,
+            "length": blob.nbytes,
+            "crc32": zlib.crc32(blob),
+        }
+        if spec.key_impl is not None:
+            entry["key_impl"] = spec.key_impl
+        entries.append(entry)
+        blobs.append(blob)
+        offset += blob.nbytes
+    header = json.dumps(
+        {"entries": entries}, ensure_ascii=False, separators=(",", ":")
+    ).encode("utf-8")
+    head = _PREAMBLE.pack(_MAGIC, _VERSION, len(header)) + header
+    _write_atomically(path, [head, _CRC.pack(zlib.crc32(head)), *blobs])
+
+
+def _read_checkpoint(path: str) -> tuple[list[dict[str, Any]], memoryview]:
+    """Reads and verifies a whole checkpoint: its format, header and every entry's
+    CRC. Returns the header's entries and the data section."""
+    try:
+        with open(path, "rb") as f:
+            contents = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"No checkpoint at {path!r}: the file does not exist. Check the path, or "
+            "write one first with `eqstate.save`."
+        ) from None
+    except IsADirectoryError:
+        raise CheckpointError(
+            f"{path!r} is a directory, not a checkpoint file. Pass the path of the "
+            "file written by `eqstate.save`."
+        ) from None
+    size = len(contents)
+    if contents[: len(_MAGIC)] != _MAGIC[:size]:
+        raise CheckpointError(
+            f"{path!r} is not an eqstate checkpoint: it does not start with the "
+            f"magic bytes {_MAGIC!r}. Pass a file written by `eqstate.save`."
+        )
+    truncated = (
+        f"The checkpoint {path!r} is truncated: it has {size} bytes, but {{needed}}. "
+        "It was probably cut short while being copied or downloaded; copy it again "
+        "or use an earlier checkpoint."
+    )
+    if size < _PREAMBLE.size:
+        raise CheckpointError(
+            truncated.format(needed=f"its fixed-size start alone is {_PREAMBLE.size}")
+        )
+    _, version, header_size = _PREAMBLE.unpack_from(contents)
+    if version != _VERSION:
+        raise CheckpointError(
+            f"The checkpoint {path!r} has format version {version}, but this version "
+            f"of eqstate reads only version {_VERSION}. Load it with the eqstate "
+            "release that wrote it (a newer one, if the version is higher)."
+        )
+    data_start = _PREAMBLE.size + header_size + _CRC.size
+    if size < data_start:
+        raise CheckpointError(
+            truncated.format(needed=f"its header ends at byte {data_start}")
+        )
+    corrupted = (
+        f"The checkpoint {path!r} is corrupted: {{what}}. The file was changed after "
+        "it was written (a disk or transfer error); copy it again or use an earlier "
+        "checkpoint."
+    )
+    (header_crc,) = _CRC.unpack_from(contents, data_start - _CRC.size)
+    if zlib.crc32(memoryview(contents)[: data_start - _CRC.size]) != header_crc:
+        raise CheckpointError(
+            corrupted.format(what="the checksum of its header does not match")
+        )
+    entries = _parse_header(path, contents[_PREAMBLE.size : data_start - _CRC.size])
+    data_size = sum(entry["length"] for entry in entries)
+    if size < data_start + data_size:
+        raise CheckpointError(
+            truncated.format(
+                needed=f"its {len(entries)} entries end at byte {data_start + data_size}"
+            )
+        )
+    if size > data_start + data_size:
+        raise CheckpointError(
+            corrupted.format(
+                what=f"it has {size - data_start - data_size} bytes after its last "
+                "entry, where it should end"
+            )
+        )
+    data = memoryview(contents)[data_start:]
+    for entry in entries:
+        blob = data[entry["offset"] : entry["offset"] + entry["length"]]
+        if zlib.crc32(blob) != entry["crc32"]:
+            raise CheckpointError(
+                corrupted.format(
+                    what=f"the bytes of entry `{entry['path']}` (shape "
+                    f"{tuple(entry['shape'])}, dtype {entry['dtype']}) do not match "
+                    "their checksum"
+                )
+            )
+    return entries, data
+
+
+def _parse_header(path: str, raw: bytes) -> list[dict[str, Any]]:
+    """Checks that a header, whose checksum matched, describes a valid layout."""
+
+    def malformed(what: str) -> CheckpointError:
+        return CheckpointError(
+            f"The checkpoint {path!r} has a malformed header: {what}. The file was not "
+            "written by `eqstate.save`, or by a faulty writer; write it again with "
+            "`eqstate.save`."
+        )
+
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise malformed(f"it is not UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
+        raise malformed('it is not a JSON object with an "entries" list')
+    offset = 0
+    paths = set()
+    for i, entry in enumerate(header["entries"]):
+        if not isinstance(entry, dict):
+            raise malformed(f"entry {i} is not a JSON object")
+        for field, kind in _ENTRY_FIELDS.items():
+            if not isinstance(entry.get(field), kind) or isinstance(
+                entry.get(field), bool
+            ):
+                raise malformed(f"entry {i} has no valid {field!r}")
+        name = entry["path"]
+        if name in paths:
+            raise malformed(f"the path `{name}` appears twice")
+        paths.add(name)
+        shape = entry["shape"]
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in shape) or (
+            any(n < 0 for n in shape)
+        ):
+            raise malformed(f"entry `{name}` has an invalid shape {shape}")
+        if not isinstance(entry.get("key_impl", ""), str):
+            raise malformed(f"entry `{name}` has an invalid 'key_impl'")
+        try:
+            dtype = np.dtype(entry["dtype"])
+        except (TypeError, ValueError):
+            raise malformed(
+                f"entry `{name}` has the unknown dtype {entry['dtype']!r}"
+            ) from None
+        if dtype.hasobject or dtype.fields is not None or dtype.itemsize == 0:
+            raise malformed(f"entry `{name}` has the unsupported dtype {dtype}")
+        if entry["offset"] != offset:
+            raise malformed(
+                f"entry `{name}` starts at {entry['offset']}, not right after the "
+                f"previous entry ({offset})"
+            )
+        if entry["length"] != math.prod(shape) * dtype.itemsize:
+            raise malformed(
+                f"entry `{name}` has {entry['length']} bytes, which does not fit "
+                f"shape {tuple(shape)} and dtype {dtype}"
+            )
+        offset += entry["length"]
+    return header["entries"]
+
+
+def _is_state_mapping(x: Any) -> bool:
+    return isinstance(x, Mapping) and all(is_state(s) for s in x)
+
+
+def _target(
+    model_or_states: PyTree, model: PyTree | None
+) -> tuple[StateDict, dict[State, str], str]:
+    """The target's expected values, the path of each of its states, and its name in
+    messages."""
+    if _is_state_mapping(model_or_states):
+        expected = (
+            model_or_states
+            if isinstance(model_or_states, StateDict)
+            else StateDict(model_or_states)
+        )
+        name = (
+            "the StateDict" if model is None else "the StateDict (paths from `model`)"
+        )
+        return expected, _state_paths(expected.states, model, "load"), name
+    if model is not None:
+        raise TypeError(
+            "`eqstate.load` takes `model=` only when its target is a StateDict, which "
+            "then says which states to load and `model` gives their paths. To load "
+            "every state of a model, call `eqstate.load(path, model)`."
+        )
+    expected = values_of(model_or_states)
+    return expected, _state_paths(expected.states, model_or_states, "load"), "the model"
+
+
+def _mismatch(path: str, target: str, needed: list, extra: list) -> CheckpointError:
+    lines = [f"The checkpoint {path!r} does not match {target}."]
+    if needed:
+        missing = [f"`{spec.path}` (for {state_label(spec.state)})" for spec in needed]
+        more = len(missing) - _LIST_LIMIT
+        lines.append(
+            f"It has no entry {', '.join(missing[:_LIST_LIMIT])}"
+            + (f" and {more} more" if more > 0 else "")
+            + "."
+        )
+    if extra:
+        lines.append(
+            f"It holds {_names(entry['path'] for entry in extra)}, which {target} "
+            "does not have."
+        )
+    lines.append(
+        "Paths come from where each state sits in the model (or from state names when "
+        "loading into a StateDict), so build the model with the structure it had when "
+        "it was saved: same layers, field names and state names."
+    )
+    return CheckpointError("\n".join(lines))
+
+
+def load(
+    path: str | os.PathLike,
+    model_or_states: PyTree,
+    *,
+    model: PyTree | None = None,
+) -> StateDict:
+    """Loads the values of states from a checkpoint written by [`eqstate.save`][].
+
+    Entries are matched to states by path, never by handle, so a checkpoint loads into
+    a freshly built model whose handles are new. The file is read and checked whole
+    before anything is returned: format, checksums, and that the checkpoint has
+    exactly the arrays the target expects, with the shapes and dtypes of the target's
+    current values. Nothing is written to the states: pass the result to
+    [`eqstate.assign`][], or use it with [`eqstate.run`][].
+
+    **Arguments:**
+
+    - `path`: the checkpoint file.
+    - `model_or_states`: the target. Either a PyTree holding handles (a model, whose
+        states take their paths from where they sit in it, as when saving with
+        `model=`), or a [`eqstate.StateDict`][] (whose states take their paths from
+        their names, or from `model`). The target's current values give the expected
+        shapes and dtypes.
+    - `model`: only with a `StateDict` target: a PyTree holding its states, to take
+        their paths from. This loads a checkpoint saved with
+        `save(path, states, model=model)` where `states` is part of the model's
+        states, e.g. only its parameters. (Keyword only argument.)
+
+    **Returns:**
+
+    A `StateDict` from the target's handles to the loaded values, each placed like the
+    target's current value (same device or sharding).
+
+    **Raises:**
+
+    [`eqstate.CheckpointError`][] if the file is missing, is not an eqstate checkpoint,
+    has an unknown format version, is truncated or corrupted (a checksum does not
+    match), lacks a path the target needs or holds one it does not have, or holds an
+    array whose shape or dtype differs from the target's.
+
+    !!! Example
+
+        ```python
+        import os
+        import tempfile
+
+        import eqstate as es
+        import jax.numpy as jnp
+
+        def build():
+            return [es.ParamState(jnp.zeros(2)), es.ShortTermState(jnp.array(0))]
+
+        old = build()
+        es.assign({old[0]: jnp.array([1.0, 2.0]), old[1]: 7})
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "ckpt.eqstate")
+            es.save(path, es.values_of(old), model=old)
+            new = build()  # new handles: matched to the file by path
+            es.assign(es.load(path, new))
+        assert (new[0].value == jnp.array([1.0, 2.0])).all() and new[1].value == 7
+        ```
+    """
+    path = os.fspath(path)
+    expected, paths, target = _target(model_or_states, model)
+    specs = _leaves(paths, expected)
+    entries, data = _read_checkpoint(path)
+
+    by_path = {entry["path"]: entry for entry in entries}
+    needed = [spec for spec, _ in specs if spec.path not in by_path]
+    wanted = {spec.path for spec, _ in specs}
+    extra = [entry for entry in entries if entry["path"] not in wanted]
+    if needed or extra:
+        raise _mismatch(path, target, needed, extra)
+
+    problems = []
+    for spec, _ in specs:
+        entry = by_path[spec.path]
+        found = (entry["dtype"], tuple(entry["shape"]), entry.get("key_impl"))
+        if found != (spec.dtype.name, spec.shape, spec.key_impl):
+            problems.append(
+                f"`{spec.path}` holds {_describe(*found)}, but "
+                f"{state_label(spec.state)} expects "
+                f"{_describe(spec.dtype.name, spec.shape, spec.key_impl)}"
+            )
+    if problems:
+        more = len(problems) - _LIST_LIMIT
+        raise CheckpointError(
+            "\n".join(
+                [
+                    f"The checkpoint {path!r} does not match {target}:",
+                    *(f"- {problem};" for problem in problems[:_LIST_LIMIT]),
+                    *([f"- and {more} more;"] if more > 0 else []),
+                    "Build the target with the shapes and dtypes it had when it was "
+                    "saved, or load into such a target and convert the values after "
+                    "loading.",
+                ]
+            )
+        )
+
+    loaded: dict[State, list[Any]] = {state: [] for state in expected}
+    for spec, leaf in specs:
+        entry = by_path[spec.path]
+        raw = data[entry["offset"] : entry["offset"] + entry["length"]]
+        array = _little_endian(np.frombuffer(raw, dtype=spec.dtype)).reshape(spec.shape)
+        value = jnp.asarray(array)
+        if spec.key_impl is not None:
+            value = jax.random.wrap_key_data(value, impl=spec.key_impl)
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
+            value = jax.device_put(value, leaf.sharding)
+        loaded[spec.state].append(value)
+    return StateDict._wrap(
+        {
+            state: jtu.tree_unflatten(jtu.tree_structure(expected[state]), leaves)
+            for state, leaves in loaded.items()
+        }
+    )

@@ -1,0 +1,195 @@
+"""Batch normalisation, with its running statistics held in `LongTermState`s."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float
+
+from .._state import LongTermState, ParamState
+
+
+class BatchNorm(eqx.Module):
+    r"""Normalises each feature of a batch by its mean and variance, then applies an
+    optional per-feature affine map.
+
+    For an input `x` of shape `(batch, num_features, *spatial)` it computes
+
+    $$\frac{x - \mathbb{E}[x]}{\sqrt{\text{Var}[x] + \varepsilon}} \gamma + \beta$$
+
+    per feature, with the statistics taken over every axis but the feature axis
+    (axis 1). The layer sees the whole batch, so unlike `eqx.nn.BatchNorm` it needs no
+    `jax.vmap` with an `axis_name` around it.
+
+    - In training, it normalises with the batch statistics and updates the running
+        statistics: `running = momentum * running + (1 - momentum) * batch_stat`.
+    - In inference, it normalises with the running statistics and writes nothing.
+
+    The running mean starts at zeros and the running variance at ones, and both are
+    [`eqstate.LongTermState`][]s; $\gamma$ (`weight`) and $\beta$ (`bias`) are
+    [`eqstate.ParamState`][]s, so `grad_states=eqstate.ParamState` differentiates the
+    parameters while the running statistics are written back.
+
+    The conventions are those of `eqx.nn.BatchNorm(..., mode="batch")`: `momentum` is
+    the weight of the old running value, and the variance is the biased one (the mean
+    of squared deviations), both to normalise and to update the running variance (as in
+    Flax and Haiku; PyTorch stores the unbiased variance). In inference the running
+    statistics are used as they are, as in PyTorch and Flax: `eqx.nn.BatchNorm`
+    divides them by `1 - momentum**steps`, which for a running variance that starts at
+    one inflates it during the first few hundred steps.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import eqstate.nn as enn
+        import jax.numpy as jnp
+
+        bn = enn.BatchNorm(3, momentum=0.9)
+        x = es.random.normal((32, 3, 8)) * 2.0 + 1.0  # (batch, features, length)
+        y = bn(x)  # training: batch statistics; updates the running ones
+        assert jnp.allclose(y.mean(axis=(0, 2)), 0.0, atol=1e-5)
+        assert (bn.running_mean.value != 0).all()
+
+        running_mean = bn.running_mean.value
+        bn(x, inference=True)  # running statistics; writes nothing
+        assert (bn.running_mean.value == running_mean).all()
+        ```
+    """
+
+    running_mean: LongTermState
+    running_var: LongTermState
+    weight: ParamState | None
+    bias: ParamState | None
+    inference: bool
+    num_features: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    momentum: float = eqx.field(static=True)
+    affine: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        eps: float = 1e-5,
+        momentum: float = 0.99,
+        affine: bool = True,
+        inference: bool = False,
+        dtype: Any = jnp.float32,
+    ):
+        """**Arguments:**
+
+        - `num_features`: the size of the feature axis (axis 1) of the input.
+        - `eps`: added to the variance before taking its square root. (Keyword only
+            argument.)
+        - `momentum`: the weight of the old running statistics in each update, in
+            `[0, 1]`. (Keyword only argument.)
+        - `affine`: whether to learn a per-feature scale `weight` (initialised to
+            ones) and shift `bias` (zeros). (Keyword only argument.)
+        - `inference`: whether to normalise with the running statistics instead of
+            the batch ones. It can be overridden per call, or set on a whole model with
+            `eqx.nn.inference_mode`. (Keyword only argument.)
+        - `dtype`: the dtype of the running statistics and of `weight` and `bias`.
+            (Keyword only argument.)
+        """
+        if num_features < 1:
+            raise ValueError(
+                f"BatchNorm needs a positive `num_features`, got {num_features}."
+            )
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(
+                f"BatchNorm's `momentum` is the weight of the old running statistics "
+                f"and must be in [0, 1], got {momentum}. (A PyTorch `momentum=m` is "
+                f"`momentum=1 - m` here.)"
+            )
+        if eps < 0:
+            raise ValueError(f"BatchNorm's `eps` must be non-negative, got {eps}.")
+        self.running_mean = LongTermState(
+            jnp.zeros(num_features, dtype), name="running_mean"
+        )
+        self.running_var = LongTermState(
+            jnp.ones(num_features, dtype), name="running_var"
+        )
+        if affine:
+            self.weight = ParamState(jnp.ones(num_features, dtype), name="weight")
+            self.bias = ParamState(jnp.zeros(num_features, dtype), name="bias")
+        else:
+            self.weight = None
+            self.bias = None
+        self.inference = inference
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+
+    def _check_input(self, x: Array, inference: bool) -> None:
+        if x.ndim < 2 or x.shape[1] != self.num_features:
+            got = (
+                f"got shape {x.shape}"
+                if x.ndim < 2
+                else f"got shape {x.shape}, whose feature axis (axis 1) has size "
+                f"{x.shape[1]}, not {self.num_features}"
+            )
+            raise ValueError(
+                f"BatchNorm(num_features={self.num_features}) normalises a batch of "
+                f"shape (batch, {self.num_features}) or (batch, {self.num_features}, "
+                f"*spatial); {got}. A single example needs a batch axis: "
+                "`bn(x[None])[0]`."
+            )
+        if not inference and x.size // self.num_features < 2:
+            raise ValueError(
+                f"BatchNorm(num_features={self.num_features}) got an input of shape "
+                f"{x.shape} in training mode: that is one value per feature, whose "
+                "variance is zero. Train on batches of two or more, or call it with "
+                "`inference=True` to use the running statistics."
+            )
+
+    def __call__(
+        self, x: Float[ArrayLike, "..."], *, inference: bool | None = None
+    ) -> Float[Array, "..."]:
+        """**Arguments:**
+
+        - `x`: an array of shape `(batch, num_features, *spatial)`.
+        - `inference`: if `True` or `False`, overrides `self.inference` for this call.
+            (Keyword only argument.)
+
+        **Returns:**
+
+        The normalised array, of the shape of `x`.
+
+        **Raises:**
+
+        `ValueError` if the feature axis of `x` does not have size `num_features`,
+        or, in training, if there is only one value per feature.
+        """
+        x = jnp.asarray(x)
+        if inference is None:
+            inference = self.inference
+        self._check_input(x, inference)
+        # Statistics over every axis but the features; reshaped to broadcast on axis 1.
+        axes = (0, *range(2, x.ndim))
+        shape = (1, self.num_features) + (1,) * (x.ndim - 2)
+        if inference:
+            mean = self.running_mean.value
+            var = self.running_var.value
+        else:
+            mean = jnp.mean(x, axis=axes)
+            var = jnp.mean(jnp.square(x - mean.reshape(shape)), axis=axes)
+            # The running statistics are written back, never differentiated.
+            batch_mean, batch_var = jax.lax.stop_gradient((mean, var))
+            old_mean = self.running_mean.value
+            old_var = self.running_var.value
+            m = self.momentum
+            self.running_mean.value = (old_mean * m + batch_mean * (1 - m)).astype(
+                old_mean.dtype
+            )
+            self.running_var.value = (old_var * m + batch_var * (1 - m)).astype(
+                old_var.dtype
+            )
+        out = (x - mean.reshape(shape)) / jnp.sqrt(var.reshape(shape) + self.eps)
+        if self.weight is not None and self.bias is not None:
+            out = out * self.weight.value.reshape(shape) + self.bias.value.reshape(
+                shape
+            )
+        return out

@@ -1,0 +1,604 @@
+import json
+import os
+import pathlib
+import struct
+import zlib
+
+import eqstate as es
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import ml_dtypes
+import numpy as np
+import pytest
+from eqstate import _checkpoint
+from eqstate._checkpoint import load, save
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .helpers import tree_bitwise_equal
+
+
+_DTYPES = (
+    jnp.float32,
+    jnp.float16,
+    jnp.bfloat16,
+    jnp.int8,
+    jnp.int32,
+    jnp.uint32,
+    jnp.bool_,
+)
+
+
+def _random(key, shape, dtype):
+    """Random values covering the whole bit pattern of `dtype` (NaNs included), drawn
+    on the host: compiling a sampler per shape and dtype would dominate the tests."""
+    rng = np.random.default_rng(np.asarray(jr.key_data(key)))
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return jnp.asarray(rng.integers(0, 2, shape).astype(np.bool_))
+    bits = rng.integers(0, 256, (*shape, dtype.itemsize), dtype=np.uint8)
+    return jnp.asarray(bits.view(dtype).reshape(shape))
+
+
+def _same_bits(a, b) -> bool:
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        if jax.random.key_impl(a) != jax.random.key_impl(b):
+            return False
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+class _Norm(eqx.Module):
+    scale: es.ParamState
+    stats: dict
+
+    def __init__(self, key, dtype):
+        self.scale = es.ParamState(_random(key, (3,), dtype))
+        self.stats = {
+            "running_mean": es.LongTermState(jnp.zeros(3, jnp.float32)),
+            "count": es.LongTermState(jnp.array(0, jnp.int32)),
+        }
+
+
+class _Layer(eqx.Module):
+    weight: es.ParamState
+    norm: _Norm
+
+    def __init__(self, key, dtype):
+        k1, k2 = jr.split(key)
+        self.weight = es.ParamState(_random(k1, (2, 3), dtype))
+        self.norm = _Norm(k2, dtype)
+
+
+class _Model(eqx.Module):
+    layers: list
+    extras: dict
+    rng: es.RandomState
+
+    def __init__(self, key):
+        keys = jr.split(key, len(_DTYPES) + 4)
+        self.layers = [_Layer(k, dtype) for k, dtype in zip(keys, _DTYPES)]
+        self.extras = {
+            "flags": es.NonBatchState(_random(keys[-4], (5,), jnp.bool_)),
+            "empty": es.State(jnp.zeros((0, 4), jnp.bfloat16)),
+            "opt": es.ShortTermState(
+                {
+                    "mu": (
+                        _random(keys[-3], (2,), jnp.float32),
+                        jnp.array(3, jnp.int8),
+                    ),
+                    "nu": _random(keys[-2], (4,), jnp.uint32),
+                }
+            ),
+        }
+        self.rng = es.RandomState(keys[-1])
+
+
+def _header(path) -> dict:
+    """Reads the header by the format spec, independently of `eqstate._checkpoint`."""
+    raw = pathlib.Path(path).read_bytes()
+    magic, version, size = struct.unpack_from("<8sIQ", raw)
+    assert (magic, version) == (b"\x93EQSTATE", 1)
+    return json.loads(raw[20 : 20 + size].decode("utf-8"))
+
+
+def _flip(path, position: int) -> None:
+    raw = bytearray(pathlib.Path(path).read_bytes())
+    raw[position] ^= 0x01
+    pathlib.Path(path).write_bytes(bytes(raw))
+
+
+def _data_start(path) -> int:
+    (size,) = struct.unpack_from("<Q", pathlib.Path(path).read_bytes(), 12)
+    return 24 + size
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A small named checkpoint: `w` f32[3] and `n` i32[], with the states and values."""
+    w = es.ParamState(jnp.array([1.0, 2.0, 3.0]), name="w")
+    n = es.ShortTermState(jnp.array(7), name="n")
+    path = tmp_path / "small.eqstate"
+    save(path, es.values_of([w, n]))
+    return path, w, n
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_round_trip_is_bit_exact(dtype, getkey, tmp_path):
+    value = _random(getkey(), (4, 5), dtype)
+    x = es.State(value, name="x")
+    save(tmp_path / "x", es.values_of(x))
+
+    fresh = es.State(jnp.zeros((4, 5), dtype), name="x")
+    loaded = load(tmp_path / "x", es.values_of(fresh))
+    assert loaded.states == (fresh,)
+    assert _same_bits(loaded[fresh], value)
+
+
+def test_round_trip_keeps_special_float_bits(tmp_path):
+    # NaN payloads, signed zeros, infinities and subnormals survive unchanged.
+    bits = np.array([0x7E01, 0xFE00, 0x8000, 0x0000, 0x7C00, 0x0001], np.uint16)
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        value = jnp.asarray(bits.view(dtype))
+        x = es.State(value, name="x")
+        save(tmp_path / "x", es.values_of(x))
+        loaded = load(tmp_path / "x", es.values_of(x))
+        assert np.asarray(loaded[x]).view(np.uint16).tolist() == bits.tolist()
+
+
+@pytest.mark.parametrize("impl", ("threefry2x32", "rbg"))
+def test_round_trip_of_prng_keys(impl, getkey, tmp_path):
+    seed1, seed2 = (int(jr.randint(getkey(), (), 0, 2**30)) for _ in range(2))
+    rng = es.RandomState(jr.key(seed1, impl=impl), name="rng")
+    keys = es.State(jr.split(jr.key(seed2, impl=impl), (2, 3)), name="keys")
+    save(tmp_path / "k", es.values_of([rng, keys]))
+
+    fresh = [
+        es.RandomState(jr.key(0, impl=impl), name="rng"),
+        es.State(jr.split(jr.key(0, impl=impl), (2, 3)), name="keys"),
+    ]
+    loaded = load(tmp_path / "k", es.values_of(fresh))
+    assert jax.random.key_impl(loaded[fresh[0]]) == impl
+    assert _same_bits(loaded[fresh[0]], rng.value)
+    assert _same_bits(loaded[fresh[1]], keys.value)
+
+
+def test_round_trip_into_freshly_built_model(getkey, tmp_path):
+    key = getkey()
+    model = _Model(key)
+    original = es.values_of(model)
+    save(tmp_path / "model.eqstate", original, model=model)
+
+    fresh = _Model(getkey())
+    assert not set(es.states_of(fresh)) & set(es.states_of(model))
+    assert not tree_bitwise_equal(es.values_of(fresh), original)
+
+    loaded = load(tmp_path / "model.eqstate", fresh)
+    assert loaded.states == es.states_of(fresh)
+    for state, old in zip(loaded.states, original.states):
+        assert jax.tree.structure(loaded[state]) == jax.tree.structure(original[old])
+        for a, b in zip(jax.tree.leaves(loaded[state]), jax.tree.leaves(original[old])):
+            assert _same_bits(a, b)
+    es.assign(loaded)
+    assert tree_bitwise_equal(
+        jax.tree.leaves(es.values_of(fresh)), jax.tree.leaves(original)
+    )
+    # The restored key continues the same stream as the original.
+    assert _same_bits(fresh.rng.split_key(), model.rng.split_key())
+
+
+def test_paths_are_human_readable(getkey, tmp_path):
+    model = _Model(getkey())
+    save(tmp_path / "model.eqstate", es.values_of(model), model=model)
+    entries = {e["path"]: e for e in _header(tmp_path / "model.eqstate")["entries"]}
+    layer0 = [
+        "layers.0.weight",
+        "layers.0.norm.scale",
+        "layers.0.norm.stats.count",
+        "layers.0.norm.stats.running_mean",
+    ]
+    assert list(entries)[:4] == layer0
+    assert "layers.6.norm.stats.running_mean" in entries
+    assert entries["extras.opt.mu.0"]["dtype"] == "float32"
+    assert entries["extras.opt.mu.1"]["shape"] == []
+    assert entries["extras.opt.nu"]["dtype"] == "uint32"
+    assert entries["extras.empty"]["shape"] == [0, 4]
+    assert entries["layers.2.weight"]["dtype"] == "bfloat16"
+    assert entries["rng"]["key_impl"] == "threefry2x32"
+    assert entries["rng"]["dtype"] == "uint32" and entries["rng"]["shape"] == [2]
+    assert len(entries) == 4 * len(_DTYPES) + 6
+
+
+def test_file_follows_the_written_spec(getkey, tmp_path):
+    # Decodes the file with nothing but the spec, and gets the saved values back.
+    w = es.ParamState(jnp.array([[1.5, -2.0]], jnp.bfloat16), name="w")
+    rng = es.RandomState(getkey(), name="rng")
+    save(tmp_path / "c", es.values_of([w, rng]))
+    raw = (tmp_path / "c").read_bytes()
+    header = _header(tmp_path / "c")
+    (size,) = struct.unpack_from("<Q", raw, 12)
+    (header_crc,) = struct.unpack_from("<I", raw, 20 + size)
+    assert header_crc == zlib.crc32(raw[: 20 + size])
+    data = raw[24 + size :]
+    assert len(data) == sum(e["length"] for e in header["entries"])
+    decoded = {}
+    for e in header["entries"]:
+        blob = data[e["offset"] : e["offset"] + e["length"]]
+        assert zlib.crc32(blob) == e["crc32"]
+        array = np.frombuffer(blob, np.dtype(e["dtype"]).newbyteorder("<"))
+        decoded[e["path"]] = (array.reshape(e["shape"]), e.get("key_impl"))
+    assert np.asarray(w.value).tobytes() == decoded["w"][0].tobytes()
+    assert decoded["w"][0].dtype == ml_dtypes.bfloat16
+    assert decoded["rng"][1] == "threefry2x32"
+    assert decoded["rng"][0].tobytes() == np.asarray(jr.key_data(rng.value)).tobytes()
+
+
+def test_save_without_model_uses_names(tmp_path):
+    opt = es.State({"mu": (jnp.ones(2), jnp.zeros(2))}, name="opt")
+    w = es.ParamState(jnp.ones(3), name="encoder.w")
+    save(tmp_path / "c", {w: w.value, opt: opt.value})
+    paths = [e["path"] for e in _header(tmp_path / "c")["entries"]]
+    assert paths == ["encoder.w", "opt.mu.0", "opt.mu.1"]
+
+
+def test_save_without_model_needs_names(tmp_path):
+    w = es.ParamState(jnp.ones(3))
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"Cannot save unnamed ParamState .* without a model.*unique",
+    ):
+        save(tmp_path / "c", es.values_of(w))
+    assert not (tmp_path / "c").exists()
+
+
+def test_save_without_model_refuses_duplicate_names(tmp_path):
+    a = es.ParamState(jnp.ones(3), name="w")
+    b = es.ParamState(jnp.ones(3), name="w")
+    with pytest.raises(es.CheckpointError, match="two states named 'w'"):
+        save(tmp_path / "c", es.values_of([a, b]))
+
+
+def test_save_refuses_states_missing_from_model(tmp_path):
+    model = {"w": es.ParamState(jnp.ones(3))}
+    stray = es.ShortTermState(jnp.zeros(()), name="stray")
+    with pytest.raises(
+        es.CheckpointError,
+        match="Cannot save ShortTermState 'stray': it is not in `model`",
+    ):
+        save(tmp_path / "c", es.values_of([model, stray]), model=model)
+
+
+def test_load_into_state_dict_needs_names(checkpoint):
+    path, w, n = checkpoint
+    fresh = es.ParamState(jnp.zeros(3))
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"(?s)Cannot load unnamed .*eqstate.load\(path, model\)",
+    ):
+        load(path, es.values_of(fresh))
+
+
+def test_load_state_missing_from_model(checkpoint):
+    path, w, n = checkpoint
+    with pytest.raises(es.CheckpointError, match="Cannot load ParamState 'w': it is"):
+        load(path, es.values_of([w, n]), model=[n])
+
+
+def test_save_refuses_colliding_paths(tmp_path):
+    model = {"a.b": es.State(jnp.ones(1)), "a": {"b": es.State(jnp.ones(1))}}
+    with pytest.raises(es.CheckpointError, match=r"same path `a\.b`"):
+        save(tmp_path / "c", es.values_of(model), model=model)
+
+
+def test_state_at_several_paths_is_stored_under_the_first(tmp_path):
+    shared = es.ParamState(jnp.ones(2))
+    model = {"decoder": shared, "encoder": shared}
+    save(tmp_path / "c", es.values_of(model), model=model)
+    assert [e["path"] for e in _header(tmp_path / "c")["entries"]] == ["decoder"]
+    loaded = load(tmp_path / "c", model)
+    assert loaded.states == (shared,)
+
+
+def test_save_refuses_tracers(tmp_path):
+    w = es.ParamState(jnp.ones(2), name="w")
+
+    @jax.jit
+    def f(x):
+        save(tmp_path / "c", {w: x})
+
+    with pytest.raises(es.CheckpointError, match=r"`w`.*tracer"):
+        f(jnp.ones(2))
+
+
+def test_save_into_missing_directory(tmp_path):
+    w = es.ParamState(jnp.ones(2), name="w")
+    with pytest.raises(es.CheckpointError, match=r"directory .* does not exist"):
+        save(tmp_path / "nope" / "c", es.values_of(w))
+
+
+def test_save_overwrites_and_keeps_permissions(checkpoint):
+    path, w, n = checkpoint
+    w.value = jnp.array([4.0, 5.0, 6.0])
+    save(path, es.values_of([w, n]))
+    assert (load(path, es.values_of([w, n]))[w] == w.value).all()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
+    assert os.listdir(path.parent) == [path.name]
+
+
+def test_load_from_state_dict_matches_names(checkpoint):
+    path, w, n = checkpoint
+    fresh_w = es.ParamState(jnp.zeros(3), name="w")
+    fresh_n = es.ShortTermState(jnp.array(0), name="n")
+    loaded = load(path, es.StateDict({fresh_n: 0, fresh_w: jnp.zeros(3)}))
+    assert loaded.states == (fresh_n, fresh_w)
+    assert _same_bits(loaded[fresh_w], w.value) and _same_bits(loaded[fresh_n], n.value)
+
+
+def test_load_part_of_a_model_with_model_keyword(tmp_path):
+    def build():
+        return {"w": es.ParamState(jnp.zeros(2)), "n": es.ShortTermState(jnp.array(0))}
+
+    model = build()
+    model["w"].value = jnp.array([3.0, 4.0])
+    save(tmp_path / "c", es.values_of(model, es.ParamState), model=model)
+
+    fresh = build()
+    with pytest.raises(es.CheckpointError, match=r"no entry `n`"):
+        load(tmp_path / "c", fresh)
+    loaded = load(tmp_path / "c", es.values_of(fresh, es.ParamState), model=fresh)
+    assert loaded.states == (fresh["w"],)
+    assert _same_bits(loaded[fresh["w"]], jnp.array([3.0, 4.0]))
+
+
+def test_load_model_keyword_needs_a_state_dict(checkpoint):
+    path, w, n = checkpoint
+    with pytest.raises(TypeError, match="`model=` only when its target is a StateDict"):
+        load(path, [w, n], model=[w, n])
+
+
+def test_load_does_not_write_states(checkpoint):
+    path, w, n = checkpoint
+    w.value = jnp.zeros(3)
+    loaded = load(path, es.values_of([w, n]))
+    assert (w.value == 0).all()
+    es.assign(loaded)
+    assert (w.value == jnp.array([1.0, 2.0, 3.0])).all()
+
+
+def test_load_keeps_the_target_sharding(getkey, tmp_path):
+    sharding = NamedSharding(jax.make_mesh((8,), ("x",)), PartitionSpec("x"))
+    w = es.ParamState(jax.device_put(jnp.arange(16.0), sharding), name="w")
+    keys = es.State(jax.device_put(jr.split(getkey(), 8), sharding), name="keys")
+    save(tmp_path / "c", es.values_of([w, keys]))
+    loaded = load(tmp_path / "c", es.values_of([w, keys]))
+    assert loaded[w].sharding == sharding and loaded[keys].sharding == sharding
+    assert _same_bits(loaded[w], w.value) and _same_bits(loaded[keys], keys.value)
+
+
+def test_load_missing_path(tmp_path):
+    old = {"encoder": es.ParamState(jnp.ones(2))}
+    save(tmp_path / "c", es.values_of(old), model=old)
+    new = {"encoder": es.ParamState(jnp.ones(2)), "decoder": es.ParamState(jnp.ones(2))}
+    with pytest.raises(
+        es.CheckpointError, match=r"(?s)does not match the model.*no entry `decoder`"
+    ):
+        load(tmp_path / "c", new)
+
+
+def test_load_extra_path(tmp_path):
+    old = {"encoder": es.ParamState(jnp.ones(2)), "decoder": es.ParamState(jnp.ones(2))}
+    save(tmp_path / "c", es.values_of(old), model=old)
+    new = {"encoder": es.ParamState(jnp.ones(2))}
+    with pytest.raises(
+        es.CheckpointError, match=r"holds `decoder`, which the model does not have"
+    ):
+        load(tmp_path / "c", new)
+
+
+def test_load_renamed_path_lists_both_sides(tmp_path):
+    old = [es.ParamState(jnp.ones(2))]
+    save(tmp_path / "c", es.values_of(old), model=old)
+    new = {"w": es.ParamState(jnp.ones(2))}
+    with pytest.raises(es.CheckpointError, match=r"(?s)no entry `w`.*holds `0`"):
+        load(tmp_path / "c", new)
+
+
+def test_load_wrong_shape(checkpoint):
+    path, w, n = checkpoint
+    fresh = [es.ParamState(jnp.zeros(4), name="w"), es.State(jnp.array(0), name="n")]
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"`w` holds shape \(3,\) and dtype float32, but ParamState 'w' "
+        r"expects shape \(4,\) and dtype float32",
+    ):
+        load(path, es.values_of(fresh))
+
+
+def test_load_wrong_dtype(checkpoint):
+    path, w, n = checkpoint
+    fresh = [
+        es.ParamState(jnp.zeros(3, jnp.bfloat16), name="w"),
+        es.State(jnp.array(0), name="n"),
+    ]
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"`w` holds shape \(3,\) and dtype float32, but ParamState 'w' "
+        r"expects shape \(3,\) and dtype bfloat16",
+    ):
+        load(path, es.values_of(fresh))
+
+
+def test_load_key_into_array_is_a_dtype_mismatch(tmp_path):
+    save(tmp_path / "c", es.values_of(es.RandomState(0, name="rng")))
+    fresh = es.State(jnp.zeros(2, jnp.uint32), name="rng")
+    with pytest.raises(
+        es.CheckpointError, match=r"`rng` holds a threefry2x32 PRNG key .* but State"
+    ):
+        load(tmp_path / "c", es.values_of(fresh))
+
+
+@pytest.mark.parametrize("keep", (0, 4, 15, 30, -9, -1))
+def test_truncated_file(checkpoint, keep):
+    path, w, n = checkpoint
+    raw = path.read_bytes()
+    path.write_bytes(raw[:keep])
+    with pytest.raises(es.CheckpointError, match="is truncated: it has"):
+        load(path, es.values_of([w, n]))
+
+
+def test_trailing_bytes_are_corruption(checkpoint):
+    path, w, n = checkpoint
+    path.write_bytes(path.read_bytes() + b"\x00")
+    with pytest.raises(es.CheckpointError, match="corrupted: it has 1 bytes after"):
+        load(path, es.values_of([w, n]))
+
+
+def test_flipped_byte_in_data(checkpoint):
+    path, w, n = checkpoint
+    _flip(path, _data_start(path) + 5)
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"corrupted: the bytes of entry `w` \(shape \(3,\), dtype float32\)",
+    ):
+        load(path, es.values_of([w, n]))
+
+
+def test_flipped_byte_in_header(checkpoint):
+    path, w, n = checkpoint
+    _flip(path, 30)
+    with pytest.raises(
+        es.CheckpointError, match="corrupted: the checksum of its header"
+    ):
+        load(path, es.values_of([w, n]))
+
+
+def test_every_flipped_byte_is_detected(checkpoint):
+    path, w, n = checkpoint
+    original = path.read_bytes()
+    target = es.values_of([w, n])
+    for position in range(len(original)):
+        path.write_bytes(original)
+        _flip(path, position)
+        with pytest.raises(es.CheckpointError):
+            load(path, target)
+    path.write_bytes(original)
+    assert (load(path, target)[w] == w.value).all()
+
+
+def test_not_a_checkpoint(tmp_path):
+    w = es.ParamState(jnp.ones(3), name="w")
+    np.save(tmp_path / "w.npy", np.ones(3, np.float32))
+    with pytest.raises(es.CheckpointError, match="is not an eqstate checkpoint"):
+        load(tmp_path / "w.npy", es.values_of(w))
+
+
+def test_unknown_version(checkpoint):
+    path, w, n = checkpoint
+    raw = bytearray(path.read_bytes())
+    raw[8:12] = struct.pack("<I", 2)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(es.CheckpointError, match=r"format version 2.*only version 1"):
+        load(path, es.values_of([w, n]))
+
+
+def test_malformed_header_with_valid_checksum(checkpoint):
+    path, w, n = checkpoint
+    header = b'{"entries": [{"path": "w"}]}'
+    head = struct.pack("<8sIQ", b"\x93EQSTATE", 1, len(header)) + header
+    path.write_bytes(head + struct.pack("<I", zlib.crc32(head)))
+    with pytest.raises(es.CheckpointError, match="malformed header: entry 0 has no"):
+        load(path, es.values_of([w, n]))
+
+
+def test_missing_file(tmp_path):
+    w = es.ParamState(jnp.ones(3), name="w")
+    with pytest.raises(es.CheckpointError, match="does not exist"):
+        load(tmp_path / "nope.eqstate", es.values_of(w))
+    with pytest.raises(es.CheckpointError, match="is a directory"):
+        load(tmp_path, es.values_of(w))
+
+
+def test_load_returns_nothing_partial_on_error(checkpoint):
+    path, w, n = checkpoint
+    w.value = jnp.zeros(3)
+    n.value = jnp.array(0)
+    # The last entry is corrupted; the first one is intact.
+    _flip(path, path.stat().st_size - 1)
+    with pytest.raises(es.CheckpointError, match="bytes of entry `n`"):
+        es.assign(load(path, es.values_of([w, n])))
+    assert (w.value == 0).all() and n.value == 0
+
+
+class _FailingFile:
+    """Wraps a file; its write of the first array raises, as a full disk or a kill
+    would, after writing part of it."""
+
+    def __init__(self, f, error):
+        self._f, self._error, self._writes = f, error, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def write(self, data):
+        self._writes += 1
+        if self._writes == 3:
+            self._f.write(bytes(data)[:3])
+            raise self._error
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _fail_in_write(monkeypatch, error):
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(
+        _checkpoint.os,
+        "fdopen",
+        lambda *a, **k: _FailingFile(real_fdopen(*a, **k), error),
+    )
+
+
+def _fail_in_fsync(monkeypatch, error):
+    def fsync(fd):
+        raise error
+
+    monkeypatch.setattr(_checkpoint.os, "fsync", fsync)
+
+
+def _fail_in_replace(monkeypatch, error):
+    def replace(src, dst):
+        raise error
+
+    monkeypatch.setattr(_checkpoint.os, "replace", replace)
+
+
+@pytest.mark.parametrize("fail", (_fail_in_write, _fail_in_fsync, _fail_in_replace))
+@pytest.mark.parametrize("error", (OSError("disk full"), KeyboardInterrupt()))
+def test_crash_mid_save_keeps_previous_checkpoint(checkpoint, monkeypatch, fail, error):
+    path, w, n = checkpoint
+    previous = path.read_bytes()
+    w.value = jnp.array([9.0, 9.0, 9.0])
+    fail(monkeypatch, error)
+    with pytest.raises(type(error)):
+        save(path, es.values_of([w, n]))
+    monkeypatch.undo()
+    assert os.listdir(path.parent) == [path.name]
+    assert path.read_bytes() == previous
+    loaded = load(path, es.values_of([w, n]))
+    assert (loaded[w] == jnp.array([1.0, 2.0, 3.0])).all() and loaded[n] == 7
+
+
+def test_crash_mid_first_save_leaves_nothing(tmp_path, monkeypatch):
+    w = es.ParamState(jnp.ones(3), name="w")
+    _fail_in_write(monkeypatch, OSError("disk full"))
+    with pytest.raises(OSError, match="disk full"):
+        save(tmp_path / "c", es.values_of(w))
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,104 @@
+import eqstate as es
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+def test_handle_repr_shows_kind_name_tag_and_value_summary():
+    w = es.ParamState(jnp.zeros((2, 3)), name="w")
+    assert repr(w) == "ParamState(name='w', value=f32[2,3])"
+    t = es.ShortTermState(jnp.zeros(()), tag="hidden")
+    assert repr(t) == "ShortTermState(tag='hidden', value=f32[])"
+    both = es.State(jnp.zeros(2, jnp.int8), name="n", tag="t")
+    assert repr(both) == "State(name='n', tag='t', value=i8[2])"
+    anonymous = es.State(jnp.zeros(()))
+    assert repr(anonymous) == f"State(id={id(anonymous):#x}, value=f32[])"
+
+
+def test_handle_repr_summarises_pytrees_keys_and_large_arrays():
+    opt = es.State({"mu": jnp.zeros(3), "count": jnp.array(0)}, name="opt")
+    assert repr(opt) == "State(name='opt', value={'count': i32[], 'mu': f32[3]})"
+    big = es.State(jnp.zeros((1000, 1000)), name="big")
+    assert repr(big) == "State(name='big', value=f32[1000,1000])"
+    assert "key<" in repr(es.RandomState(0, name="rng"))
+
+
+def test_a_handle_without_a_value_here_prints_without_one():
+    with es.scope(es.StateDict()):
+        inner = es.State(jnp.zeros(2), name="inner")
+    assert repr(inner) == "State(name='inner')"
+
+
+def test_repr_inside_a_trace_shows_the_traced_value():
+    s = es.State(jnp.zeros(3), name="s")
+    seen = []
+    es.transform.jit(lambda: seen.append(repr(s)))()
+    assert seen == ["State(name='s', value=f32[3])"]
+
+
+def test_state_dict_repr():
+    w = es.ParamState(jnp.zeros(3), name="w")
+    n = es.ShortTermState(jnp.array(0), name="n")
+    sd = es.StateDict({w: jnp.ones(3), n: jnp.array(5)})
+    assert (
+        repr(sd)
+        == "StateDict({ParamState(name='w'): f32[3], ShortTermState(name='n'): i32[]})"
+    )
+    assert repr(es.StateDict()) == "StateDict({})"
+    many = es.StateDict(
+        {es.State(jnp.zeros(i), name=f"s{i}"): jnp.zeros(i) for i in range(6)}
+    )
+    text = repr(many)
+    assert text.startswith("StateDict({\n") and text.endswith("\n})")
+    assert all(len(line) <= 88 for line in text.splitlines())
+
+
+class _Layer(eqx.Module):
+    weight: es.ParamState
+    calls: es.ShortTermState
+
+
+def test_equinox_pretty_printer_shows_handles_in_modules():
+    layer = _Layer(
+        es.ParamState(jnp.zeros((4, 2)), name="weight"),
+        es.ShortTermState(0, name="calls"),
+    )
+    assert eqx.tree_pformat(layer) == (
+        "_Layer(\n"
+        "  weight=ParamState(name='weight', value=f32[4,2]),\n"
+        "  calls=ShortTermState(name='calls', value=i32[])\n"
+        ")"
+    )
+
+
+def test_describe_tables_reads_writes_and_new_states():
+    w = es.ParamState(jnp.ones((2, 3)), name="w")
+    steps = es.ShortTermState(jnp.array(0), name="steps")
+    opt = es.State({"mu": jnp.zeros(3)}, name="opt")
+    sink = es.State(jnp.zeros(3), name="sink")
+
+    def f(x):
+        steps.value = steps.value + 1
+        opt.value = {"mu": opt.value["mu"] * 0.9 + x}
+        sink.value = x
+        es.LongTermState(jnp.zeros(4, jnp.int32), name="created")
+        return w.value @ x
+
+    text = es.transform.StatefulFunction(f).describe(jnp.ones(3))
+    assert text == (
+        "f: reads 1, writes 3, creates 1 state(s)\n"
+        "kind            name       shape   dtype    access\n"
+        "--------------  ---------  ------  -------  ----------\n"
+        "ShortTermState  steps      ()      int32    read+write\n"
+        "State           opt['mu']  (3,)    float32  read+write\n"
+        "State           sink       (3,)    float32  write\n"
+        "ParamState      w          (2, 3)  float32  read\n"
+        "LongTermState   created    (4,)    int32    new"
+    )
+    assert steps.value == 0
+
+
+def test_describe_of_a_function_without_states():
+    text = es.transform.StatefulFunction(lambda x: x * 2, name="double").describe(1.0)
+    assert text.splitlines()[0] == "double: reads 0, writes 0, creates 0 state(s)"
+    assert jax.numpy.shape(1.0) == ()
