@@ -21,6 +21,7 @@ from ._run import (
     values_of as values_of,
     world as world,
 )
+from ._sharding import shard as shard
 from ._state import (
     is_state as is_state,
     LongTermState as LongTermState,

@@ -111,3 +111,13 @@ def is_batched_here(x: Any) -> bool:
         getattr(x, "_trace", None) is current_trace()
         and getattr(x, "batch_dim", None) is not None
     )
+
+
+def varying_axes(x: Any) -> frozenset:
+    """Inside `jax.shard_map`, the mesh axes along which `x` differs across devices."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    # JAX 0.10: the varying axes of an aval; older releases called them `vma`.
+    varying = getattr(manual, "varying", None)
+    if varying is None:
+        varying = getattr(jax.typeof(x), "vma", frozenset())
+    return frozenset(varying)

@@ -3,6 +3,7 @@
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import jax
 import jax.tree_util as jtu
 import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
@@ -152,11 +153,66 @@ class StateDict(Mapping[State, PyTree]):
             merged = merged.update(sd)
         return merged
 
+    def with_sharding(self, shardings: Any) -> "StateDict":
+        """Places the values on devices with `jax.device_put`.
+
+        **Arguments:**
+
+        - `shardings`: one `jax.sharding.Sharding` for every state; or a mapping
+            `{filter: Sharding}` (each state takes the sharding of the first filter it
+            matches; states matching none stay where they are); or a function
+            `(state, value) -> Sharding | None` (`None`: leave it).
+
+        **Returns:**
+
+        A new `StateDict` whose values are placed accordingly.
+
+        !!! Example
+
+            ```python
+            import eqstate as es
+            import jax
+            import jax.numpy as jnp
+            from jax.sharding import NamedSharding, PartitionSpec as P
+
+            mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+            w = es.ParamState(jnp.zeros((len(jax.devices()) * 2, 3)))
+            sd = es.world().filter(w).with_sharding({w: NamedSharding(mesh, P("x"))})
+            assert sd[w].sharding.spec == P("x")
+            ```
+        """
+        sharding_of = sharding_rule(shardings)
+        placed = {}
+        for state, value in self._values.items():
+            sharding = sharding_of(state, value)
+            placed[state] = (
+                value if sharding is None else jax.device_put(value, sharding)
+            )
+        return StateDict._wrap(placed)
+
     def __pdoc__(self, **kwargs: Any) -> Any:
         return state_dict_doc(self._values.items(), **kwargs)
 
     def __repr__(self) -> str:
         return wl.pformat(self)
+
+
+def sharding_rule(rule: Any) -> Any:
+    """`rule` (a sharding, `{filter: sharding}`, or a function) as a function
+    `(state, value) -> sharding | None`."""
+    if isinstance(rule, jax.sharding.Sharding):
+        return lambda state, value: rule
+    if isinstance(rule, Mapping):
+        pairs = [(to_predicate(f), sharding) for f, sharding in rule.items()]
+        return lambda state, value: next(
+            (sharding for p, sharding in pairs if p((), state)), None
+        )
+    if callable(rule):
+        return rule
+    raise TypeError(
+        "Shardings are given as a `jax.sharding.Sharding`, a mapping "
+        f"`{{filter: Sharding}}`, or a function `(state, value) -> Sharding`; got {rule!r}."
+    )
 
 
 def _summarise_states(values: Mapping, limit: int = 5) -> str:

@@ -25,6 +25,7 @@ from ._new_states import (
 )
 from ._progress_bar import ProgressBar as ProgressBar
 from ._remat import checkpoint as checkpoint, remat as remat
+from ._shard_map import shard_map as shard_map
 from ._stateful_function import (
     make_jaxpr as make_jaxpr,
     StatefulFunction as StatefulFunction,

@@ -18,6 +18,8 @@ import jax
 from .. import _context, _jax_compat as compat
 from .._context import WORLD
 from .._jax_compat import is_top_level
+from .._state import State
+from .._state_dict import sharding_rule
 from ._compiled import Compiled
 
 
@@ -41,9 +43,11 @@ def _mark_from_trace(exc: BaseException) -> None:
 
 class _Plan:
     __slots__ = (
+        "in_constraints",
         "jitted",
         "kept_keys",
         "n_written",
+        "out_constraints",
         "read_order",
         "states",
         "updated_states",
@@ -51,6 +55,12 @@ class _Plan:
     )
 
     jitted: Any
+    # Shardings the jitted function imposes on state values: on the inputs (from
+    # `state_shardings`) and on the new values of written states (`state_shardings`,
+    # else the sharding a written state had when the plan was made, so that a sharded
+    # state keeps its placement).
+    in_constraints: dict[State, Any]
+    out_constraints: dict[State, Any]
 
     def __init__(self, entry: Compiled):
         self.states = entry.states
@@ -73,6 +83,27 @@ class _Plan:
         )
 
 
+def _constrained(value: Any, sharding: Any) -> Any:
+    mesh = getattr(sharding, "mesh", None)
+    explicit = jax.sharding.AxisType.Explicit
+    if mesh is not None and explicit in getattr(mesh, "axis_types", ()):
+        # Explicit mesh axes put shardings in the types: `reshard` sets them.
+        return jax.sharding.reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
+
+
+def _multi_device_sharding(value: Any) -> Any:
+    """The sharding of a value placed on several devices, else `None`."""
+    leaves = jax.tree_util.tree_leaves(value)
+    shardings = {getattr(x, "sharding", None) for x in leaves}
+    if len(shardings) != 1:
+        return None
+    (sharding,) = shardings
+    if sharding is None or len(sharding.device_set) < 2:
+        return None
+    return sharding
+
+
 def can_plan(call_all_dynamic: bool, entry: Compiled) -> bool:
     """Whether calls like this one can take the plan path: arguments that `jax.jit`
     accepts as they are, no new states, and an output made only of arrays."""
@@ -88,9 +119,13 @@ class JitDispatch:
         *,
         donate_states: bool = False,
         jit_kwargs: dict[str, Any] | None = None,
+        state_shardings: Any = None,
     ):
         self._sf = sf
         self._donate = donate_states
+        self._state_shardings = (
+            None if state_shardings is None else sharding_rule(state_shardings)
+        )
         self._jit_kwargs = dict(jit_kwargs or {})
         self._plans: dict[tuple, _Plan] = {}
         self._current: _Plan | None = None
@@ -157,7 +192,7 @@ class JitDispatch:
     ) -> tuple[bool, Any]:
         """Calls through the plan for `entry` and makes it current. Returns
         `(False, None)` if the call turns out not to fit it."""
-        plan = self._plan_for(entry)
+        plan = self._plan_for(entry, frame)
         values = frame.read_many(plan.read_order)
         n = plan.n_written
         try:
@@ -173,29 +208,52 @@ class JitDispatch:
         self, entry: Compiled, frame: _context.Frame, args: tuple, kwargs: dict
     ) -> Any:
         """`jax.jit(...).lower` of the plan for `entry`."""
-        plan = self._plan_for(entry)
+        plan = self._plan_for(entry, frame)
         values = frame.read_many(plan.read_order)
         n = plan.n_written
         return plan.jitted.lower(values[:n], values[n:], *args, **kwargs)
 
-    def _plan_for(self, entry: Compiled) -> _Plan:
+    def _plan_for(self, entry: Compiled, frame: _context.Frame) -> _Plan:
         key = (entry.states, entry.updated_states)
         with self._lock:
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plans[key] = _Plan(entry)
+                self._constrain(plan, frame)
                 plan.jitted = self._make_jitted(plan)
         return plan
+
+    def _constrain(self, plan: _Plan, frame: _context.Frame) -> None:
+        plan.in_constraints, plan.out_constraints = {}, {}
+        rule = self._state_shardings
+        values = frame.read_many(plan.states) if plan.states else []
+        updated = set(plan.updated_states)
+        for state, value in zip(plan.states, values):
+            sharding = None if rule is None else rule(state, value)
+            if sharding is not None:
+                plan.in_constraints[state] = sharding
+                if state in updated:
+                    plan.out_constraints[state] = sharding
+            elif state in updated:
+                placed = _multi_device_sharding(value)
+                if placed is not None:
+                    plan.out_constraints[state] = placed
 
     def _make_jitted(self, plan: _Plan) -> Callable:
         sf = self._sf
         order = {s: i for i, s in enumerate(plan.states)}
         positions = [order[s] for s in plan.read_order]
 
+        states = plan.states
+        updated_states = plan.updated_states
+
         def body(written, kept, *args, **kwargs):
             values: list[Any] = [None] * len(positions)
             for i, v in zip(positions, [*written, *kept]):
                 values[i] = v
+            for i, state in enumerate(states):
+                if state in plan.in_constraints:
+                    values[i] = _constrained(values[i], plan.in_constraints[state])
             try:
                 call = sf.parse_args(args, kwargs)
                 frame = _context.current_frame()
@@ -208,6 +266,12 @@ class JitDispatch:
             if not plan.fits(entry):
                 raise _PlanMismatch
             out, updated, _ = entry.split_outputs(entry.run(call.leaves, values))
+            updated = [
+                _constrained(v, plan.out_constraints[s])
+                if s in plan.out_constraints
+                else v
+                for s, v in zip(updated_states, updated)
+            ]
             return entry.build_output(out, ()), updated
 
         return jax.jit(body, **self._jit_options())
@@ -227,6 +291,6 @@ class JitDispatch:
             options["donate_argnums"] = donate
         in_shardings = options.pop("in_shardings", None)
         if in_shardings is not None:
-            written, kept = options.pop("state_shardings", (None, None))
-            options["in_shardings"] = (written, kept, *in_shardings)
+            # States are placed by sharding constraints inside the body instead.
+            options["in_shardings"] = (None, None, *in_shardings)
         return options

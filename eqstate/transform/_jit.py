@@ -72,6 +72,7 @@ def jit(
     donate_argnums: int | Sequence[int] = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
+    state_shardings: Any = None,
     keep_unused: bool = False,
     device: Any = None,
     backend: str | None = None,
@@ -90,6 +91,7 @@ def jit(
     donate_argnums: int | Sequence[int] = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
+    state_shardings: Any = None,
     keep_unused: bool = False,
     device: Any = None,
     backend: str | None = None,
@@ -107,6 +109,7 @@ def jit(
     donate_argnums: int | Sequence[int] = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
+    state_shardings: Any = None,
     keep_unused: bool = False,
     device: Any = None,
     backend: str | None = None,
@@ -133,6 +136,12 @@ def jit(
     - `donate_states`: donate the buffers of the written states to the computation,
         so that they are updated in place. Old references to those values become
         invalid.
+    - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
+        `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
+        function constrains those states to their sharding on input, and their new
+        values on output. Written states not named here keep the sharding they had
+        when the function was first called with them (call `clear_cache()` after
+        re-sharding them).
     - `donate_argnums`, `in_shardings`, `out_shardings`, `keep_unused`, `device`,
         `backend`, `inline`, `compiler_options`: as in `jax.jit`, for the arguments
         and the output of `fun`.
@@ -166,6 +175,7 @@ def jit(
         donate_argnums=donate_argnums,
         in_shardings=in_shardings,
         out_shardings=out_shardings,
+        state_shardings=state_shardings,
         keep_unused=keep_unused,
         device=device,
         backend=backend,
@@ -195,6 +205,11 @@ def jit(
         jit_kwargs["in_shardings"] = in_shardings
     if out_shardings is not None:
         jit_kwargs["out_shardings"] = (out_shardings, None)
-    dispatch = JitDispatch(sf, donate_states=donate_states, jit_kwargs=jit_kwargs)
+    dispatch = JitDispatch(
+        sf,
+        donate_states=donate_states,
+        jit_kwargs=jit_kwargs,
+        state_shardings=state_shardings,
+    )
     sf._dispatch = dispatch
     return JittedFunction(fun, sf, dispatch)

@@ -1,0 +1,109 @@
+"""Placing state values on several devices."""
+
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import jax.tree_util as jtu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._filters import to_predicate
+from ._pretty_print import state_label
+from ._run import assign, values_of
+from ._state import State
+from ._state_dict import StateDict
+
+
+def spec_rule(specs: Any) -> Callable[[State, Any], PartitionSpec | None]:
+    """`specs` (a `PartitionSpec`, `{filter: PartitionSpec}`, or a function) as a
+    function `(state, value) -> PartitionSpec | None`."""
+    if isinstance(specs, PartitionSpec):
+        return lambda state, value: specs
+    if isinstance(specs, Mapping):
+        pairs = [(to_predicate(f), spec) for f, spec in specs.items()]
+        return lambda state, value: next((s for p, s in pairs if p((), state)), None)
+    if callable(specs):
+        return cast(Callable[[State, Any], PartitionSpec | None], specs)
+    raise TypeError(
+        "Partition specs are given as a `PartitionSpec`, a mapping "
+        f"`{{filter: PartitionSpec}}`, or a function `(state, value) -> PartitionSpec`; "
+        f"got {specs!r}."
+    )
+
+
+def check_divisible(state: State, value: Any, mesh: Mesh, spec: PartitionSpec) -> None:
+    """Raises `ValueError` naming `state` if `spec` cannot split its value on `mesh`."""
+    for leaf in jtu.tree_leaves(value):
+        shape = leaf.shape
+        if len(spec) > len(shape):
+            raise ValueError(
+                f"The partition spec {spec} has {len(spec)} entries, but "
+                f"{state_label(state, value)} has only {len(shape)} dimensions."
+            )
+        for dim, axes in enumerate(spec):
+            if axes is None:
+                continue
+            names = axes if isinstance(axes, tuple) else (axes,)
+            devices = 1
+            for name in names:
+                devices *= mesh.shape[name]
+            if shape[dim] % devices:
+                raise ValueError(
+                    f"Cannot split dimension {dim} (size {shape[dim]}) of "
+                    f"{state_label(state, value)} over mesh axes {names} "
+                    f"({devices} devices): the size must be a multiple of the number "
+                    "of devices."
+                )
+
+
+def shard(
+    states: StateDict | PyTree,
+    mesh: Mesh,
+    specs: PartitionSpec | Mapping[Any, PartitionSpec] | Callable[..., Any],
+) -> StateDict:
+    """Places state values on the devices of `mesh` with `NamedSharding`s.
+
+    **Arguments:**
+
+    - `states`: a [`eqstate.StateDict`][], or a PyTree holding handles (a model), whose
+        values are read from the innermost context, placed, and written back there.
+    - `mesh`: a `jax.sharding.Mesh`.
+    - `specs`: how to split each state: one `PartitionSpec` for all; a mapping
+        `{filter: PartitionSpec}` (first match; unmatched states are replicated); or
+        a function `(state, value) -> PartitionSpec | None` (`None`: replicated).
+
+    **Returns:**
+
+    A `StateDict` of the placed values.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+
+        n = len(jax.devices())
+        mesh = jax.make_mesh((n,), ("model",))
+        big = es.ParamState(jnp.ones((4 * n, 8)), name="big")
+        bias = es.ParamState(jnp.zeros(8), name="bias")
+        placed = es.shard([big, bias], mesh, {big: P("model")})
+        assert big.value.sharding.spec == P("model")    # written back to the world
+        assert bias.value.sharding.spec == P()           # replicated
+        ```
+    """
+    rule = spec_rule(specs)
+    is_dict = isinstance(states, StateDict)
+    values = states if is_dict else values_of(states)
+
+    def sharding(state: State, value: Any) -> NamedSharding:
+        spec = rule(state, value)
+        spec = PartitionSpec() if spec is None else spec
+        check_divisible(state, value, mesh, spec)
+        return NamedSharding(mesh, spec)
+
+    placed = values.with_sharding(sharding)
+    if not is_dict:
+        assign(placed)
+    return placed

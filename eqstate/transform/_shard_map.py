@@ -1,0 +1,210 @@
+"""shard_map: `jax.shard_map` over a function that uses states."""
+
+import functools as ft
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .. import _context, _jax_compat as compat
+from .._custom_types import MISSING
+from .._pretty_print import state_label
+from .._run import run
+from .._sharding import check_divisible, spec_rule
+from .._state import State
+from .._state_dict import StateDict
+from ._common import abstract, Traced
+from ._stateful_function import StatefulFunction
+from ._vmap import placeholder
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+def _axes_of(spec: PartitionSpec) -> set:
+    axes: set = set()
+    for entry in spec:
+        if entry is not None:
+            axes.update(entry if isinstance(entry, tuple) else (entry,))
+    return axes
+
+
+def _local(x: Any, spec: Any, mesh: Mesh) -> Any:
+    """The per-device abstract value of `x`, split by `spec` on `mesh`."""
+    if spec is None or not hasattr(x, "shape"):
+        return x
+    shape = list(x.shape)
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            shape[dim] //= mesh.shape[name]
+    aval = abstract(x)
+    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
+
+
+class _ShardView(_context.Frame):
+    """What the function sees of the calling frame inside `shard_map`: each state's
+    value split by its PartitionSpec. Used only as the parent of the discovery trace."""
+
+    __slots__ = ("mesh", "parent", "specs")
+
+    def __init__(self, parent: _context.Frame, specs: Callable, mesh: Mesh):
+        self.parent, self.specs, self.mesh = parent, specs, mesh
+
+    def fetch(self, state):
+        value = self.parent.fetch(state)
+        spec = self.specs(state, value)
+        check_divisible(state, value, self.mesh, spec)
+        local = jtu.tree_map(lambda x: _local(x, spec, self.mesh), value)
+        if compat.single_pass_enabled():
+            return local
+        return jtu.tree_map(placeholder, local)
+
+    read = fetch
+
+    def peek(self, state):
+        return self.parent.peek(state)
+
+
+def shard_map(
+    fun: Any = MISSING,
+    *,
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    state_specs: PartitionSpec | Mapping[Any, PartitionSpec] | Callable | None = None,
+    check_vma: bool = True,
+) -> Any:
+    """Like `jax.shard_map`, for a function that reads and writes states: each device
+    runs `fun` on its shard of the arguments and of the states.
+
+    **Arguments:**
+
+    - `fun`: the function. If omitted, `shard_map` returns a decorator.
+    - `mesh`, `in_specs`, `out_specs`, `check_vma`: as in `jax.shard_map` (`in_specs`
+        is a tuple with one entry per positional argument).
+    - `state_specs`: how each state is split across the mesh: a `PartitionSpec` for
+        all, `{filter: PartitionSpec}` (first match), or `(state, value) ->
+        PartitionSpec | None`. Unmatched states are replicated (`PartitionSpec()`).
+        State values are moved to their sharding before the call, and written
+        states come back with it.
+
+    **Returns:**
+
+    A function with the signature of `fun`. (`fun` is traced twice per call: once to
+    find its states, once under `jax.shard_map`.)
+
+    **Raises:**
+
+    `ValueError` naming the state if a replicated state is written with a value that
+    differs across devices (reduce it first, e.g. with `jax.lax.pmean`).
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import AxisType, PartitionSpec as P
+
+        n = len(jax.devices())
+        mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+        seen = es.State(jnp.array(0.0), name="seen")
+
+        @es.transform.shard_map(mesh=mesh, in_specs=(P("data"),), out_specs=P("data"))
+        def double(x):
+            seen.value = seen.value + jax.lax.psum(x.sum(), "data")
+            return 2 * x
+
+        y = double(jnp.arange(2.0 * n))
+        assert (y == 2 * jnp.arange(2.0 * n)).all() and seen.value == jnp.arange(2.0 * n).sum()
+        ```
+    """
+    if fun is MISSING:
+        return lambda f: shard_map(
+            f,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            state_specs=state_specs,
+            check_vma=check_vma,
+        )
+    rule = spec_rule(PartitionSpec() if state_specs is None else state_specs)
+
+    def spec_of(state: State, value: Any) -> PartitionSpec:
+        spec = rule(state, value)
+        return PartitionSpec() if spec is None else spec
+
+    # The mesh axes are in scope while tracing, so that collectives trace.
+    sf = StatefulFunction(
+        fun,
+        state_returns="write",
+        name=getattr(fun, "__name__", None),
+        axis_env=list(mesh.shape.items()),
+    )
+
+    @ft.wraps(fun)
+    def sharded(*args: Any) -> Any:
+        frame = _context.current_frame()
+        specs = tuple(in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
+        local_args = tuple(
+            jtu.tree_map(
+                lambda s, a: jtu.tree_map(lambda x: _local(x, s, mesh), a),
+                spec,
+                arg,
+                is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+            )
+            for spec, arg in zip(specs, args)
+        )
+        traced = Traced(
+            fun,
+            local_args,
+            sf=sf,
+            discover_in=_ShardView(frame, spec_of, mesh),
+        )
+        traced.refuse_new_states("`shard_map`")
+        states, written = traced.states, traced.written
+        state_spec = {s: spec_of(s, v) for s, v in zip(states, traced.values)}
+        values = [
+            jax.device_put(v, NamedSharding(mesh, state_spec[s]))
+            if compat.is_top_level()
+            else v
+            for s, v in zip(states, traced.values)
+        ]
+
+        def body(state_values, *args):
+            # `fun` runs again here rather than its jaxpr being evaluated: shard_map
+            # types every value as varying or not across devices, and only tracing
+            # under it inserts the conversions that typing needs.
+            states_in = StateDict._wrap(dict(zip(states, state_values)))
+            states_out, out = run(fun, states_in, *args)
+            new = [states_out[s] for s in written]
+            for state, value in zip(written, new):
+                kept_apart = _axes_of(state_spec[state])
+                varying = set().union(
+                    *(compat.varying_axes(x) for x in jtu.tree_leaves(value))
+                )
+                if check_vma and varying - kept_apart:
+                    raise ValueError(
+                        f"{state_label(state)} is written inside `shard_map` with a value "
+                        f"that differs across devices along mesh axes "
+                        f"{sorted(varying - kept_apart)}, but its PartitionSpec "
+                        f"{state_spec[state]} keeps one copy there. Reduce it first (e.g. "
+                        "`jax.lax.pmean(value, axis)`), or split it with `state_specs`."
+                    )
+            return out, new
+
+        out, new_values = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=([state_spec[s] for s in states], *specs),
+            out_specs=(out_specs, [state_spec[s] for s in written]),
+            check_vma=check_vma,
+        )(values, *args)
+        traced.commit(dict(zip(written, new_values)))
+        return out
+
+    return sharded

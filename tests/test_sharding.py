@@ -1,0 +1,183 @@
+"""States on several devices: placement, jit, shard_map, and the two examples. The
+suite runs with 8 virtual CPU devices (tests/conftest.py)."""
+
+import importlib.util
+import pathlib
+
+import eqstate as es
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from .helpers import tree_allclose
+
+
+N = len(jax.devices())
+_EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+
+
+def _mesh(name="x", axis_type=AxisType.Auto):
+    return jax.make_mesh((N,), (name,), axis_types=(axis_type,))
+
+
+def test_there_are_eight_devices():
+    assert N == 8
+
+
+def test_with_sharding_by_sharding_mapping_and_function():
+    mesh = _mesh()
+    a = es.ParamState(jnp.ones((N, 2)), name="a")
+    b = es.State(jnp.ones(N), name="b")
+    sd = es.world().filter(a, b)
+    split = NamedSharding(mesh, P("x"))
+    everything = sd.with_sharding(split)
+    assert everything[a].sharding == split and everything[b].sharding == split
+    some = sd.with_sharding({es.ParamState: split})
+    assert some[a].sharding == split and some[b].sharding == sd[b].sharding
+    by_fn = sd.with_sharding(lambda s, v: split if s is b else None)
+    assert by_fn[b].sharding == split and by_fn[a].sharding == sd[a].sharding
+    assert tree_allclose(everything[a], sd[a])
+    with pytest.raises(TypeError, match="Shardings are given as"):
+        sd.with_sharding(3)
+
+
+def test_shard_places_a_models_states_in_the_world():
+    mesh = _mesh("model")
+    big = es.ParamState(jnp.arange(4.0 * N * 3).reshape(4 * N, 3), name="big")
+    small = es.ParamState(jnp.zeros(3), name="small")
+    placed = es.shard({"big": big, "small": small}, mesh, {big: P("model")})
+    assert big.value.sharding.spec == P("model") and small.value.sharding.spec == P()
+    assert placed[big].sharding == big.value.sharding
+    assert tree_allclose(big.value, jnp.arange(4.0 * N * 3).reshape(4 * N, 3))
+    shards = {s.index[0].start for s in big.value.addressable_shards}
+    assert len(shards) == N
+
+
+def test_shard_names_the_state_that_cannot_be_split():
+    mesh = _mesh("model")
+    odd = es.ParamState(jnp.ones((N + 1, 2)), name="odd")
+    with pytest.raises(ValueError, match=r"dimension 0 \(size 9\) of ParamState 'odd'"):
+        es.shard([odd], mesh, P("model"))
+    flat = es.ParamState(jnp.ones(N), name="flat")
+    with pytest.raises(ValueError, match="has only 1 dimensions"):
+        es.shard([flat], mesh, P(None, "model"))
+    assert len(odd.value.sharding.device_set) == 1  # left where it was
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_jit_keeps_the_sharding_of_written_states(axis_type):
+    mesh = _mesh("x", axis_type)
+    w = es.ParamState(jnp.ones((2 * N, 4)), name="w")
+    b = es.ParamState(jnp.zeros(4), name="b")
+    es.shard([w, b], mesh, {w: P("x")})
+
+    @es.transform.jit
+    def step(x):
+        w.value = w.value * 0.5 + x
+        b.value = b.value + 1
+        return (w.value @ b.value).sum()
+
+    for _ in range(3):
+        out = step(1.0)
+    assert w.value.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 2)
+    assert b.value.sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
+    assert (
+        tree_allclose(w.value, jnp.full((2 * N, 4), 1.875))
+        and out == 2 * N * 4 * 3 * 1.875
+    )
+
+
+def test_jit_state_shardings_move_states():
+    mesh = _mesh()
+    s = es.State(jnp.arange(float(N)), name="s")
+    split = NamedSharding(mesh, P("x"))
+    step = es.transform.jit(
+        lambda: setattr(s, "value", s.value * 2), state_shardings={s: split}
+    )
+    step()
+    assert s.value.sharding == split and tree_allclose(
+        s.value, jnp.arange(float(N)) * 2
+    )
+
+
+def test_shard_map_threads_states_with_their_specs():
+    mesh = _mesh("data")
+    per_device = es.State(jnp.zeros(N), name="per_device")
+    total = es.State(jnp.array(0.0), name="total")
+
+    @es.transform.shard_map(
+        mesh=mesh,
+        in_specs=(P("data"),),
+        out_specs=P("data"),
+        state_specs={per_device: P("data")},
+    )
+    def step(x):
+        per_device.value = per_device.value + x.sum()
+        total.value = total.value + jax.lax.psum(x.sum(), "data")
+        return x * 2
+
+    x = jnp.arange(2.0 * N)
+    y = step(x)
+    assert tree_allclose(y, x * 2)
+    assert tree_allclose(per_device.value, x.reshape(N, 2).sum(1))
+    assert total.value == x.sum()
+    assert per_device.value.sharding.spec == P("data")
+
+
+def test_shard_map_refuses_a_replicated_state_written_per_device():
+    mesh = _mesh("data")
+    s = es.State(jnp.array(0.0), name="replicated")
+
+    def f(x):
+        s.value = s.value + x.sum()
+        return x
+
+    sm = es.transform.shard_map(
+        f, mesh=mesh, in_specs=(P("data"),), out_specs=P("data")
+    )
+    with pytest.raises(
+        ValueError, match=r"State 'replicated' is written inside `shard_map`"
+    ):
+        sm(jnp.arange(float(N)))
+    assert s.value == 0
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, _EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_data_parallel_example_matches_a_single_device():
+    example = _load("data_parallel")
+    single, single_losses, _ = example.train(steps=5)
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+    sharded, sharded_losses, model = example.train(mesh, steps=5)
+    assert tree_allclose(single_losses, sharded_losses, rtol=1e-5, atol=1e-6)
+    assert tree_allclose(single, sharded, rtol=1e-5, atol=1e-6)
+    assert len(model.w1.value.sharding.device_set) == N
+
+
+def test_model_parallel_example_matches_a_single_device():
+    example = _load("model_parallel")
+    single, single_losses, _ = example.train(steps=5)
+    mesh = jax.make_mesh((N,), ("model",), axis_types=(AxisType.Auto,))
+    for manual in (False, True):
+        sharded, losses, model = example.train(mesh, steps=5, manual=manual)
+        assert tree_allclose(single_losses, losses, rtol=1e-5, atol=1e-6)
+        assert tree_allclose(single, sharded, rtol=1e-5, atol=1e-6)
+        assert model.embed.value.sharding.spec == P("model")
+
+
+def test_batched_ensemble_sharded_over_devices(getkey):
+    mesh = _mesh("ens")
+    w = es.ParamState(jr.normal(getkey(), (N, 3)), name="w")
+    es.shard([w], mesh, P("ens"))
+    predict = es.transform.jit(
+        es.transform.vmap(lambda x: w.value @ x, in_states={0: w})
+    )
+    x = jr.normal(getkey(), (N, 3))
+    assert tree_allclose(predict(x), jnp.einsum("ij,ij->i", w.value, x), atol=1e-5)
