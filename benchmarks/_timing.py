@@ -1,10 +1,11 @@
 """Shared timing helpers: interleaved rounds, medians and spreads."""
 
+import importlib.metadata
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 
@@ -18,8 +19,20 @@ def machine() -> str:
     )
 
 
+def versions(packages: Iterable[str]) -> dict[str, str | None]:
+    """The installed version of each distribution, or `None` where it is missing."""
+    found: dict[str, str | None] = {}
+    for name in packages:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 class Timing:
-    """Per-call times of one system, in microseconds, one sample per round."""
+    """Times of one system, one sample per round: microseconds per call from
+    `interleaved`, milliseconds per first call from `first_calls`."""
 
     def __init__(self, samples: list[float]):
         self.samples = samples
@@ -31,6 +44,10 @@ class Timing:
         """The median over rounds of this system's time divided by the floor's time in
         the same round: paired, so that drift in the machine's speed cancels out."""
         return statistics.median(a / b for a, b in zip(self.samples, floor.samples))
+
+    def per(self, n: int) -> "Timing":
+        """The same samples divided by `n`, e.g. a time per state."""
+        return Timing([x / n for x in self.samples])
 
 
 def interleaved(
@@ -65,3 +82,25 @@ def once(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return (time.perf_counter() - start) * 1e3
+
+
+def first_calls(
+    factories: dict[str, Callable[[], Callable[[], object]]],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> dict[str, Timing]:
+    """Times the first call of freshly built functions, in milliseconds. Each
+    `factory()` builds a new function and new states (not timed); its first call, blocked
+    on, is one sample. The systems take turns, `repeats` times (rotating the order), after
+    `warmup` untimed turns that pay each system's one-off import and setup costs."""
+    names = list(factories)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            first = factories[name]()
+            elapsed = once(first)
+            if r >= warmup:
+                samples[name].append(elapsed)
+    return {name: Timing(s) for name, s in samples.items()}

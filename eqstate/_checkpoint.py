@@ -659,7 +659,13 @@ def load(
         value = jnp.asarray(array)
         if spec.key_impl is not None:
             value = jax.random.wrap_key_data(value, impl=spec.key_impl)
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
+        if (
+            isinstance(leaf, jax.Array)
+            and not isinstance(leaf, Tracer)
+            and leaf.committed
+        ):
+            # Only values tied to devices are placed: placing the others would tie
+            # them to a device, and jitted functions would compile again.
             value = jax.device_put(value, leaf.sharding)
         loaded[spec.state].append(value)
     return StateDict._wrap(

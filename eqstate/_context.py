@@ -63,12 +63,18 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     )
     if new.shape == old.shape and weak and jnp.result_type(old.dtype, new) == old.dtype:
         return new.astype(old.dtype)
+    hint = (
+        " To give new states a batch axis, create them inside "
+        "`eqstate.transform.vmap_new_states`."
+        if new.shape != old.shape
+        else f" Convert it first, e.g. `value.astype({old.dtype})`."
+        if not jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key)
+        else " Keys of another PRNG implementation cannot replace this one."
+    )
     raise StateValueError(
         f"Cannot write a value of shape {tuple(new.shape)} and dtype {new.dtype} to "
         f"{state_label(state)} (shape {tuple(old.shape)}, dtype {old.dtype}). A write "
-        "must keep the structure, shape and dtype of the current value. To give new "
-        "states a batch axis, create them inside "
-        "`eqstate.transform.vmap_new_states`."
+        f"must keep the structure, shape and dtype of the current value.{hint}"
     )
 
 
@@ -425,6 +431,13 @@ class TraceFrame(Frame):
     def peek(self, state):
         value = self.values.get(state, MISSING)
         return self.parent.peek(state) if value is MISSING else value
+
+    def release(self) -> None:
+        """Drops the tracers this frame holds, once its trace has ended, so that
+        nothing keeps them alive (JAX's leak checker would flag them)."""
+        self.values.clear()
+        self.preloaded = None
+        self.jax_trace = None
 
 
 def _check_same_trace(

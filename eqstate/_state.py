@@ -1,5 +1,6 @@
 """State handles and their kinds."""
 
+import itertools
 from typing import Any, Generic, NoReturn, TypeVar
 
 import jax
@@ -14,6 +15,10 @@ from ._pretty_print import state_doc
 
 
 _Value = TypeVar("_Value")
+
+# Handles are numbered as they are created: StateDicts flatten in this order, so two
+# dictionaries of the same states have the same tree structure whatever their order.
+_CREATION_ORDER = itertools.count()
 
 
 class State(Generic[_Value]):
@@ -40,7 +45,7 @@ class State(Generic[_Value]):
         ```
     """
 
-    __slots__ = ("__weakref__", "_expired_in", "_name", "_tag")
+    __slots__ = ("__weakref__", "_expired_in", "_name", "_order", "_tag")
 
     def __init__(
         self,
@@ -60,6 +65,7 @@ class State(Generic[_Value]):
         object.__setattr__(self, "_tag", tag)
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_expired_in", None)
+        object.__setattr__(self, "_order", next(_CREATION_ORDER))
         current_frame().add_new(self, to_value(value))
 
     @property
@@ -201,6 +207,7 @@ def fresh_copy(state: State) -> State:
     if hasattr(state, "__dict__"):
         fresh.__dict__.update(state.__dict__)
     object.__setattr__(fresh, "_expired_in", None)
+    object.__setattr__(fresh, "_order", next(_CREATION_ORDER))
     return fresh
 
 
@@ -218,6 +225,11 @@ def _as_key(seed_or_key: Any) -> Any:
             "converted with `jax.random.wrap_key_data`.)"
         )
     return seed_or_key
+
+
+def creation_order(state: State) -> int:
+    """The position of `state` among all handles, in creation order."""
+    return state._order
 
 
 def is_state(x: Any) -> bool:

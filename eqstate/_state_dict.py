@@ -13,7 +13,7 @@ from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError
 from ._filters import to_predicate
 from ._pretty_print import state_dict_doc, state_label
-from ._state import State
+from ._state import creation_order, State
 
 
 class StateDict(Mapping[State, PyTree]):
@@ -38,7 +38,7 @@ class StateDict(Mapping[State, PyTree]):
         ```
     """
 
-    __slots__ = ("_values",)
+    __slots__ = ("_canonical", "_values")
 
     def __init__(
         self, values: Mapping[State, PyTree[ArrayLike]] | Iterable[tuple] = ()
@@ -58,6 +58,7 @@ class StateDict(Mapping[State, PyTree]):
                 )
             contents[state] = to_value(value)
         object.__setattr__(self, "_values", contents)
+        object.__setattr__(self, "_canonical", None)
 
     @classmethod
     def _wrap(cls, values: dict) -> "StateDict":
@@ -65,6 +66,7 @@ class StateDict(Mapping[State, PyTree]):
         # unflattening, where leaves may be tracers or JAX's placeholder objects.
         sd = object.__new__(cls)
         object.__setattr__(sd, "_values", values)
+        object.__setattr__(sd, "_canonical", None)
         return sd
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -223,18 +225,38 @@ def _summarise_states(values: Mapping, limit: int = 5) -> str:
     return ", ".join(labels) + (f" and {more} more" if more > 0 else "")
 
 
+def _canonical_order(sd: StateDict) -> tuple[State, ...] | None:
+    """The handles in creation order, computed once per (immutable) dictionary; `None`
+    when that is already the insertion order."""
+    order = sd._canonical
+    if order is None:
+        states = tuple(sd._values)
+        ordered = tuple(sorted(states, key=creation_order))
+        order = () if ordered == states else ordered
+        object.__setattr__(sd, "_canonical", order)
+    return order or None
+
+
+# StateDicts flatten in the creation order of their handles, so that dictionaries of
+# the same states (e.g. gradients and parameters) have the same tree structure.
 def _flatten_with_keys(sd: StateDict):
     values = sd._values
-    return [(jtu.DictKey(s), v) for s, v in values.items()], tuple(values)
+    order = _canonical_order(sd) or tuple(values)
+    return [(jtu.DictKey(s), values[s]) for s in order], order
 
 
 def _flatten(sd: StateDict):
     values = sd._values
-    return tuple(values.values()), tuple(values)
+    order = _canonical_order(sd)
+    if order is None:
+        return tuple(values.values()), tuple(values)
+    return tuple(values[s] for s in order), order
 
 
 def _unflatten(states: tuple, children: Iterable) -> StateDict:
-    return StateDict._wrap(dict(zip(states, children)))
+    sd = StateDict._wrap(dict(zip(states, children)))
+    object.__setattr__(sd, "_canonical", ())  # Already in creation order.
+    return sd
 
 
 jtu.register_pytree_with_keys(StateDict, _flatten_with_keys, _unflatten, _flatten)

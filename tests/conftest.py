@@ -1,4 +1,5 @@
 import contextvars
+import gc
 import os
 
 import jax
@@ -10,6 +11,18 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.random as jr  # noqa: E402
 import pytest  # noqa: E402
 from eqstate import _jax_compat  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+
+# Property tests: a few hundred examples in CI; `--hypothesis-profile=long` by hand.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "default", max_examples=200, deadline=None, suppress_health_check=_SLOW_OK
+)
+settings.register_profile(
+    "long", max_examples=10_000, deadline=None, suppress_health_check=_SLOW_OK
+)
+settings.load_profile("default")
 
 
 if os.environ.get("EQSTATE_TEST_TWO_PASS"):
@@ -33,3 +46,29 @@ def tracing_mode(request):
         if request.param == "single-pass" and not _jax_compat.single_pass_enabled():
             pytest.fail("this JAX release lost the single-pass tracing hook")
         yield request.param
+
+
+if os.environ.get("EQSTATE_TEST_CHECK_LEAKS"):
+
+    @pytest.fixture(autouse=True)
+    def _check_tracer_leaks(request):
+        """Every test under `jax.checking_leaks()`: a tracer kept after its trace
+        ends (in a cache, a frame, a handle) fails the test. Tests marked
+        `equinox_error_if` run unchecked: `eqx.error_if` alone trips JAX's checker
+        (it keeps its caller's frames alive), with or without eqstate."""
+        if request.node.get_closest_marker("equinox_error_if"):
+            yield
+            return
+        # JAX's checker runs `gc.collect()` whenever a trace ends; freezing what exists
+        # before the test keeps that cheap. Tracers made during the test stay visible
+        # to the checker, so leaks into older objects (caches) are still caught.
+        gc.collect()
+        gc.freeze()
+        with jax.checking_leaks():
+            yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "equinox_error_if: uses eqx.error_if, which jax.checking_leaks flags"
+    )

@@ -602,3 +602,15 @@ def test_crash_mid_first_save_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save(tmp_path / "c", es.values_of(w))
     assert os.listdir(tmp_path) == []
+
+
+def test_load_places_only_values_that_are_tied_to_devices(tmp_path):
+    # Tying a loaded value to a device would make jitted functions compile again.
+    loose = es.ParamState(jnp.ones(3))
+    placed = es.ParamState(jax.device_put(jnp.ones(2), jax.devices()[1]))
+    model = {"loose": loose, "placed": placed}
+    path = tmp_path / "model.eqstate"
+    es.save(path, es.values_of(model), model=model)
+    loaded = es.load(path, model)
+    assert not loaded[loose].committed
+    assert loaded[placed].committed and loaded[placed].devices() == {jax.devices()[1]}

@@ -224,6 +224,7 @@ def test_clear_cache(rnn):
     assert len(traces) == 2 * n
 
 
+@pytest.mark.equinox_error_if
 def test_a_runtime_error_runs_the_computation_once():
     import equinox as eqx
 
@@ -241,3 +242,18 @@ def test_a_runtime_error_runs_the_computation_once():
         jitted(2.0)
     jax.effects_barrier()
     assert len(runs) == 1
+
+
+def test_jit_options_apply_to_functions_that_create_states():
+    bogus = {"xla_no_such_option": True}
+    make = es.transform.jit(lambda x: es.ParamState(x * 2), compiler_options=bogus)
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        make(1.0)
+
+
+def test_position_options_with_a_function_that_creates_states_are_refused():
+    make = es.transform.jit(lambda x: es.ParamState(x * 2), donate_states=True)
+    with pytest.raises(
+        NotImplementedError, match=r"donate_states=\.\.\..* creates no states"
+    ):
+        make(1.0)

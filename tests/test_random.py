@@ -120,3 +120,8 @@ def test_default_state_is_a_random_state_in_the_world():
     sf = es.transform.StatefulFunction(lambda: es.random.uniform())
     sf.make_jaxpr()
     assert sf.get_write_states() == (es.random.DEFAULT,)
+
+
+def test_a_key_of_another_implementation_gets_a_fitting_message():
+    with pytest.raises(es.StateValueError, match="another PRNG implementation"):
+        es.random.seed(jax.random.key(0, impl="rbg"))

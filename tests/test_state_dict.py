@@ -155,3 +155,28 @@ def test_flatten_unflatten_roundtrip(specs):
     rebuilt = jtu.tree_unflatten(treedef, leaves)
     assert rebuilt.states == sd.states
     assert all(tree_bitwise_equal(rebuilt[s], sd[s]) for s in sd)
+
+
+def test_dicts_of_the_same_states_flatten_alike_whatever_their_order():
+    a, b = es.ParamState(jnp.zeros(2)), es.ParamState(jnp.zeros(3))
+    ab = es.StateDict({a: jnp.ones(2), b: jnp.ones(3)})
+    ba = es.StateDict({b: jnp.full(3, 2.0), a: jnp.full(2, 2.0)})
+    assert jtu.tree_structure(ab) == jtu.tree_structure(ba)
+    summed = jtu.tree_map(lambda x, y: x + y, ab, ba)
+    assert (summed[a] == 3).all() and (summed[b] == 3).all()
+    assert ba.states == (b, a)  # iteration keeps insertion order
+
+
+def test_gradients_read_in_another_order_feed_optax():
+    import optax
+
+    a, b = es.ParamState(jnp.ones(2), name="a"), es.ParamState(jnp.ones(3), name="b")
+    model = {"a": a, "b": b}
+    grads = es.transform.grad(
+        lambda: jnp.sum(b.value) * jnp.sum(a.value), grad_states=es.ParamState
+    )()
+    params = es.values_of(model, es.ParamState)
+    optimizer = optax.sgd(0.1)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    new = optax.apply_updates(params, updates)
+    assert (new[a] == 1 - 0.1 * 3).all() and (new[b] == 1 - 0.1 * 2).all()

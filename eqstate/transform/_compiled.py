@@ -234,6 +234,7 @@ class TraceRecord:
         )
         returned_values = [frame.values[s] for s in self.returned]
         new_values = [frame.values[s] for s in frame.new_states]
+        self.state_defs = {s: jtu.tree_structure(frame.values[s]) for s in accessed}
         self.returned_defs = tuple(jtu.tree_structure(v) for v in returned_values)
         self.new_defs = tuple(jtu.tree_structure(v) for v in new_values)
         return dynamic + flatten_each(returned_values) + flatten_each(new_values)
@@ -292,9 +293,10 @@ class StaleTrace(Exception):
     """Raised inside `jax.jit` when a state's shape changed since the trace."""
 
 
-def jitted(entry: Compiled) -> Any:
-    """`jax.jit` of the entry's pure form, made once per entry and returning the kept
-    outputs. It checks the state shapes whenever JAX traces it (`StaleTrace`)."""
+def jitted(entry: Compiled, options: dict[str, Any] | None = None) -> Any:
+    """`jax.jit` of the entry's pure form (with `jax.jit` `options` that do not refer
+    to argument positions), made once per entry and returning the kept outputs. It
+    checks the state shapes whenever JAX traces it (`StaleTrace`)."""
     fn = entry.jitted
     if fn is None:
 
@@ -303,5 +305,5 @@ def jitted(entry: Compiled) -> Any:
                 raise StaleTrace
             return entry.run(arg_leaves, values)
 
-        fn = entry.jitted = jax.jit(flat_call)
+        fn = entry.jitted = jax.jit(flat_call, **(options or {}))
     return fn

@@ -276,6 +276,24 @@ class JitDispatch:
 
         return jax.jit(body, **self._jit_options())
 
+    def flat_options(self, name: str) -> dict[str, Any]:
+        """The `jax.jit` options for calls that cannot take a plan (the function
+        creates states or returns non-array leaves): its arguments are flattened, so
+        options that refer to argument positions or to states cannot apply, and are
+        refused rather than ignored."""
+        positional = {"donate_argnums", "in_shardings", "out_shardings"}
+        used = sorted(k for k in positional if self._jit_kwargs.get(k))
+        used += ["donate_states"] if self._donate else []
+        used += ["state_shardings"] if self._state_shardings is not None else []
+        if used:
+            raise NotImplementedError(
+                f"`jit({name}, {', '.join(f'{k}=...' for k in used)})`: these options "
+                f"need a function that creates no states and returns only arrays, but "
+                f"{name} does not. Drop the options, or split the function (create the "
+                "states in one jitted function, compute in another)."
+            )
+        return {k: v for k, v in self._jit_kwargs.items() if k not in positional}
+
     def _jit_options(self) -> dict[str, Any]:
         # The jitted body takes `(written, kept, *args, **kwargs)`: the user's
         # positional options shift by two (negative indices count from the end).

@@ -48,7 +48,8 @@ class JittedFunction:
         if can_plan(call.all_dynamic, entry):
             return self._dispatch.lower(entry, frame, args, kwargs)
         values = frame.read_many(entry.states)
-        return jitted(entry).lower(call.leaves, values)
+        options = self._dispatch.flat_options(sf.name)
+        return jitted(entry, options).lower(call.leaves, values)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The output's shapes and dtypes, as `jax.ShapeDtypeStruct`s, without

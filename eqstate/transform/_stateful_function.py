@@ -308,9 +308,11 @@ class StatefulFunction:
             token = _context.enter(frame)
             try:
                 out = self.fun(*args, **kwargs)
+                return trace.outputs(frame, out)
             finally:
                 _context.leave(token)
-            return trace.outputs(frame, out)
+                # JAX checks for leaked tracers as soon as this trace ends.
+                frame.release()
 
         in_leaves = list(call.leaves)
         for value in outer:
@@ -321,13 +323,14 @@ class StatefulFunction:
             if trace.frame is not None:
                 for state in trace.frame.new_states:
                     object.__setattr__(state, "_expired_in", self.name)
+                trace.frame.release()
         frame = trace.frame
         assert frame is not None
         if known is not None and frame.missing:
             return list(dict.fromkeys(frame.missing))
         if known is None:
             states = tuple(frame.accessed)
-            defs = tuple(jtu.tree_structure(frame.values[s]) for s in states)
+            defs = tuple(trace.state_defs[s] for s in states)
         else:
             states, defs = tuple(known), tuple(outer_defs)
         return trace.compiled(jaxpr, states, defs)
@@ -481,7 +484,8 @@ class StatefulFunction:
         self, entry: Compiled, arg_leaves: list, values: list
     ) -> tuple[list, list, list]:
         if self.cache_type == "jit":
-            return entry.split_outputs(jitted(entry)(arg_leaves, values))
+            options = self._dispatch.flat_options(self.name) if self._dispatch else None
+            return entry.split_outputs(jitted(entry, options)(arg_leaves, values))
         return entry.split_outputs(entry.run(arg_leaves, values))
 
     def _call_against(
