@@ -274,3 +274,16 @@ def test_ensemble_of_mlps_built_evaluated_and_trained(getkey):
     assert (after < before).all()
     w1 = ensemble.w1.value
     assert len({tuple(r.ravel().tolist()) for r in w1}) == 8
+
+
+def test_state_to_exclude_sees_the_creators_tag_even_with_a_state_tag():
+    def ctor():
+        w = es.ParamState(es.random.normal((3,)))
+        lr = es.State(jnp.array(0.1), name="lr", tag="hyper")
+        return w, lr
+
+    w, lr = es.transform.vmap_new_states(
+        ctor, axis_size=4, state_tag="ensemble", state_to_exclude="hyper"
+    )()
+    assert lr.value.shape == () and w.value.shape == (4, 3)
+    assert lr.tag == "ensemble" and w.tag == "ensemble"

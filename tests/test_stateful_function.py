@@ -459,9 +459,7 @@ def test_concurrent_first_calls_compile_once_and_agree(cache_type, tracing_mode)
 def test_a_state_passed_as_an_argument_is_refused(model):
     f, w, b, count = model
     sf = StatefulFunction(lambda s, x: s.value * x)
-    with pytest.raises(
-        TypeError, match=r"received ParamState 'w' .*argument \[0\]\[0\]"
-    ):
+    with pytest.raises(TypeError, match=r"received ParamState 'w' .*argument 0\. "):
         sf(w, 1.0)
     with pytest.raises(TypeError, match="received ParamState 'w'"):
         sf.get_arg_cache_key({"model": w}, 1.0)
@@ -591,3 +589,12 @@ def test_name_appears_in_messages():
     assert repr(sf) == "StatefulFunction(my_step)"
     with pytest.raises(TypeError, match="my_step got an unhashable"):
         sf(1.0, {})
+
+
+def test_a_handle_among_the_arguments_is_named_by_its_position():
+    w = es.ParamState(jnp.ones(2), name="w")
+    sf = StatefulFunction(lambda n, x, model: x, static_argnums=0)
+    with pytest.raises(TypeError, match=r"as \(part of\) argument 2\['m'\]\. "):
+        sf(3, 1.0, {"m": w})
+    with pytest.raises(TypeError, match=r"as \(part of\) argument 'model'\['w'\]\. "):
+        StatefulFunction(lambda model: 0.0)(model={"w": w})

@@ -52,22 +52,32 @@ class _LaneFrame(_context.Frame):
     """
 
     __slots__ = (
+        "excluded",
         "jax_trace",
         "lane_key",
         "new_states",
         "parent",
         "randoms",
+        "replicated",
         "tag",
         "values",
     )
 
-    def __init__(self, parent: _context.Frame, lane_key: Any, tag: str | None):
+    def __init__(
+        self,
+        parent: _context.Frame,
+        lane_key: Any,
+        tag: str | None,
+        excluded: Callable[[tuple, State], bool],
+    ):
         self.parent = parent
         self.jax_trace = compat.current_trace()
         self.lane_key = lane_key
         self.tag = tag
+        self.excluded = excluded
         self.values: dict[State, Any] = {}
         self.new_states: list[State] = []
+        self.replicated: set[State] = set()
         self.randoms: list[State] = []
 
     def _lane_key_for(self, state: State) -> Any:
@@ -119,6 +129,10 @@ class _LaneFrame(_context.Frame):
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(state))
             )
+        # Exclusion is decided on the state as its creator made it, before
+        # `state_tag` replaces its tag.
+        if isinstance(state, NonBatchState) or self.excluded((), state):
+            self.replicated.add(state)
         if self.tag is not None:
             object.__setattr__(state, "_tag", self.tag)
         if isinstance(state, RandomState) and not _batched(value):
@@ -158,14 +172,14 @@ def _build(
     box: dict[str, Any] = {}
 
     def lane(lane_key, args):
-        lane_frame = _LaneFrame(frame, lane_key, state_tag)
+        lane_frame = _LaneFrame(frame, lane_key, state_tag, excluded)
         token = _context.enter(lane_frame)
         try:
             out = fun(*args)
         finally:
             _context.leave(token)
         new = lane_frame.new_states
-        replicated = [isinstance(s, NonBatchState) or excluded((), s) for s in new]
+        replicated = [s in lane_frame.replicated for s in new]
         for state, is_replicated in zip(new, replicated):
             if is_replicated and _batched(lane_frame.values[state]):
                 non_batch = isinstance(state, NonBatchState)
@@ -279,7 +293,8 @@ def vmap_new_states(
     - `axis_size`: the size of the mapped axis; inferred from the mapped arguments
         when omitted. Must be positive.
     - `spmd_axis_name`: as in `jax.vmap`.
-    - `state_tag`: a tag given to every new state.
+    - `state_tag`: a tag given to every new state (replacing the tag its creator gave
+        it; `state_to_exclude` sees the creator's tag).
     - `state_to_exclude`: a filter of new states to replicate instead of batching.
     - `in_states`, `out_states`: not supported: there are no pre-existing states to
         declare. Passing either raises `ValueError`; use

@@ -48,8 +48,10 @@ class StatefulFunction:
     states*: their values are trailing outputs, and every call hands the caller fresh
     handles for them (same kind, tag and name).
 
-    Arguments are split like `eqx.filter_jit` splits them: array leaves and Python
-    scalars are traced, other leaves are static and part of the cache key. Outputs
+    Arguments are split as `jax.jit` would trace them, plus the leniency of
+    `eqx.filter_jit`: array leaves and Python scalars are traced (so `f(1.0)` and
+    `f(2.0)` share a trace), other leaves (strings, functions, ...) are static and
+    part of the cache key. Outputs
     may hold non-array leaves (returned as they were while tracing) and the handles
     of new states, but not pre-existing handles.
 
@@ -176,7 +178,9 @@ class StatefulFunction:
                 template.append(None)
             else:
                 if is_state(leaf):
-                    path = jtu.keystr(_leaf_path((dyn_args, dyn_kwargs), i))
+                    path = _argument_name(
+                        _leaf_path((dyn_args, dyn_kwargs), i), static_index
+                    )
                     raise TypeError(
                         STATE_AS_ARGUMENT.format(
                             where=self.name, label=_context.describe(leaf), arg=path
@@ -698,6 +702,16 @@ def _hashable(x: Any, what: str, where: str) -> Any:
 
 def _leaf_path(tree: Any, index: int) -> tuple:
     return jtu.tree_flatten_with_path(tree)[0][index][0]
+
+
+def _argument_name(path: tuple, static_index: set[int]) -> str:
+    """`argument 2.w` for the path of a leaf in `(dynamic_args, dynamic_kwargs)`."""
+    group, where, *rest = path
+    if group.idx == 0:  # a positional argument: count the static ones back in
+        positions = (i for i in range(where.idx + len(static_index) + 1))
+        original = [i for i in positions if i not in static_index][where.idx]
+        return f"{original}{jtu.keystr(tuple(rest))}"
+    return f"{where.key!r}{jtu.keystr(tuple(rest))}"
 
 
 def _summarise_keys(keys: list, limit: int = 3) -> str:
