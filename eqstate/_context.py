@@ -15,9 +15,10 @@ pushed them succeeds, so a failure needs no rollback.
 """
 
 import contextvars
+import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -262,22 +263,20 @@ class World(Frame):
     def _register(self, state: Any, value: Any) -> None:
         key = id(state)
         self._values[key] = value
-        self._refs[key] = weakref.ref(state, self._drop_callback(key))
-
-    def _drop_callback(self, key: int) -> Callable[[weakref.ref], None]:
-        world_ref = weakref.ref(self)
-
-        def drop(_: weakref.ref) -> None:
-            world = world_ref()
-            if world is not None:
-                with world.lock:
-                    world._values.pop(key, None)
-                    world._refs.pop(key, None)
-
-        return drop
+        drop = functools.partial(_drop_entry, weakref.ref(self), key)
+        self._refs[key] = weakref.ref(state, drop)
 
     def peek(self, state):
         return self._values.get(id(state), MISSING)
+
+
+def _drop_entry(world_ref: weakref.ref, key: int, _: weakref.ref) -> None:
+    """Forgets a garbage-collected handle's value (a weakref callback)."""
+    world = world_ref()
+    if world is not None:
+        with world.lock:
+            world._values.pop(key, None)
+            world._refs.pop(key, None)
 
 
 WORLD = World()
@@ -390,19 +389,24 @@ class TraceFrame(Frame):
         else:
             value = self.preloaded.get(state, MISSING)
             if value is MISSING:
-                value = self.parent.fetch(state)
-                self.missing.append(state)
+                # Lent for this read only, never kept: the parent may compute it in an
+                # inner trace (a `vmap` lane view), whose tracers must not outlive it.
+                if state not in self.missing:
+                    self.missing.append(state)
+                    self.accessed.append(state)
+                return self.parent.fetch(state)
         self.values[state] = value
         self.accessed.append(state)
         return value
 
-    def _current(self, state: Any) -> Any:
+    def current(self, state: Any) -> Any:
+        """The state's value in this trace, imported on first access."""
         value = self.values.get(state, MISSING)
         return self._import(state) if value is MISSING else value
 
     def read(self, state):
         self.reads.add(state)
-        return self._current(state)
+        return self.current(state)
 
     fetch = read
 
@@ -411,7 +415,7 @@ class TraceFrame(Frame):
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(state))
             )
-        old = self._current(state)
+        old = self.current(state)
         self.values[state] = check_write(state, old, value)
         self.written.add(state)
 

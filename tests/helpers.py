@@ -30,3 +30,13 @@ def tree_bitwise_equal(a, b) -> bool:
         if x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes():
             return False
     return True
+
+
+def leak_a_tracer(shape: tuple[int, ...]) -> jax.Array:
+    """A tracer that outlives its `jax.jit` trace, made on purpose (with JAX's own leak
+    checker off for that trace, so that the suite can run under
+    `jax.checking_leaks()`)."""
+    leaked = []
+    with jax.check_tracer_leaks(False):
+        jax.jit(lambda x: leaked.append(x) or x)(jnp.ones(shape))
+    return leaked[0]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from .helpers import tree_bitwise_equal
+from .helpers import leak_a_tracer, tree_bitwise_equal
 
 
 _DOC = pathlib.Path(__file__).parent.parent / "docs" / "bad-input.md"
@@ -98,9 +98,8 @@ def write_in_raw_vmap():
 @case("write a tracer leaked out of its trace", es.TraceContextError, "leaked")
 def write_leaked_tracer():
     w = _w()
-    leaked = []
-    jax.jit(lambda x: leaked.append(x) or x)(jnp.ones(3))
-    return lambda: setattr(w, "value", leaked[0]), [w]
+    leaked = leak_a_tracer((3,))
+    return lambda: setattr(w, "value", leaked), [w]
 
 
 @case("create a state inside a raw `jax.jit`", es.TraceContextError, "Cannot create")

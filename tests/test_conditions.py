@@ -70,7 +70,7 @@ def test_ifelse_runs_the_first_true_branch():
     assert [int(sign(v)) for v in (2.0, -3.0, 0.0)] == [1, -1, 0]
 
 
-@pytest.mark.equinox_error_if
+@pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
 def test_ifelse_checks_that_exactly_one_condition_holds():
     f = es.transform.jit(
         lambda x: es.transform.ifelse([x > 0, x > 1], [lambda: 1, lambda: 2])

@@ -224,7 +224,7 @@ def test_clear_cache(rnn):
     assert len(traces) == 2 * n
 
 
-@pytest.mark.equinox_error_if
+@pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
 def test_a_runtime_error_runs_the_computation_once():
     import equinox as eqx
 

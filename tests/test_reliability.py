@@ -8,6 +8,7 @@ import eqstate as es
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from eqstate import _context
 
@@ -59,9 +60,11 @@ class _Model(eqx.Module):
     h: es.ShortTermState
 
     def __init__(self):
-        self.w = es.ParamState(jnp.zeros((4, 4)))
-        self.b = es.ParamState(jnp.zeros(4))
-        self.h = es.ShortTermState(jnp.zeros(4))
+        # Fresh buffers by transfer rather than by `jnp.zeros`, which compiles on every
+        # call under `jax.checking_leaks()` (that turns JAX's caches off).
+        self.w = es.ParamState(jax.device_put(np.zeros((4, 4), np.float32)))
+        self.b = es.ParamState(jax.device_put(np.zeros(4, np.float32)))
+        self.h = es.ShortTermState(jax.device_put(np.zeros(4, np.float32)))
 
 
 def _rss_kib() -> int:

@@ -161,15 +161,26 @@ def test_data_parallel_example_matches_a_single_device():
     assert len(model.w1.value.sharding.device_set) == N
 
 
-def test_model_parallel_example_matches_a_single_device():
+@pytest.mark.parametrize(
+    "manual",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.upstream_leak(
+                "jax.shard_map under jit and value_and_grad (plain JAX too)"
+            ),
+        ),
+    ],
+)
+def test_model_parallel_example_matches_a_single_device(manual):
     example = _load("model_parallel")
     single, single_losses, _ = example.train(steps=5)
     mesh = jax.make_mesh((N,), ("model",), axis_types=(AxisType.Auto,))
-    for manual in (False, True):
-        sharded, losses, model = example.train(mesh, steps=5, manual=manual)
-        assert tree_allclose(single_losses, losses, rtol=1e-5, atol=1e-6)
-        assert tree_allclose(single, sharded, rtol=1e-5, atol=1e-6)
-        assert model.embed.value.sharding.spec == P("model")
+    sharded, losses, model = example.train(mesh, steps=5, manual=manual)
+    assert tree_allclose(single_losses, losses, rtol=1e-5, atol=1e-6)
+    assert tree_allclose(single, sharded, rtol=1e-5, atol=1e-6)
+    assert model.embed.value.sharding.spec == P("model")
 
 
 def test_batched_ensemble_sharded_over_devices(getkey):

@@ -11,6 +11,8 @@ import jax.tree_util as jtu
 import pytest
 from eqstate import _context
 
+from .helpers import leak_a_tracer
+
 
 KINDS = [
     es.State,
@@ -155,10 +157,8 @@ def test_writing_inside_raw_jit_raises_and_keeps_the_value():
 
 def test_writing_a_leaked_tracer_raises():
     s = es.State(jnp.zeros(2), name="s")
-    leaked = []
-    jax.jit(lambda x: leaked.append(x) or x)(jnp.ones(2))
     with pytest.raises(es.TraceContextError, match="leaked"):
-        s.value = leaked[0]
+        s.value = leak_a_tracer((2,))
     assert (s.value == 0).all()
 
 

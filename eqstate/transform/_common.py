@@ -181,9 +181,12 @@ def partition(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
     leaves, treedef = jtu.tree_flatten(tree)
     index = [i for i, x in enumerate(leaves) if is_dynamic(x)]
     dynamic = [leaves[i] for i in index]
+    # `rebuild` may outlive a trace (JAX caches the traced function), so it keeps only
+    # the static leaves: the dynamic ones may be that trace's tracers.
+    static = [None if is_dynamic(x) else x for x in leaves]
 
     def rebuild(new_dynamic: Sequence[Any]) -> Any:
-        full = list(leaves)
+        full = list(static)
         for i, x in zip(index, new_dynamic):
             full[i] = x
         return jtu.tree_unflatten(treedef, full)
