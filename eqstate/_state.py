@@ -188,12 +188,13 @@ class RandomState(State[Any]):
 
     def split_key(self, n: int | None = None) -> Any:
         """Advances the key and returns a fresh one (or `n` fresh ones, stacked)."""
-        self.value, keys = _split_and_advance(self.value, n)
+        self.value, keys = split_and_advance(self.value, n)
         return keys
 
 
 @ft.partial(jax.jit, static_argnums=1)
-def _split_and_advance(key: Any, n: int | None) -> tuple[Any, Any]:
+def split_and_advance(key: Any, n: int | None) -> tuple[Any, Any]:
+    """`(successor of key, one fresh key or n stacked ones)`."""
     # Jitted, so that an eager call (and an eager `vmap` in `vmap_new_states`) is one
     # dispatch rather than one per operation: a split and its slices cost 4x more.
     keys = jax.random.split(key, 2 if n is None else n + 1)

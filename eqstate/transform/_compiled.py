@@ -232,9 +232,10 @@ class TraceRecord:
             if ("write" in self.state_returns and s in written)
             or ("read" in self.state_returns and s not in written)
         )
-        returned_values = [frame.current(s) for s in self.returned]
-        new_values = [frame.current(s) for s in frame.new_states]
-        self.state_defs = {s: jtu.tree_structure(frame.current(s)) for s in accessed}
+        current = {s: frame.current(s) for s in accessed}
+        returned_values = [current[s] for s in self.returned]
+        new_values = [frame.values[s] for s in frame.new_states]
+        self.state_defs = {s: jtu.tree_structure(v) for s, v in current.items()}
         self.returned_defs = tuple(jtu.tree_structure(v) for v in returned_values)
         self.new_defs = tuple(jtu.tree_structure(v) for v in new_values)
         return dynamic + flatten_each(returned_values) + flatten_each(new_values)

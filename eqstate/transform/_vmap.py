@@ -14,7 +14,7 @@ from .._custom_types import AxisSpec, Filter, MISSING
 from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
-from .._state import RandomState, State
+from .._state import RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._common import abstract, Traced
 from ._stateful_function import StatefulFunction
@@ -349,9 +349,9 @@ def _call_vmapped(
 
     outer_keys, lane_keys = [], []
     for s in randoms:
-        keys = jax.random.split(values[s], size + 1)
-        outer_keys.append(keys[0])
-        lane_keys.append(keys[1:])
+        outer_key, keys = split_and_advance(values[s], size)
+        outer_keys.append(outer_key)
+        lane_keys.append(keys)
 
     mapped_states = list(mapped)
 
