@@ -14,7 +14,7 @@ from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._state import fresh_copy, is_state, State
 from .._state_dict import StateDict
-from ._compiled import Compiled, is_dynamic
+from ._compiled import Compiled, is_dynamic, StaleTrace
 from ._stateful_function import StatefulFunction
 
 
@@ -69,17 +69,12 @@ class Traced:
         self.sf = sf
         self.frame = parent if parent is not None else _context.current_frame()
         call = self.sf.parse_args(args, kwargs or {})
-        if discover_in is not None:
-            # The states are seen as they are inside the transform (`vmap` strips
-            # their batch axes); their values come from the calling frame.
-            entry = self.sf.compile(call, discover_in)
-            self.values = self.frame.read_many(entry.states)
-        else:
-            entry = self.sf.compile(call, self.frame)
-            self.values = self.frame.read_many(entry.states)
-            if entry.stale_state(self.values) is not None:
-                entry = self.sf.compile(call, self.frame, stale=entry)
-                self.values = self.frame.read_many(entry.states)
+        # The states are seen as they are inside the transform (`vmap` strips their
+        # batch axes); their values come from the calling frame.
+        entry = self.sf.compile(
+            call, self.frame if discover_in is None else discover_in
+        )
+        self.values = self.frame.read_many(entry.states)
         self.entry: Compiled = entry
         self.key = call.key
 
@@ -111,24 +106,33 @@ class Traced:
         ones), the values of the written states, and `(fresh handle, value)` pairs.
         """
         call = self.sf.parse_args(args, kwargs or {})
-        # The discovery trace serves when the key matches, even if it could not be
-        # cached (it closes over tracers of an enclosing trace).
-        entry = (
-            self.entry if call.key == self.key else self.sf.compile(call, self.frame)
-        )
-        if entry.stale_state(values) is not None:
-            # The values inside the transform differ from the outer ones (a batch axis
-            # removed, a weak type dropped for a loop carry): trace against them.
-            inner = _context.DictFrame(zip(entry.states, values))
-            entry = self.sf.compile(call, inner, stale=entry)
-        if entry.states != self.entry.states:
+        values = list(values)
+        states = self.entry.states
+        # The discovery trace serves when it fits, even if it could not be cached
+        # (it closes over tracers of an enclosing trace).
+        if call.key == self.key and self.entry.stale_state(values) is None:
+            entry = self.entry
+        else:
+            # The values inside the transform may differ from the outer ones (a batch
+            # axis removed, a weak type dropped for a loop carry): trace against them.
+            def values_of(entry: Compiled) -> list | None:
+                return values if entry.states == states else None
+
+            def inner() -> _context.Frame:
+                return _context.DictFrame(zip(states, values))
+
+            try:
+                entry, _ = self.sf.lookup(call, inner, values_of)
+            except StaleTrace:
+                entry = None
+        if entry is None or entry.states != states:
             raise RuntimeError(
                 f"{self.sf.name} touched different states when traced inside the "
                 "transform than before it. Its states must not depend on the values "
                 "of its arguments."
             )
         out_leaves, updated, new_values = entry.split_outputs(
-            entry.run(call.leaves, list(values))
+            entry.run(call.leaves, values)
         )
         fresh = [fresh_copy(s) for s in entry.new_states]
         out = entry.build_output(out_leaves, fresh)

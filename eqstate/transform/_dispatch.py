@@ -20,7 +20,7 @@ from .._context import WORLD
 from .._jax_compat import is_top_level
 from .._state import State
 from .._state_dict import sharding_rule
-from ._compiled import Compiled
+from ._compiled import Compiled, StaleTrace
 
 
 if TYPE_CHECKING:
@@ -254,12 +254,16 @@ class JitDispatch:
             for i, state in enumerate(states):
                 if state in plan.in_constraints:
                     values[i] = _constrained(values[i], plan.in_constraints[state])
+            def values_of(entry: Compiled) -> list | None:
+                return values if entry.states == states else None
+
             try:
                 call = sf.parse_args(args, kwargs)
-                frame = _context.current_frame()
-                entry = sf.compile(call, frame)
-                if entry.stale_state(values) is not None:
-                    entry = sf.compile(call, frame, stale=entry)
+                entry, _ = sf.lookup(call, _context.current_frame(), values_of)
+            except StaleTrace:
+                # This call's states or their shapes fit no compilation of the plan's
+                # states: the slow path picks another plan.
+                raise _PlanMismatch from None
             except Exception as exc:
                 _mark_from_trace(exc)
                 raise

@@ -66,7 +66,11 @@ class _ShardView(_context.Frame):
     read = fetch
 
     def peek(self, state):
-        return self.parent.peek(state)
+        value = self.parent.peek(state)
+        if value is MISSING:
+            return value
+        spec = self.specs(state, value)
+        return jtu.tree_map(lambda x: _local(x, spec, self.mesh), value)
 
 
 def shard_map(

@@ -33,8 +33,17 @@ from ._dispatch import can_plan, JitDispatch
 
 compat.hide_from_tracebacks(__file__)
 
-# Compilations kept per StatefulFunction; the least recently used is dropped first.
+# Argument keys kept per StatefulFunction, and compilations per key (for states of
+# other shapes, e.g. in other threads); the least recently used are dropped first.
 CACHE_SIZE = 128
+VARIANTS = 8
+# Retraces of one call whose states keep changing shape under it (other threads).
+_RETRIES = 8
+_KEEPS_CHANGING = (
+    "The states of {name} changed shape {n} times while it was being traced and "
+    "called: other threads keep writing values of new shapes to them. Give each "
+    "thread its own states (e.g. with `eqstate.scope`), or synchronise the writes."
+)
 
 
 class StatefulFunction:
@@ -135,7 +144,7 @@ class StatefulFunction:
         self.abstracted_axes = abstracted_axes
         self.state_returns = returns
         self.cache_type = cache_type
-        self._cache: OrderedDict[Hashable, Compiled] = OrderedDict()
+        self._cache: OrderedDict[Hashable, list[Compiled]] = OrderedDict()
         self._pending: dict[Hashable, threading.RLock] = {}
         self._lock = threading.Lock()
         self._last_key: Hashable = MISSING
@@ -218,54 +227,99 @@ class StatefulFunction:
         return cache_key
 
     def compiled(self, cache_key: Hashable = ()) -> Compiled:
-        """The compilation for `cache_key` (`()`: the most recent one)."""
+        """The compilation for `cache_key` (`()`: the most recent one). Of several
+        compilations for one key (states of other shapes), the most recently used."""
         key = self._resolve_key(cache_key)
         with self._lock:
-            entry = self._cache.get(key)
+            variants = self._cache.get(key)
             known = list(self._cache)
-        if entry is None:
+        if not variants:
             raise UnknownCacheKeyError(
                 f"{self.name} has no compilation for the cache key {key!r}. "
                 f"{_summarise_keys(known)} Compile with `make_jaxpr(*args)`; "
                 "`get_arg_cache_key(*args)` gives the key of a call."
             )
+        return variants[0]
+
+    def compile(self, call: CallArgs, parent: _context.Frame) -> Compiled:
+        """The compilation for `call` that fits the current values of its states in
+        `parent`, tracing against `parent` if there is none."""
+        entry, _ = self.lookup(call, parent, lambda e: _peek_values(parent, e))
         return entry
 
-    def compile(
+    def lookup(
         self,
         call: CallArgs,
         parent: "_context.Frame | Callable[[], _context.Frame]",
-        stale: Compiled | None = None,
-    ) -> Compiled:
-        """The compilation for `call`, tracing against `parent` (a frame, or a function
-        making one) on a cache miss or if the cached one is `stale`. Concurrent first
-        calls with the same key trace once."""
-        key = call.key
+        values_of: Callable[[Compiled], list | None],
+    ) -> tuple[Compiled, list]:
+        """The compilation for `call` whose states fit `values_of(entry)` (the
+        caller's values of `entry.states`, or `None` if it cannot give them), and
+        those values. On a miss it traces against `parent` (a frame, or a function
+        making one). A compilation is only ever used with values of the structure,
+        shapes and dtypes it was traced with: the cache keeps up to `VARIANTS` per
+        argument key, for callers (e.g. threads) whose states differ in shape.
+
+        **Raises:**
+
+        `StaleTrace` if even a fresh trace does not fit the caller's values (its
+        states changed shape meanwhile, or it wants values for other states).
+        """
+        found = self._find(call.key, values_of)
+        if found is not None:
+            return found
         with self._lock:
-            entry = self._cache.get(key)
-            if entry is not None and entry is not stale:
-                self._cache.move_to_end(key)
-                self._last_key = key
-                return entry
-            key_lock = self._pending.setdefault(key, threading.RLock())
+            key_lock = self._pending.setdefault(call.key, threading.RLock())
+        # Concurrent first calls with the same key and shapes trace once.
         with key_lock:
-            with self._lock:
-                entry = self._cache.get(key)
-            if entry is None or entry is stale:
-                frame = parent() if callable(parent) else parent
-                try:
-                    entry = self._trace(call, frame)
-                finally:
-                    with self._lock:
-                        self._pending.pop(key, None)
-            with self._lock:
-                if entry.cacheable:
-                    self._cache[key] = entry
-                    self._cache.move_to_end(key)
-                    while len(self._cache) > CACHE_SIZE:
-                        self._cache.popitem(last=False)
-                self._last_key = key
-        return entry
+            found = self._find(call.key, values_of)
+            if found is not None:
+                return found
+            frame = parent() if callable(parent) else parent
+            try:
+                entry = self._trace(call, frame)
+            finally:
+                with self._lock:
+                    self._pending.pop(call.key, None)
+            self._store(call.key, entry)
+        values = values_of(entry)
+        if values is None or entry.stale_state(values) is not None:
+            raise StaleTrace
+        return entry, values
+
+    def _find(
+        self, key: Hashable, values_of: Callable[[Compiled], list | None]
+    ) -> tuple[Compiled, list] | None:
+        with self._lock:
+            variants = tuple(self._cache.get(key, ()))
+        for entry in variants:
+            values = values_of(entry)
+            if values is not None and entry.stale_state(values) is None:
+                self._touch(key, entry)
+                return entry, values
+        return None
+
+    def _touch(self, key: Hashable, entry: Compiled) -> None:
+        with self._lock:
+            variants = self._cache.get(key)
+            if variants is not None:
+                self._cache.move_to_end(key)
+                if variants[0] is not entry and entry in variants:
+                    variants.remove(entry)
+                    variants.insert(0, entry)
+            self._last_key = key
+
+    def _store(self, key: Hashable, entry: Compiled) -> None:
+        with self._lock:
+            self._last_key = key
+            if not entry.cacheable:
+                return
+            variants = self._cache.setdefault(key, [])
+            variants.insert(0, entry)
+            del variants[VARIANTS:]
+            self._cache.move_to_end(key)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
 
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable."""
@@ -493,21 +547,22 @@ class StatefulFunction:
         return entry.split_outputs(entry.run(arg_leaves, values))
 
     def _call_against(
-        self, call: CallArgs, parent: Any, values_of: Callable[[Compiled], list]
+        self,
+        call: CallArgs,
+        parent: "_context.Frame | Callable[[], _context.Frame]",
+        values_of: Callable[[Compiled], list],
     ) -> tuple[Compiled, list, list, list]:
-        """Compiles, gets the state values with `values_of`, and evaluates; retraces
-        once if a state's shape changed since the cached trace."""
-        entry = self.compile(call, parent)
-        values = values_of(entry)
-        if self.cache_type != "jit" and entry.stale_state(values) is not None:
-            entry = self.compile(call, parent, stale=entry)
-            values = values_of(entry)
-        try:
-            return entry, *self._evaluate(entry, call.leaves, values)
-        except StaleTrace:
-            entry = self.compile(call, parent, stale=entry)
-            values = values_of(entry)
-            return entry, *self._evaluate(entry, call.leaves, values)
+        """Finds (or traces) the compilation that fits the caller's state values
+        (`values_of`), and evaluates it."""
+        for _ in range(_RETRIES):
+            try:
+                entry, values = self.lookup(call, parent, values_of)
+                return entry, *self._evaluate(entry, call.leaves, values)
+            except StaleTrace:
+                # The states changed shape between the trace and the call (another
+                # thread wrote them): trace again against the values now there.
+                continue
+        raise RuntimeError(_KEEPS_CHANGING.format(name=self.name, n=_RETRIES))
 
     def jaxpr_call(
         self,
@@ -550,15 +605,11 @@ class StatefulFunction:
         return self._call_with_sequence(tuple(state_vals), call)
 
     def _call_with_dict(self, sd: StateDict, call: CallArgs) -> tuple[StateDict, Any]:
-        def values_of(entry: Compiled) -> list:
-            missing = [s for s in entry.states if s not in sd]
-            if missing:
-                raise StateNotFoundError(
-                    f"{self.name} uses {_context.describe(missing[0])}, which is not in "
-                    "the StateDict given to `jaxpr_call`. Pass a dictionary holding "
-                    "every state in `get_states()`, e.g. "
-                    "`states | eqstate.world().filter(*sf.get_states())`."
-                )
+        def values_of(entry: Compiled) -> list | None:
+            # A compilation needing a state missing from `sd` does not fit: tracing
+            # against the strict dictionary then names the missing state.
+            if not all(s in sd for s in entry.states):
+                return None
             return [sd[s] for s in entry.states]
 
         def strict_frame() -> _context.DictFrame:
@@ -567,14 +618,20 @@ class StatefulFunction:
         entry, out, updated, new_values = self._call_against(
             call, strict_frame, values_of
         )
-        result = dict(sd._values)
+        result = dict(sd.items())
         result.update(zip(entry.updated_states, updated))
         fresh = [fresh_copy(s) for s in entry.new_states]
         result.update(zip(fresh, new_values))
         return StateDict._wrap(result), entry.build_output(out, fresh)
 
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
-        entry = self.compile(call, _context.current_frame())
+        frame = _context.current_frame()
+
+        def values_of(entry: Compiled) -> list | None:
+            return list(values) if len(values) == len(entry.states) else None
+
+        found = self._find(call.key, values_of)
+        entry = found[0] if found is not None else self.compile(call, frame)
         if entry.new_states:
             labels = ", ".join(state_label(s) for s in entry.new_states)
             raise ValueError(
@@ -624,6 +681,13 @@ class StatefulFunction:
         return entry.build_output(out, fresh)
 
     __call__ = jaxpr_call_auto
+
+
+def _peek_values(frame: _context.Frame, entry: Compiled) -> list | None:
+    """The values of `entry.states` in `frame` (as a child trace would see them),
+    recording nothing; `None` if one is missing."""
+    values = [frame.peek(s) for s in entry.states]
+    return None if any(v is MISSING for v in values) else values
 
 
 def _describe_rows(

@@ -155,10 +155,14 @@ class _LaneView(_context.Frame):
     read = fetch
 
     def peek(self, state):
-        return self.parent.peek(state)
+        value = self.parent.peek(state)
+        axis = self.axes(state)
+        if value is MISSING or axis is None:
+            return value
+        return jtu.tree_map(lambda x: _lane_struct(state, x, axis), value)
 
 
-def _lane_of(state: State, x: Any, axis: int) -> Any:
+def _lane_struct(state: State, x: Any, axis: int) -> jax.ShapeDtypeStruct:
     aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
     shape = aval.shape
     if not -len(shape) <= axis < len(shape):
@@ -167,9 +171,13 @@ def _lane_of(state: State, x: Any, axis: int) -> Any:
             "not have. A mapped state's value needs the batch axis."
         )
     axis %= len(shape)
-    lane = jax.ShapeDtypeStruct(
+    return jax.ShapeDtypeStruct(
         shape[:axis] + shape[axis + 1 :], aval.dtype, weak_type=aval.weak_type
     )
+
+
+def _lane_of(state: State, x: Any, axis: int) -> Any:
+    lane = _lane_struct(state, x, axis)
     # Single-pass tracing only needs the type; the two-pass fallback runs the function
     # on its first pass, so it needs a value.
     return lane if compat.single_pass_enabled() else placeholder(lane)

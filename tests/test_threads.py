@@ -1,0 +1,139 @@
+"""One transformed function shared by threads whose states have different shapes: each
+thread gets its own answer, and each distinct shape is traced once."""
+
+import threading
+from collections import Counter
+
+import eqstate as es
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+N_THREADS = 8
+
+
+def _run_in_threads(work, rounds: int) -> list[BaseException]:
+    """Runs `work(n)` for n = 1..N_THREADS in threads started together, `rounds`
+    times; returns the exceptions they raised."""
+    errors: list[BaseException] = []
+    for _ in range(rounds):
+        barrier = threading.Barrier(N_THREADS)
+
+        def target(n):
+            try:
+                barrier.wait()
+                work(n)
+            except BaseException as e:  # reported by the test
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=target, args=(n,))
+            for n in range(1, N_THREADS + 1)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return errors
+
+
+def _is_right(n: int, mean: float, size: int) -> bool:
+    # Another thread's answer is off by at least 1 in both.
+    return abs(mean - n) < 1e-4 and size == n
+
+
+def _make(kind: str, w: es.State, traces: Counter):
+    def f():
+        traces[w.value.shape] += 1
+        return jnp.mean(w.value), w.value.shape[0]
+
+    if kind == "jit":
+        return es.transform.jit(f)
+    if kind == "stateful_function":
+        return es.transform.StatefulFunction(f)
+    if kind == "stateful_function_jit":
+        return es.transform.StatefulFunction(f, cache_type="jit")
+    if kind == "grad":
+        g = es.transform.grad(
+            lambda: f()[0] * 1.0, grad_states=[w], return_value=True
+        )
+        return lambda: (g()[1], w.value.shape[0])
+    assert kind == "scan"
+
+    def scanned():
+        (total, _), _ = es.transform.scan(
+            lambda c, _: ((c[0] + f()[0], c[1]), None), (0.0, 0), None, length=2
+        )
+        return total / 2, w.value.shape[0]
+
+    return scanned
+
+
+@pytest.mark.parametrize(
+    "kind", ["jit", "stateful_function", "stateful_function_jit", "grad", "scan"]
+)
+def test_threads_with_states_of_different_shapes_get_their_own_answers(kind):
+    w = es.ParamState(jnp.zeros(1), name="w")
+    traces: Counter = Counter()
+    f = _make(kind, w, traces)
+    wrong: list[tuple] = []
+
+    def work(n):
+        with es.scope(es.StateDict({w: jnp.full(n, float(n))})):
+            for _ in range(10):
+                mean, size = f()
+                if not _is_right(n, float(mean), int(size)):
+                    wrong.append((n, float(mean), int(size)))
+
+    rounds = {"jit": 200, "grad": 5, "scan": 2}.get(kind, 20)
+    assert _run_in_threads(work, rounds) == []
+    assert wrong == []
+    assert set(traces) == {(n,) for n in range(1, N_THREADS + 1)}
+    if kind != "scan":  # an eager `scan` traces its body on every call
+        assert max(traces.values()) == 1  # one trace per distinct shape
+
+
+def test_jaxpr_call_with_a_sequence_uses_the_trace_that_fits_the_values():
+    w = es.ParamState(jnp.zeros(1), name="w")
+    sf = es.transform.StatefulFunction(lambda: jnp.sum(w.value))
+    wrong: list[int] = []
+
+    def work(n):
+        with es.scope(es.StateDict({w: jnp.full(n, 1.0)})):
+            sf.make_jaxpr()
+        for _ in range(10):
+            _, out = sf.jaxpr_call([jnp.full(n, 1.0)])
+            if float(out) != n:
+                wrong.append(n)
+
+    assert _run_in_threads(work, 20) == []
+    assert wrong == []
+
+
+def test_a_trace_never_runs_with_states_of_another_shape():
+    w = es.ParamState(jnp.zeros(2), name="w")
+    sf = es.transform.StatefulFunction(lambda: w.value.shape[0] * jnp.ones(()))
+    assert sf() == 2
+    with es.scope(es.StateDict({w: jnp.zeros(5)})):
+        assert sf() == 5
+    assert sf() == 2  # the first trace is still cached and still fits
+    step = es.transform.jit(lambda: w.value.shape[0] * jnp.ones(()))
+    assert step() == 2
+    with es.scope(es.StateDict({w: jnp.zeros(7)})):
+        assert step() == 7
+    assert step() == 2
+
+
+def test_world_states_written_by_threads_stay_consistent():
+    total = es.State(jnp.array(0.0), name="total")
+    add = es.transform.jit(lambda x: setattr(total, "value", total.value + x))
+    lock = threading.Lock()
+
+    def work(n):
+        for _ in range(50):
+            with lock:  # writers of one world state synchronise, as with any shared data
+                add(1.0)
+
+    assert _run_in_threads(work, 2) == []
+    np.testing.assert_allclose(np.asarray(total.value), 2 * 50 * N_THREADS)
