@@ -53,7 +53,29 @@ def _has_tracer(value: Any) -> bool:
     return any(isinstance(x, Tracer) for x in jtu.tree_leaves(value))
 
 
+def refuse_leaked_tracers(state: Any, value: Any, eager: bool) -> None:
+    """Raises `TraceContextError` naming `state` if `value` holds a tracer that
+    cannot belong here: any tracer in `eager` code, else one whose trace has ended."""
+    for x in jtu.tree_leaves(value):
+        if isinstance(x, Tracer) and (eager or compat.is_dead_tracer(x)):
+            raise TraceContextError(
+                LEAKED_TRACER_WRITE.format(label=state_label(state))
+            )
+
+
+def _refuse_deleted(state: Any, x: Any) -> None:
+    if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
+        raise StateValueError(
+            f"Cannot give {state_label(state)} an array that has been deleted (its "
+            "buffer was donated to a computation, or deleted by hand). Keep a copy "
+            "(`jnp.copy(x)`) of values that must outlive a donating call."
+        )
+
+
 def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
+    _refuse_deleted(state, new)
+    if isinstance(new, Tracer) and compat.is_dead_tracer(new):
+        raise TraceContextError(LEAKED_TRACER_WRITE.format(label=state_label(state)))
     new = _to_array(new)
     if new.shape == old.shape and new.dtype == old.dtype:
         return new
@@ -185,7 +207,7 @@ class World(Frame):
         return [(s, v) for s, v in pairs if s is not None]
 
     def read(self, state):
-        if not compat.is_top_level():
+        if not compat.is_top_level() and not compat.evaluates_at_once():
             raise TraceContextError(RAW_TRANSFORM_READ.format(label=state_label(state)))
         try:
             return self._values[id(state)]
@@ -196,7 +218,7 @@ class World(Frame):
         """The values of `states`, checked once for a raw JAX transform."""
         if not states:
             return []
-        if not compat.is_top_level():
+        if not compat.is_top_level() and not compat.evaluates_at_once():
             raise TraceContextError(
                 RAW_TRANSFORM_READ.format(label=state_label(states[0]))
             )
@@ -218,10 +240,7 @@ class World(Frame):
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(state))
             )
-        if _has_tracer(value):
-            raise TraceContextError(
-                LEAKED_TRACER_WRITE.format(label=state_label(state))
-            )
+        refuse_leaked_tracers(state, value, eager=True)
         value = check_write(state, self.fetch(state), value)
         with self.lock:
             self._values[id(state)] = value
@@ -232,6 +251,8 @@ class World(Frame):
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(state))
             )
+        for state, value in [*updates.items(), *new]:
+            refuse_leaked_tracers(state, value, eager=True)
         with self.lock:
             for state, value in updates.items():
                 self._values[id(state)] = value
@@ -311,7 +332,7 @@ class DictFrame(Frame):
         self.eager = compat.is_top_level()
 
     def read(self, state):
-        if self.eager and not compat.is_top_level():
+        if self.eager and not compat.is_top_level() and not compat.evaluates_at_once():
             raise TraceContextError(RAW_TRANSFORM_READ.format(label=state_label(state)))
         return self.fetch(state)
 
@@ -326,10 +347,7 @@ class DictFrame(Frame):
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(state))
             )
-        if self.eager and _has_tracer(value):
-            raise TraceContextError(
-                LEAKED_TRACER_WRITE.format(label=state_label(state))
-            )
+        refuse_leaked_tracers(state, value, self.eager)
         self.values[state] = check_write(state, self.fetch(state), value)
 
     def commit(self, updates, new=()):
@@ -341,6 +359,7 @@ class DictFrame(Frame):
 
     def add_new(self, state, value):
         _check_same_trace(self, {}, [(state, value)])
+        refuse_leaked_tracers(state, value, self.eager)
         self.values[state] = value
         self.new_states.append(state)
 
@@ -429,6 +448,7 @@ class TraceFrame(Frame):
 
     def add_new(self, state, value):
         _check_same_trace(self, {}, [(state, value)])
+        refuse_leaked_tracers(state, value, eager=False)
         self.values[state] = value
         self.new_states.append(state)
 

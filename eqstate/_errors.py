@@ -27,12 +27,12 @@ class CheckpointError(ValueError):
 
 
 RAW_TRANSFORM_READ = (
-    "Cannot read {label} inside a JAX transform (`jax.jit`, `jax.vmap`, "
-    "`eqx.filter_jit`, ...) that eqstate does not know about: the value would be "
-    "baked into the compiled function as a constant and go stale. Either use the "
-    "eqstate version of the transform (`eqstate.transform.jit`, "
-    "`eqstate.transform.vmap`, ...), or pass the values in explicitly with "
-    "`eqstate.run(fn, states, *args)` inside the transform."
+    "Cannot read {label} inside a JAX transform that stages out a computation "
+    "(`jax.jit`, `eqx.filter_jit`, a `jax.lax.scan` body, ...) and that eqstate does "
+    "not know about: the value would be baked into the compiled function as a "
+    "constant and go stale. Either use the eqstate version of the transform "
+    "(`eqstate.transform.jit`, `eqstate.transform.scan`, ...), or pass the values in "
+    "explicitly with `eqstate.run(fn, states, *args)` inside the transform."
 )
 
 RAW_TRANSFORM_WRITE = (

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex_core
+from jax.core import Tracer as _Tracer
 
 
 try:  # JAX 0.10: the internals that make single-pass tracing possible.
@@ -30,6 +31,18 @@ try:  # JAX 0.10: the internals that make single-pass tracing possible.
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
     _core = _source_info_util = _traceback_util = _pe = _trace_ctx = None
     _HAS_NEW_ARG = False
+
+
+try:  # JAX 0.10: the traces of transforms that evaluate at once when called eagerly.
+    _batching: Any = importlib.import_module("jax._src.interpreters.batching")
+    _ad: Any = importlib.import_module("jax._src.interpreters.ad")
+    _AT_ONCE_TRACES: tuple[type, ...] = (
+        _batching.BatchTrace,
+        _ad.JVPTrace,
+        _ad.LinearizeTrace,
+    )
+except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
+    _AT_ONCE_TRACES = ()
 
 
 _single_pass = contextvars.ContextVar("eqstate_single_pass", default=_HAS_NEW_ARG)
@@ -60,6 +73,33 @@ is_top_level: "Callable[[], bool]" = (
     _trace_ctx.is_top_level if _trace_ctx is not None else _is_top_level_public
 )
 """Whether code runs eagerly, outside every JAX transform."""
+
+
+def evaluates_at_once() -> bool:
+    """Whether every active JAX transform evaluates at once (`jax.vmap`, `jax.jvp`,
+    `jax.grad` called eagerly) rather than staging out a jaxpr that may be cached and
+    run later (`jax.jit`, `lax.scan` bodies, `jax.checkpoint`, ...). Unknown traces
+    count as staging, so a JAX release that renames them only makes eqstate stricter.
+    """
+    trace = current_trace()
+    while isinstance(trace, _AT_ONCE_TRACES):
+        trace = getattr(trace, "parent_trace", None)
+    return _core is not None and isinstance(trace, _core.EvalTrace)
+
+
+def is_dead_tracer(x: Any) -> bool:
+    """Whether `x` is a tracer of a trace that has ended (it leaked out through a
+    Python side effect). `False` where this JAX cannot tell."""
+    if not isinstance(x, _Tracer):
+        return False
+    trace = getattr(x, "_trace", None)
+    is_valid = getattr(trace, "is_valid", None)
+    if is_valid is not None and not is_valid():
+        return True
+    # JAX 0.10: a jaxpr trace is not marked invalid when it ends, but its frame's weak
+    # table of constants is replaced by a plain dict then.
+    frame = getattr(trace, "frame", None)
+    return type(getattr(frame, "constid_to_tracer", None)) is dict
 
 
 @contextlib.contextmanager

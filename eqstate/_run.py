@@ -2,14 +2,15 @@
 make_with_states, states_of."""
 
 import functools as ft
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _context
-from ._custom_types import Filter
+from . import _context, _jax_compat as compat
+from ._custom_types import Filter, MISSING
+from ._errors import RAW_TRANSFORM_READ, TraceContextError
 from ._filters import to_predicate
 from ._state import is_state, State
 from ._state_dict import StateDict
@@ -23,11 +24,60 @@ def world() -> StateDict:
     """An immutable snapshot of the world: every live state created at top level, with
     its current value, in creation order.
 
+    Reading a value of `world()` follows the rules of `state.value`: inside an eqstate
+    transform it is a read of that transform (the value is an input of its trace, and
+    the state is listed in `get_read_states`), and inside a JAX transform that stages
+    out a computation (`jax.jit`, `eqx.filter_jit`, ...) calling `world()` raises
+    [`eqstate.TraceContextError`][], since its values would be baked in as constants.
+    A snapshot taken outside a transform and closed over is a plain value, like any
+    array.
+
+    The world holds a state for as long as its handle is alive; a handle that is
+    unreachable but not yet garbage collected is still listed. Filter the states of
+    a model with [`eqstate.values_of`][] rather than the whole world.
+
     **Returns:**
 
     A [`eqstate.StateDict`][]. Later writes to the world do not change it.
     """
-    return StateDict._wrap(dict(_context.WORLD.snapshot()))
+    frame = _context.current_frame()
+    if compat.is_top_level():
+        return StateDict._wrap(dict(_context.WORLD.snapshot()))
+    if frame is _context.WORLD or (
+        isinstance(frame, _context.DictFrame) and frame.eager
+    ):
+        if compat.evaluates_at_once():
+            return StateDict._wrap(dict(_context.WORLD.snapshot()))
+        raise TraceContextError(RAW_TRANSFORM_READ.format(label="`eqstate.world()`"))
+    states = [state for state, _ in _context.WORLD.snapshot()]
+    return StateDict._wrap(_ReadThrough(frame, states))
+
+
+class _ReadThrough(Mapping):
+    """The values of `states`, each read through `frame` when first looked up: the
+    world as seen from inside an eqstate transform."""
+
+    def __init__(self, frame: _context.Frame, states: list[State]):
+        self._frame = frame
+        self._states = dict.fromkeys(states)
+        self._read: dict[State, Any] = {}
+
+    def __getitem__(self, state: State) -> Any:
+        if state not in self._states:
+            raise KeyError(state)
+        value = self._read.get(state, MISSING)
+        if value is MISSING:
+            value = self._read[state] = self._frame.read(state)
+        return value
+
+    def __iter__(self) -> Iterator[State]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, state: object) -> bool:
+        return state in self._states
 
 
 class scope:
@@ -252,11 +302,26 @@ def assign(values: Mapping[State, PyTree]) -> None:
         assert (w.value == 1).all()
         ```
     """
-    frame = _context.current_frame()
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            "`eqstate.assign` takes a StateDict or a mapping from state handles to "
+            f"values, got {type(values).__name__}. Build one with "
+            "`eqstate.StateDict({state: value, ...})`."
+        )
     states = list(values)
-    current = frame.read_many(states) if states else []
-    checked = {
-        s: _context.check_write(s, old, values[s]) for s, old in zip(states, current)
-    }
     for state in states:
-        frame.write(state, checked[state])
+        if not is_state(state):
+            raise TypeError(
+                "`eqstate.assign` takes a mapping from state handles to values; one "
+                f"of its keys is {state!r} of type {type(state).__name__}."
+            )
+    if not states:
+        return
+    frame = _context.current_frame()
+    eager = compat.is_top_level()
+    current = frame.read_many(states)
+    checked = {}
+    for state, old in zip(states, current):
+        _context.refuse_leaked_tracers(state, values[state], eager)
+        checked[state] = _context.check_write(state, old, values[state])
+    frame.commit(checked)

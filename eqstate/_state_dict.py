@@ -1,7 +1,7 @@
 """StateDict: an immutable mapping from state handles to their values."""
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import jax
 import jax.tree_util as jtu
@@ -16,7 +16,16 @@ from ._pretty_print import state_dict_doc, state_label
 from ._state import creation_order, State
 
 
-class StateDict(Mapping[State, PyTree]):
+if TYPE_CHECKING:
+    _MappingBase = Mapping[State, PyTree]
+else:
+    # At run time a plain `Mapping`: runtime type checkers (beartype) then check a
+    # StateDict by its class, without sampling its values, which inside a transform
+    # would read states (see `eqstate.world`).
+    _MappingBase = Mapping
+
+
+class StateDict(_MappingBase):
     """An immutable mapping from states to their values.
 
     It is a PyTree whose children are the values (the ordered tuple of handles is the
@@ -61,7 +70,7 @@ class StateDict(Mapping[State, PyTree]):
         object.__setattr__(self, "_canonical", None)
 
     @classmethod
-    def _wrap(cls, values: dict) -> "StateDict":
+    def _wrap(cls, values: Mapping) -> "StateDict":
         # Takes ownership of `values` without converting them: used internally and by
         # unflattening, where leaves may be tracers or JAX's placeholder objects.
         sd = object.__new__(cls)
@@ -129,8 +138,11 @@ class StateDict(Mapping[State, PyTree]):
     def filter(self, *filters: Filter) -> "StateDict":
         """The states matching any of `filters` (see [`eqstate.filters`][])."""
         predicates = [to_predicate(f) for f in filters]
+        # Values are looked up only for the states kept: inside a transform, a view of
+        # the world reads each one it is asked for.
+        values = self._values
         return StateDict._wrap(
-            {s: v for s, v in self._values.items() if any(p((), s) for p in predicates)}
+            {s: values[s] for s in values if any(p((), s) for p in predicates)}
         )
 
     def split(self, *filters: Filter) -> tuple["StateDict", ...]:
@@ -139,11 +151,11 @@ class StateDict(Mapping[State, PyTree]):
         and `StateDict.merge(*parts)` gives back a dictionary equal to this one."""
         predicates = [to_predicate(f) for f in filters]
         parts: list[dict] = [{} for _ in range(len(filters) + 1)]
-        for state, value in self._values.items():
+        for state in self._values:
             index = next(
                 (i for i, p in enumerate(predicates) if p((), state)), len(filters)
             )
-            parts[index][state] = value
+            parts[index][state] = self._values[state]
         return tuple(StateDict._wrap(part) for part in parts)
 
     @staticmethod

@@ -467,6 +467,88 @@ def set_handle_attribute():
     return lambda: setattr(w, "name", "other"), [w]
 
 
+@case(
+    "`eqstate.world()` inside a raw `jax.jit`",
+    es.TraceContextError,
+    r"Cannot read `eqstate.world\(\)`",
+)
+def world_in_raw_jit():
+    w = _w()
+    return lambda: jax.jit(lambda: es.world()[w])(), [w]
+
+
+@case(
+    "`assign` with a leaked tracer among good values",
+    es.TraceContextError,
+    "tracer to ParamState 'w'",
+)
+def assign_leaked_tracer():
+    a, w = _w(name="a"), _w()
+    return lambda: es.assign({a: jnp.ones(3), w: leak_a_tracer((3,))}), [a, w]
+
+
+# Under the test suite's runtime type checker, the annotation refuses it first.
+@case("`assign` of a list", TypeError, "(?i)takes a StateDict or a mapping|Mapping")
+def assign_not_a_mapping():
+    w = _w()
+    return lambda: es.assign([jnp.ones(3)]), [w]  # type: ignore[arg-type]
+
+
+@case("`assign` of a deleted array", es.StateValueError, "has been deleted")
+def assign_deleted_array():
+    w = _w()
+    dead = jnp.ones(3)
+    dead.delete()
+    return lambda: es.assign({w: dead}), [w]
+
+
+@case(
+    "a leaked tracer as a new state's value inside `scope`",
+    es.TraceContextError,
+    "already finished",
+)
+def new_state_leaked_tracer_in_scope():
+    leaked = leak_a_tracer((3,))
+
+    def trigger():
+        with es.scope(es.StateDict()):
+            es.State(leaked)
+
+    return trigger, []
+
+
+@case(
+    "a leaked tracer as a new state's value in `make_with_states`",
+    es.TraceContextError,
+    "already finished",
+)
+def new_state_leaked_tracer_make_with_states():
+    leaked = leak_a_tracer((3,))
+    return lambda: es.make_with_states(lambda: es.State(leaked))(), []
+
+
+@case(
+    "a StatefulFunction writing a leaked tracer",
+    es.TraceContextError,
+    "tracer to ParamState 'w'",
+)
+def stateful_function_writes_leaked_tracer():
+    w = _w()
+    leaked = leak_a_tracer((3,))
+    return es.transform.StatefulFunction(lambda: setattr(w, "value", leaked)), [w]
+
+
+@case(
+    "`jit` of a function writing a leaked tracer",
+    es.TraceContextError,
+    "tracer to ParamState 'w'",
+)
+def jit_writes_leaked_tracer():
+    w = _w()
+    leaked = leak_a_tracer((3,))
+    return es.transform.jit(lambda: setattr(w, "value", leaked)), [w]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_gets_a_clear_error_and_changes_nothing(name):
     error, match = globals()[name].expected

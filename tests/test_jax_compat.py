@@ -2,6 +2,8 @@ import jax
 import jax.numpy as jnp
 from eqstate import _jax_compat as compat
 
+from .helpers import leak_a_tracer
+
 
 def test_top_level_is_detected_outside_and_inside_transforms():
     assert compat.is_top_level()
@@ -86,3 +88,45 @@ def test_is_batched_here_looks_at_the_innermost_vmap_only():
 
     jax.vmap(lambda x: jax.vmap(inner, in_axes=(None, 0))(x, jnp.ones(2)))(jnp.ones(3))
     assert seen == [(False, True)]
+
+
+def test_evaluates_at_once_tells_eager_transforms_from_staging_ones():
+    seen = {}
+
+    def probe(tag):
+        def f(x):
+            seen[tag] = compat.evaluates_at_once()
+            return x
+
+        return f
+
+    jax.vmap(probe("vmap"))(jnp.ones(2))
+    jax.grad(lambda x: probe("grad")(x).sum())(jnp.ones(2))
+    jax.jvp(probe("jvp"), (jnp.ones(2),), (jnp.ones(2),))
+    jax.jit(probe("jit"))(jnp.ones(2))
+    jax.vmap(jax.jit(probe("vmap-jit")))(jnp.ones(2))
+    jax.jit(jax.vmap(probe("jit-vmap")))(jnp.ones(2))
+    jax.lax.scan(lambda c, x: (c, probe("scan")(x)), 0.0, jnp.ones(2))
+    assert seen == {
+        "vmap": True,
+        "grad": True,
+        "jvp": True,
+        "jit": False,
+        "vmap-jit": False,
+        "jit-vmap": False,
+        "scan": False,
+    }
+    assert compat.evaluates_at_once()  # at top level
+
+
+def test_is_dead_tracer_tells_leaked_tracers_from_live_ones():
+    live = []
+
+    def f(x):
+        live.append(compat.is_dead_tracer(x))
+        return x
+
+    jax.jit(f)(jnp.ones(2))
+    assert live == [False]
+    assert compat.is_dead_tracer(leak_a_tracer((2,)))
+    assert not compat.is_dead_tracer(jnp.ones(2))

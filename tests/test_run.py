@@ -188,3 +188,107 @@ def test_assign_writes_all_or_nothing():
     with pytest.raises(ValueError, match="ShortTermState 'count'"):
         es.assign({model.w: jnp.zeros(2), model.count: jnp.zeros(3)})
     assert (model.w.value == 2).all() and model.count.value == 5
+
+
+def test_world_read_inside_an_eqstate_transform_is_a_state_read():
+    s = es.State(jnp.array(1.0), name="s")
+    f = es.transform.jit(lambda x: es.world()[s] * x)
+    assert f(2.0) == 2.0
+    s.value = jnp.array(3.0)
+    assert f(2.0) == 6.0  # not a stale constant
+    sf = es.transform.StatefulFunction(lambda x: es.world()[s] * x).make_jaxpr(2.0)
+    assert sf.get_read_states() == (s,)
+
+
+def test_world_filter_inside_an_eqstate_transform_reads_only_the_states_kept():
+    s = es.State(jnp.array(2.0), name="s")
+    other = es.State(jnp.array(5.0), name="other")
+
+    def f():
+        return es.run(lambda: s.value * 2, es.world().filter(s))[1]
+
+    sf = es.transform.StatefulFunction(f).make_jaxpr()
+    assert sf.get_states() == (s,)
+    assert es.transform.jit(f)() == 4.0
+    s.value = jnp.array(7.0)
+    assert es.transform.jit(f)() == 14.0
+    assert other.value == 5.0
+
+
+def test_world_default_key_inside_jit_is_read_at_every_call():
+    es.random.seed(0)
+    draw = es.transform.jit(
+        lambda: jax.random.normal(es.world()[es.random.DEFAULT], ())
+    )
+    first = draw()
+    es.random.split_key()  # advances the default key
+    assert draw() != first
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        lambda f: jax.jit(f)(2.0),
+        lambda f: eqx.filter_jit(f)(2.0),
+        lambda f: jax.lax.scan(lambda c, x: (c + f(x), None), 0.0, jnp.ones(2))[0],
+        lambda f: jax.vmap(jax.jit(f))(jnp.ones(2)),
+    ],
+)
+def test_world_inside_a_staging_raw_transform_raises(raw):
+    s = es.State(jnp.array(1.0), name="s")
+    with pytest.raises(es.TraceContextError, match=r"Cannot read `eqstate.world\(\)`"):
+        raw(lambda x: es.world()[s] * x)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f: jax.vmap(f)(jnp.ones((2, 3))),
+        lambda f: jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3)),
+        lambda f: jax.jvp(f, (jnp.ones(3),), (jnp.ones(3),))[0],
+        lambda f: jax.jacrev(f)(jnp.ones(3)),
+        lambda f: eqx.filter_vmap(f)(jnp.ones((2, 3))),
+    ],
+)
+def test_eager_raw_transforms_that_evaluate_at_once_may_read(transform):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    reference = transform(lambda x: jnp.arange(3.0) * x)
+    assert jnp.allclose(transform(lambda x: w.value * x), reference)
+    assert jnp.allclose(transform(lambda x: es.world()[w] * x), reference)
+    with es.scope(es.world().filter(w)):
+        assert jnp.allclose(transform(lambda x: w.value * x), reference)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f: jax.vmap(f)(jnp.ones((2, 3))),
+        lambda f: jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3)),
+    ],
+)
+def test_eager_raw_transforms_still_refuse_writes(transform):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+
+    def write(x):
+        w.value = x
+        return x
+
+    with pytest.raises(es.TraceContextError, match="Cannot write ParamState 'w'"):
+        transform(write)
+    assert (w.value == jnp.arange(3.0)).all()
+
+
+@pytest.mark.parametrize(
+    "staging",
+    [
+        lambda f: jax.jit(f)(jnp.ones(3)),
+        lambda f: jax.vmap(jax.jit(f))(jnp.ones((2, 3))),
+        lambda f: jax.jit(jax.vmap(f))(jnp.ones((2, 3))),
+        lambda f: jax.checkpoint(f)(jnp.ones(3)),
+        lambda f: jax.grad(lambda x: jnp.sum(jax.jit(f)(x)))(jnp.ones(3)),
+    ],
+)
+def test_raw_transforms_that_stage_out_refuse_reads(staging):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    with pytest.raises(es.TraceContextError, match="Cannot read ParamState 'w'"):
+        staging(lambda x: w.value * x)

@@ -20,7 +20,7 @@ def _run_in_threads(work, rounds: int) -> list[BaseException]:
     for _ in range(rounds):
         barrier = threading.Barrier(N_THREADS)
 
-        def target(n):
+        def target(n, barrier=barrier):
             try:
                 barrier.wait()
                 work(n)
@@ -28,8 +28,7 @@ def _run_in_threads(work, rounds: int) -> list[BaseException]:
                 errors.append(e)
 
         threads = [
-            threading.Thread(target=target, args=(n,))
-            for n in range(1, N_THREADS + 1)
+            threading.Thread(target=target, args=(n,)) for n in range(1, N_THREADS + 1)
         ]
         for t in threads:
             t.start()
@@ -55,9 +54,7 @@ def _make(kind: str, w: es.State, traces: Counter):
     if kind == "stateful_function_jit":
         return es.transform.StatefulFunction(f, cache_type="jit")
     if kind == "grad":
-        g = es.transform.grad(
-            lambda: f()[0] * 1.0, grad_states=[w], return_value=True
-        )
+        g = es.transform.grad(lambda: f()[0] * 1.0, grad_states=[w], return_value=True)
         return lambda: (g()[1], w.value.shape[0])
     assert kind == "scan"
 
@@ -132,7 +129,9 @@ def test_world_states_written_by_threads_stay_consistent():
 
     def work(n):
         for _ in range(50):
-            with lock:  # writers of one world state synchronise, as with any shared data
+            with (
+                lock
+            ):  # writers of one world state synchronise, as with any shared data
                 add(1.0)
 
     assert _run_in_threads(work, 2) == []

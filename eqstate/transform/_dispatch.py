@@ -254,6 +254,7 @@ class JitDispatch:
             for i, state in enumerate(states):
                 if state in plan.in_constraints:
                     values[i] = _constrained(values[i], plan.in_constraints[state])
+
             def values_of(entry: Compiled) -> list | None:
                 return values if entry.states == states else None
 

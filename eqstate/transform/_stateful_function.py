@@ -13,7 +13,7 @@ from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING, PyTreeDef
-from .._errors import STATE_AS_ARGUMENT, StateNotFoundError, UnknownCacheKeyError
+from .._errors import STATE_AS_ARGUMENT, UnknownCacheKeyError
 from .._pretty_print import state_label, state_name, table, value_summary
 from .._state import fresh_copy, is_state, State
 from .._state_dict import StateDict
@@ -550,7 +550,7 @@ class StatefulFunction:
         self,
         call: CallArgs,
         parent: "_context.Frame | Callable[[], _context.Frame]",
-        values_of: Callable[[Compiled], list],
+        values_of: Callable[[Compiled], list | None],
     ) -> tuple[Compiled, list, list, list]:
         """Finds (or traces) the compilation that fits the caller's state values
         (`values_of`), and evaluates it."""
