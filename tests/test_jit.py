@@ -82,10 +82,124 @@ def test_donate_states_updates_written_states_in_place(rnn):
     step, _, w, h, steps = rnn
     jitted = es.transform.jit(step, donate_states=True)
     jitted(jnp.ones(3))
-    old_h, old_w = h.value, w.value
+    h_buffer = h.value.unsafe_buffer_pointer()
+    w_before = w.value
     jitted(jnp.ones(3))
-    assert old_h.is_deleted() and not old_w.is_deleted()
-    assert not h.value.is_deleted()
+    assert h.value.unsafe_buffer_pointer() == h_buffer  # reused: donated
+    assert not w_before.is_deleted()  # read-only states are never donated
+
+
+def _donating_increment(s):
+    @es.transform.jit(donate_states=True)
+    def increment(x=1.0):
+        s.value = s.value + x
+        return jnp.sum(s.value)
+
+    return increment
+
+
+def test_donation_never_deletes_a_value_the_caller_holds():
+    s = es.State(jnp.ones(3), name="s")
+    increment = _donating_increment(s)
+    increment()
+    old = s.value
+    increment()
+    assert not old.is_deleted() and (old == 2).all() and (s.value == 3).all()
+
+
+def test_donation_never_deletes_a_value_another_state_holds():
+    online = es.State(jnp.ones(3), name="online")
+    target = es.State(jnp.zeros(3), name="target")
+    increment = _donating_increment(online)
+    increment()
+    es.assign({target: online.value})
+    increment()
+    increment()
+    assert (target.value == 2).all() and (online.value == 4).all()
+
+
+def test_donation_never_deletes_a_pytree_leaf_another_state_holds():
+    a = es.State({"x": jnp.ones(3), "y": jnp.zeros(2)}, name="a")
+    b = es.State({"x": jnp.zeros(3), "y": jnp.zeros(2)}, name="b")
+
+    @es.transform.jit(donate_states=True)
+    def step():
+        a.value = jax.tree.map(lambda v: v + 1, a.value)
+
+    step()
+    es.assign({b: a.value})
+    step()
+    assert (b.value["x"] == 2).all() and (a.value["x"] == 3).all()
+
+
+def test_donated_state_also_passed_as_an_argument():
+    s = es.State(jnp.ones(3), name="s")
+    increment = _donating_increment(s)
+    increment(1.0)
+    assert increment(s.value) == 12.0  # 2 + 2, three times
+    assert (s.value == 4).all()
+
+
+def test_donation_after_a_state_was_written_from_another_one():
+    a = es.State(jnp.ones(3), name="a")
+    b = es.State(jnp.zeros(3), name="b")
+
+    @es.transform.jit(donate_states=True)
+    def step():
+        b.value = a.value
+        a.value = a.value * 2
+
+    for _ in range(3):
+        step()
+    assert (b.value == 4).all() and (a.value == 8).all()
+
+
+def test_donation_in_a_scope():
+    s = es.State(jnp.ones(3), name="s")
+    increment = _donating_increment(s)
+    with es.scope(es.world().filter(s)) as scope:
+        kept = s.value
+        increment()
+        increment()
+    assert scope.states is not None and (scope.states[s] == 3).all()
+    assert (kept == 1).all() and (s.value == 1).all()
+
+
+@pytest.mark.parametrize("check", ["error_if", "debug_callback"])
+def test_donation_is_refused_for_functions_that_can_fail_at_run_time(check):
+    s = es.State(jnp.ones(3), name="s")
+
+    def fail(x):
+        if x > 0:
+            raise RuntimeError("failed at run time")
+
+    @es.transform.jit(donate_states=True)
+    def step(x):
+        if check == "error_if":
+            s.value = eqx.error_if(s.value + x, x > 0, "x must not be positive")
+        else:
+            jax.debug.callback(fail, x)
+            s.value = s.value + x
+
+    with pytest.warns(UserWarning, match="does not donate"):
+        step(-1.0)
+    with pytest.raises(Exception, match="x must not be positive|failed at run time"):
+        step(1.0)
+        jax.block_until_ready(s.value)
+    assert (s.value == 0).all()  # the failed call left the last value readable
+
+
+def test_a_nan_under_debug_nans_keeps_a_donated_value():
+    s = es.State(jnp.ones(3), name="s")
+
+    @es.transform.jit(donate_states=True)
+    def step(x):
+        s.value = jnp.log(s.value * x)
+
+    step(2.0)
+    with jax.debug_nans(True), pytest.raises(FloatingPointError, match="nan"):
+        step(-1.0)
+    assert jnp.allclose(s.value, jnp.log(2.0))
 
 
 def test_static_arguments(rnn):

@@ -12,12 +12,15 @@ The CI profile runs a few hundred examples; `pytest tests/test_properties.py
 --hypothesis-profile=long` runs the long one (10,000).
 """
 
+import contextvars
+import threading
+
 import eqstate as es
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import example, given, note
+from hypothesis import example, given, note, settings
 
 from .helpers import tree_allclose, tree_bitwise_equal
 
@@ -209,3 +212,66 @@ def test_random_programs_obey_the_laws(program):
     ).make_jaxpr(x)
     assert set(sf.get_write_states()) == {states[i] for i in written}  # law 3
     assert set(sf.get_read_states()) == {states[i] for i in read - written}
+
+
+class _ThreadShapes:
+    """The state shapes of the thread running the program (each thread of the
+    threaded law gives its states shapes of its own)."""
+
+    current: contextvars.ContextVar = contextvars.ContextVar("shapes")
+
+    def __getitem__(self, i):
+        return self.current.get()[i]
+
+
+N_THREADS = 4
+
+
+@settings(max_examples=max(settings.default.max_examples // 4, 10))
+@given(programs())
+def test_random_programs_obey_the_laws_in_threads(program):
+    """Laws 1 and 2 while one program (one set of transformed functions) runs in
+    several threads at once, each in its own scope with states of its own shapes."""
+    shapes, ops, chain, seed = program
+    note(f"shapes={shapes} ops={ops} chain={chain}")
+    lead = (LANES,) if "vmap" in chain else ()
+    states = [es.State(jnp.zeros(lead + s), name=f"s{i}") for i, s in enumerate(shapes)]
+    f, _ = _build(_ThreadShapes(), ops, chain, states)
+    barrier = threading.Barrier(N_THREADS)
+    failures: list[BaseException] = []
+
+    def run(k):
+        rng = np.random.default_rng(seed + k)
+        # Thread 0 keeps the program's shapes; the others add a leading axis of k.
+        mine = [s if k == 0 else (k, *s) for s in shapes]
+        initial = [jnp.asarray(rng.normal(size=lead + s), jnp.float32) for s in mine]
+        x = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
+        _ThreadShapes.current.set(mine)
+        try:
+            barrier.wait()
+            with es.scope(es.StateDict(dict(zip(states, initial)))):
+                if ("raise",) in ops:
+                    try:
+                        f(x)
+                    except InjectedError:
+                        pass
+                    else:
+                        raise AssertionError("the injected exception did not propagate")
+                    assert tree_bitwise_equal([s.value for s in states], initial)
+                    return
+                out = f(x)
+                values = [s.value for s in states]
+            _, pure = _build(mine, ops, chain, states)
+            ref_values, ref_out = pure(tuple(initial), x)
+            assert tree_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+            assert tree_allclose(values, list(ref_values), rtol=1e-5, atol=1e-5)
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(N_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]

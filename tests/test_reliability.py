@@ -122,3 +122,17 @@ def test_a_nan_under_debug_nans_raises_and_keeps_every_value():
     with jax.debug_nans(True), pytest.raises(FloatingPointError):
         make_nan(-1.0)
     assert s.value == 1.0
+
+
+def test_a_call_that_xla_refuses_to_run_keeps_every_value():
+    es.random.seed(3)
+    key_before = jax.random.key_data(es.random.DEFAULT.value)
+
+    @es.transform.jit
+    def too_big():
+        noise = es.random.normal(())  # advances the default key
+        return jnp.zeros((10**6, 10**6)) + noise  # 4 TB: refused at dispatch
+
+    with pytest.raises(Exception, match=r"(?i)memory|RESOURCE_EXHAUSTED"):
+        too_big()
+    assert (jax.random.key_data(es.random.DEFAULT.value) == key_before).all()

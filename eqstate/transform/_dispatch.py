@@ -9,11 +9,14 @@ plan's states (else `_PlanMismatch`, and the call takes the slow path once to pi
 another plan), and evaluates it.
 """
 
+import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, TYPE_CHECKING
 
 import jax
+import jax.extend.core as jex_core
 
 from .. import _context, _jax_compat as compat
 from .._context import WORLD
@@ -43,18 +46,24 @@ def _mark_from_trace(exc: BaseException) -> None:
 
 class _Plan:
     __slots__ = (
+        "donates",
         "in_constraints",
         "jitted",
         "kept_keys",
-        "n_written",
+        "kept_states",
         "out_constraints",
-        "read_order",
+        "single_leaf",
         "states",
+        "undonated",
         "updated_states",
         "written_keys",
     )
 
     jitted: Any
+    # With `donate_states`: whether `jitted` donates, and the same function without
+    # donation, for calls where donating would delete a buffer held elsewhere.
+    donates: bool
+    undonated: Any
     # Shardings the jitted function imposes on state values: on the inputs (from
     # `state_shardings`) and on the new values of written states (`state_shardings`,
     # else the sharding a written state had when the plan was made, so that a sharded
@@ -66,13 +75,20 @@ class _Plan:
         self.states = entry.states
         self.updated_states = entry.updated_states
         updated = set(entry.updated_states)
-        # Written states first, so that one read gives both groups by slicing.
-        kept = tuple(s for s in entry.states if s not in updated)
-        self.read_order = entry.updated_states + kept
-        self.n_written = len(entry.updated_states)
+        self.kept_states = tuple(s for s in entry.states if s not in updated)
+        self.single_leaf = entry.single_leaf_states
         # The plan holds the handles, so their ids stay valid world keys.
         self.written_keys = [id(s) for s in entry.updated_states]
-        self.kept_keys = [id(s) for s in kept]
+        self.kept_keys = [id(s) for s in self.kept_states]
+        self.donates = False
+        self.undonated = None
+
+    def function_for(self, written: list) -> Any:
+        """The jitted function for a call whose written states hold `written`: the
+        donating one unless donating could lose a value (see `_unsafe_to_donate`)."""
+        if self.donates and _unsafe_to_donate(written, self.single_leaf):
+            return self.undonated
+        return self.jitted
 
     def fits(self, entry: Compiled) -> bool:
         return (
@@ -104,6 +120,54 @@ def _multi_device_sharding(value: Any) -> Any:
     return sharding
 
 
+def _refcounts_above(values: list, limit: int) -> bool:
+    return any(sys.getrefcount(x) > limit for x in values)
+
+
+# References to a value that only the calling frame holds, as counted by
+# `_refcounts_above`: the frame's dict (or container), the list passed in, and that
+# function's own (measured here rather than assumed, as it varies across Pythons).
+_holder = {0: object()}
+_HELD_ONCE = next(sys.getrefcount(x) for x in [_holder[0]])
+del _holder
+
+
+def _unsafe_to_donate(written: list, single_leaf: bool) -> bool:
+    """Whether donating the buffers of `written` could lose a value: one of them is
+    held elsewhere too (by another state, an argument of the call, or the caller).
+    (JAX itself does not donate while its NaN/Inf checks are on: they re-run a
+    failing call with its inputs.)"""
+    if not compat.is_top_level():
+        return False  # JAX ignores donation inside a trace.
+    leaves = written if single_leaf else jax.tree_util.tree_leaves(written)
+    return _refcounts_above(leaves, _HELD_ONCE)
+
+
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback"})
+
+
+def may_fail_at_run_time(jaxpr: Any) -> bool:
+    """Whether a jaxpr holds an operation that can raise while it runs (a callback,
+    e.g. `eqx.error_if` or `jax.debug.callback`, or another side effect)."""
+    for eqn in jaxpr.eqns:
+        if eqn.effects or eqn.primitive.name in _CALLBACKS:
+            return True
+        if any(may_fail_at_run_time(sub) for sub in _sub_jaxprs(eqn.params)):
+            return True
+    return False
+
+
+def _sub_jaxprs(params: dict) -> list:
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jex_core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jex_core.Jaxpr):
+                found.append(item)
+    return found
+
+
 def can_plan(call_all_dynamic: bool, entry: Compiled) -> bool:
     """Whether calls like this one can take the plan path: arguments that `jax.jit`
     accepts as they are, no new states, and an output made only of arrays."""
@@ -130,6 +194,7 @@ class JitDispatch:
         self._plans: dict[tuple, _Plan] = {}
         self._current: _Plan | None = None
         self._lock = threading.Lock()
+        self._warned = False
 
     def clear(self) -> None:
         with self._lock:
@@ -149,7 +214,8 @@ class JitDispatch:
                     values = WORLD.by_id
                     written = [values[k] for k in plan.written_keys]
                     kept = [values[k] for k in plan.kept_keys]
-                    out, updated = plan.jitted(written, kept, *args, **kwargs)
+                    jitted = plan.function_for(written)
+                    out, updated = jitted(written, kept, *args, **kwargs)
                     if len(updated) > 1:
                         with WORLD.lock:
                             for key, value in zip(plan.written_keys, updated):
@@ -157,9 +223,7 @@ class JitDispatch:
                     elif updated:
                         values[plan.written_keys[0]] = updated[0]
                     return out
-                values = frame.read_many(plan.read_order)
-                n = plan.n_written
-                out, updated = plan.jitted(values[:n], values[n:], *args, **kwargs)
+                out, updated = self._call_plan(plan, frame, args, kwargs)
             except _PlanMismatch:
                 pass
             except KeyError:
@@ -169,10 +233,18 @@ class JitDispatch:
                     raise
                 self._raise_if_planned(exc, args, kwargs)
             else:
-                if n:
+                if updated:
                     frame.commit_values(plan.updated_states, updated)
                 return out
         return self._sf._call_auto_slow(args, kwargs)
+
+    @staticmethod
+    def _call_plan(
+        plan: _Plan, frame: _context.Frame, args: tuple, kwargs: dict
+    ) -> tuple[Any, list]:
+        written = frame.read_many(plan.updated_states)
+        kept = frame.read_many(plan.kept_states)
+        return plan.function_for(written)(written, kept, *args, **kwargs)
 
     def _raise_if_planned(self, exc: Exception, args: tuple, kwargs: dict) -> None:
         """Re-raises `exc` if the call fits the current plan: then the error came from
@@ -193,14 +265,12 @@ class JitDispatch:
         """Calls through the plan for `entry` and makes it current. Returns
         `(False, None)` if the call turns out not to fit it."""
         plan = self._plan_for(entry, frame)
-        values = frame.read_many(plan.read_order)
-        n = plan.n_written
         try:
-            out, updated = plan.jitted(values[:n], values[n:], *args, **kwargs)
+            out, updated = self._call_plan(plan, frame, args, kwargs)
         except _PlanMismatch:
             return False, None
         self._current = plan
-        if n:
+        if updated:
             frame.commit_values(plan.updated_states, updated)
         return True, out
 
@@ -209,9 +279,9 @@ class JitDispatch:
     ) -> Any:
         """`jax.jit(...).lower` of the plan for `entry`."""
         plan = self._plan_for(entry, frame)
-        values = frame.read_many(plan.read_order)
-        n = plan.n_written
-        return plan.jitted.lower(values[:n], values[n:], *args, **kwargs)
+        written = frame.read_many(plan.updated_states)
+        kept = frame.read_many(plan.kept_states)
+        return plan.jitted.lower(written, kept, *args, **kwargs)
 
     def _plan_for(self, entry: Compiled, frame: _context.Frame) -> _Plan:
         key = (entry.states, entry.updated_states)
@@ -220,8 +290,28 @@ class JitDispatch:
             if plan is None:
                 plan = self._plans[key] = _Plan(entry)
                 self._constrain(plan, frame)
-                plan.jitted = self._make_jitted(plan)
+                donate = self._donate and bool(entry.updated_states)
+                if donate and may_fail_at_run_time(entry.jaxpr.jaxpr):
+                    self._warn_not_donating()
+                    donate = False
+                plan.jitted = self._make_jitted(plan, donate)
+                if donate:
+                    plan.donates = True
+                    plan.undonated = self._make_jitted(plan, False)
         return plan
+
+    def _warn_not_donating(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"`jit({self._sf.name}, donate_states=True)` does not donate: the "
+                "function holds an operation that can fail while it runs (a callback "
+                "such as `eqx.error_if`, `jax.debug.callback` or `jax.debug.print`), "
+                "and a failed call must leave the states' previous values readable, "
+                "which donated buffers are not. Move the check out of the function to "
+                "donate.",
+                stacklevel=7,
+            )
 
     def _constrain(self, plan: _Plan, frame: _context.Frame) -> None:
         plan.in_constraints, plan.out_constraints = {}, {}
@@ -239,10 +329,10 @@ class JitDispatch:
                 if placed is not None:
                     plan.out_constraints[state] = placed
 
-    def _make_jitted(self, plan: _Plan) -> Callable:
+    def _make_jitted(self, plan: _Plan, donate: bool) -> Callable:
         sf = self._sf
         order = {s: i for i, s in enumerate(plan.states)}
-        positions = [order[s] for s in plan.read_order]
+        positions = [order[s] for s in (*plan.updated_states, *plan.kept_states)]
 
         states = plan.states
         updated_states = plan.updated_states
@@ -279,7 +369,7 @@ class JitDispatch:
             ]
             return entry.build_output(out, ()), updated
 
-        return jax.jit(body, **self._jit_options())
+        return jax.jit(body, **self._jit_options(donate))
 
     def flat_options(self, name: str) -> dict[str, Any]:
         """The `jax.jit` options for calls that cannot take a plan (the function
@@ -299,7 +389,7 @@ class JitDispatch:
             )
         return {k: v for k, v in self._jit_kwargs.items() if k not in positional}
 
-    def _jit_options(self) -> dict[str, Any]:
+    def _jit_options(self, donate_states: bool) -> dict[str, Any]:
         # The jitted body takes `(written, kept, *args, **kwargs)`: the user's
         # positional options shift by two (negative indices count from the end).
         sf = self._sf
@@ -308,7 +398,7 @@ class JitDispatch:
         options["static_argnums"] = shift(sf.static_positions)
         options["static_argnames"] = sf.static_argnames
         donate = shift(options.pop("donate_argnums", ()))
-        if self._donate:
+        if donate_states:
             donate = (0, *donate)
         if donate:
             options["donate_argnums"] = donate

@@ -135,8 +135,14 @@ def jit(
     - `fun`: the function to compile. If omitted, `jit` returns a decorator.
     - `static_argnums`, `static_argnames`: as in `jax.jit`.
     - `donate_states`: donate the buffers of the written states to the computation,
-        so that they are updated in place. Old references to those values become
-        invalid.
+        so that they are updated in place. Donation never deletes a value someone
+        else still holds: a call where a written state's value is also held by
+        another state, passed as an argument, or kept by the caller (`old = s.value`)
+        runs without donation, as does every call while `jax.debug_nans` or
+        `jax.debug_infs` is on. A function that can fail while it runs (it holds a
+        callback: `eqx.error_if`, `jax.debug.callback`, `jax.debug.print`) is never
+        donated, with a warning, because a failed call must leave the previous
+        values readable.
     - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
@@ -150,6 +156,18 @@ def jit(
     **Returns:**
 
     A [`eqstate.transform.JittedFunction`][] with the signature of `fun`.
+
+    !!! Note "Failures"
+
+        A call that raises (while tracing, or when XLA refuses to run it: a shape
+        error, most out-of-memory errors) writes nothing: every state keeps its
+        value. A call does not wait for its result, though, so a failure that XLA
+        reports only while the computation runs (an allocation failing in a donated
+        call; on some platforms, a callback raising) surfaces when a new value is
+        first used, and the states then hold those failed values: eqstate cannot
+        undo that without blocking on every call. Without donation the previous values stay valid
+        wherever you kept them; `jax.block_until_ready(es.values_of(model))` at a
+        checkpoint surfaces such failures.
 
     !!! Example
 
