@@ -54,9 +54,27 @@ _MISSING_ORBAX = (
 def orbax(what: str) -> Any:
     """The `orbax.checkpoint` module, or an `ImportError` saying how to install it."""
     try:
-        return importlib.import_module("orbax.checkpoint")
+        ocp = importlib.import_module("orbax.checkpoint")
     except ImportError as e:
         raise ImportError(_MISSING_ORBAX.format(what=what)) from e
+    _use_distributed_barriers()
+    return ocp
+
+
+def _use_distributed_barriers() -> None:
+    """Makes Orbax synchronise processes through the `jax.distributed` service, as
+    its flag `--experimental_orbax_use_distributed_barrier` does, unless a command
+    line set that flag. Orbax's default barrier is a computation with collectives on
+    every device; run from its background threads while the training loop's steps
+    run theirs, the two interleave differently on each process and deadlock (seen
+    with JAX 0.10 on CPU, in the first async save of a training run)."""
+    from absl import flags
+
+    name = "experimental_orbax_use_distributed_barrier"
+    flag = flags.FLAGS[name] if name in flags.FLAGS else None
+    if flag is not None and not flag.present:
+        flag.value = True
+        flag.present = 1
 
 
 # Checksums ---------------------------------------------------------------------------

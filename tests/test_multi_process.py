@@ -74,7 +74,9 @@ def _worker(workdir: str, use_orbax: bool) -> None:
             return w.value.sum()
 
         for _ in range(5):
-            total = step(1.0)
+            # One step in flight at a time: JAX 0.10's CPU backend can deadlock
+            # across processes with several (plain JAX too).
+            total = step(1.0).block_until_ready()
         return {
             "w": gather(w.value),
             "total": float(total),
@@ -249,11 +251,12 @@ def _orbax_checks(report, workdir, mesh, gather, check):
         @es.transform.jit
         def train_step():
             w.value = w.value + 1.0
+            return w.value.sum()
 
         done, overlapped, saved_at = 0, 0, {}
         with es.CheckpointManager(directory, max_to_keep=2) as manager:
             for step in range(1, 4):
-                train_step()
+                train_step().block_until_ready()
                 done += 1
                 manager.save(step, es.values_of(model), model=model)
                 saved_at[step] = done
@@ -261,7 +264,7 @@ def _orbax_checks(report, workdir, mesh, gather, check):
                 for _ in range(200):
                     if not manager.is_saving():
                         break
-                    train_step()
+                    train_step().block_until_ready()
                     done += 1
                     overlapped += 1
             manager.wait_until_finished()
