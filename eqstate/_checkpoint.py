@@ -57,7 +57,6 @@ from jaxtyping import PyTree
 from ._context import to_value
 from ._errors import CheckpointError
 from ._multi_process import (
-    Backend,
     device_put,
     require_fully_addressable,
     resolve_backend,
@@ -297,7 +296,7 @@ def save(
     states: Mapping[State, PyTree],
     *,
     model: PyTree | None = None,
-    backend: Backend | None = None,
+    backend: str | None = None,
 ) -> None:
     """Saves the values of states to a checkpoint file.
 
@@ -321,6 +320,10 @@ def save(
     - `model`: a PyTree holding the handles, e.g. an `eqx.Module`; it gives each state
         its path. A state found at several places is stored under the first. If
         omitted, every state must have a unique name. (Keyword only argument.)
+    - `backend`: `"single-file"` (this format), `"orbax"` (a directory in which
+        every process writes its own shards; needs `eqstate[orbax]`), or `None`:
+        Orbax when the program runs as several processes (`jax.process_count() >
+        1`), else the single file. (Keyword only argument.)
 
     **Raises:**
 
@@ -611,7 +614,7 @@ def load(
     model_or_states: PyTree,
     *,
     model: PyTree | None = None,
-    backend: Backend | None = None,
+    backend: str | None = None,
 ) -> StateDict:
     """Loads the values of states from a checkpoint written by [`eqstate.save`][].
 
@@ -634,6 +637,9 @@ def load(
         their paths from. This loads a checkpoint saved with
         `save(path, states, model=model)` where `states` is part of the model's
         states, e.g. only its parameters. (Keyword only argument.)
+    - `backend`: `"single-file"`, `"orbax"`, or `None` to tell from `path`: a
+        directory that Orbax wrote is read with Orbax, each process reading only the
+        shards its devices hold. (Keyword only argument.)
 
     **Returns:**
 

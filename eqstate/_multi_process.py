@@ -37,7 +37,7 @@ def is_orbax_checkpoint(path: str) -> bool:
     )
 
 
-def resolve_backend(backend: Backend | None, path: str, verb: str) -> Backend:
+def resolve_backend(backend: str | None, path: str, verb: str) -> Backend:
     """The checkpoint backend to use. By default: Orbax to save from several processes
     (each writes its own shards), and to load a directory that Orbax wrote; the
     single-file format otherwise."""
@@ -51,7 +51,7 @@ def resolve_backend(backend: Backend | None, path: str, verb: str) -> Backend:
             "default in a single process), 'orbax' (a directory of shards, the default "
             "with several processes), or None to choose automatically."
         )
-    return backend
+    return "orbax" if backend == "orbax" else "single-file"
 
 
 def require_fully_addressable(value: Any, what: str, verb: str, fix: str) -> None:

@@ -271,7 +271,10 @@ def restore_with(
     ocp = orbax("Loading an Orbax checkpoint")
     expected, paths, target = _target(model_or_states, model)
     specs = _leaves(paths, expected)
-    meta = restore(ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
+    try:
+        meta = restore(ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
+    except (KeyError, FileNotFoundError, ValueError):
+        meta = {_META_ITEM: None}  # not an eqstate checkpoint: refused just below
     entries = _check_meta(where, meta[_META_ITEM])
     by_path = _check_entries(where, target, [spec for spec, _ in specs], entries)
     args = ocp.args.PyTreeRestore(restore_args=_restore_args(ocp, specs))
@@ -384,6 +387,8 @@ class CheckpointManager:
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
+            # What a crash mid-save left behind is never a checkpoint: remove it.
+            cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
