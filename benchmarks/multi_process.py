@@ -24,11 +24,13 @@ _RESULT = "RESULT "
 
 
 def _model_values(megabytes: float):
-    import jax.numpy as jnp
+    import jax
 
-    # Eight float32 matrices of 1024 columns: `rows` rows each.
+    # Eight float32 matrices of 1024 columns, `rows` rows each, of random values
+    # (constant ones would compress to nothing in Orbax's files).
     rows = max(8, int(megabytes * 2**20 / 4 / 1024 / 8) // 8 * 8)
-    return {f"layer{i}": jnp.full((rows, 1024), float(i)) for i in range(8)}
+    keys = jax.random.split(jax.random.key(0), 8)
+    return {f"layer{i}": jax.random.normal(k, (rows, 1024)) for i, k in enumerate(keys)}
 
 
 def _time(fn, repeats: int) -> float:
@@ -95,7 +97,11 @@ def _step_times(mesh, steps: int) -> dict:
             times[name].append(time.perf_counter() - start)
     plain_ms = 1e3 * float(np.median(times["plain"]))
     eqstate_ms = 1e3 * float(np.median(times["eqstate"]))
-    return {"plain_ms": plain_ms, "eqstate_ms": eqstate_ms, "ratio": eqstate_ms / plain_ms}
+    return {
+        "plain_ms": plain_ms,
+        "eqstate_ms": eqstate_ms,
+        "ratio": eqstate_ms / plain_ms,
+    }
 
 
 def _checkpoint_times(mesh, directory: str, megabytes: float, backends) -> dict:
@@ -111,10 +117,10 @@ def _checkpoint_times(mesh, directory: str, megabytes: float, backends) -> dict:
     for backend in backends:
         path = os.path.join(directory, f"model-{backend}")
 
-        def save():
+        def save(path=path, backend=backend):
             es.save(path, es.values_of(model), model=model, backend=backend)
 
-        def load():
+        def load(path=path, backend=backend):
             jax.block_until_ready(es.load(path, model, backend=backend))
 
         save()  # warm up: compiles, imports
@@ -122,7 +128,7 @@ def _checkpoint_times(mesh, directory: str, megabytes: float, backends) -> dict:
     return out
 
 
-def _async_overlap(mesh, directory: str, megabytes: float) -> dict:
+def _async_overlap(mesh, directory: str, megabytes: float, steps: int) -> dict:
     """Training steps run while the manager writes a ~`megabytes` checkpoint."""
     import eqstate as es
     import jax.numpy as jnp
@@ -145,12 +151,23 @@ def _async_overlap(mesh, directory: str, megabytes: float) -> dict:
         start = time.perf_counter()
         manager.save(1, es.values_of(model), model=model)
         blocking = time.perf_counter() - start
-        steps = 0
-        while manager.is_saving():
+        # Every process runs the same steps (they have collectives) and counts
+        # those that ended while its save was still being written.
+        during, total = 0, None
+        for _ in range(steps):
             train_step().block_until_ready()
-            steps += 1
-        total = time.perf_counter() - start
-    return {"save_call_s": blocking, "save_total_s": total, "steps_during_save": steps}
+            if manager.is_saving():
+                during += 1
+            elif total is None:
+                total = time.perf_counter() - start
+        manager.wait_until_finished()
+        total = total or time.perf_counter() - start
+    return {
+        "save_call_s": blocking,
+        "save_total_s": total,
+        "steps_run": steps,
+        "steps_during_save": during,
+    }
 
 
 def _worker(directory: str, megabytes: float, steps: int) -> None:
@@ -164,7 +181,7 @@ def _worker(directory: str, megabytes: float, steps: int) -> None:
     report = {"process": jax.process_index()}
     report["step"] = _step_times(mesh, steps)
     report["checkpoint"] = _checkpoint_times(mesh, directory, megabytes, ["orbax"])
-    report["async"] = _async_overlap(mesh, directory, megabytes)
+    report["async"] = _async_overlap(mesh, directory, megabytes, 5 * steps)
     print(_RESULT + json.dumps(report), flush=True)
 
 

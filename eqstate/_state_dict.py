@@ -188,9 +188,7 @@ class StateDict(Mapping[State, PyTree]):
         placed = {}
         for state, value in self._values.items():
             sharding = sharding_of(state, value)
-            placed[state] = (
-                value if sharding is None else device_put(value, sharding)
-            )
+            placed[state] = value if sharding is None else device_put(value, sharding)
         return StateDict._wrap(placed)
 
     def __pdoc__(self, **kwargs: Any) -> Any:

@@ -436,7 +436,9 @@ def manager_step_not_increasing():
     return lambda: manager.save(5, es.values_of(w)), [w]
 
 
-@case("resuming from a directory without checkpoints", es.CheckpointError, "No checkpoint")
+@case(
+    "resuming from a directory without checkpoints", es.CheckpointError, "No checkpoint"
+)
 @_orbax_case
 def manager_nothing_to_resume():
     w = _w()

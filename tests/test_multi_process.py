@@ -91,9 +91,7 @@ def _worker(workdir: str, use_orbax: bool) -> None:
         w = es.ParamState(jnp.arange(8.0), name="w")
         es.shard([w], mesh, P("d"))
         loss = lambda: jnp.sum(w.value**2)  # noqa: E731
-        jitted = es.transform.jit(
-            es.transform.value_and_grad(loss, grad_states=[w])
-        )
+        jitted = es.transform.jit(es.transform.value_and_grad(loss, grad_states=[w]))
         value, grads = jitted()
         eager_value, eager_grads = es.transform.value_and_grad(loss, grad_states=[w])()
         return {
@@ -203,7 +201,6 @@ def _worker(workdir: str, use_orbax: bool) -> None:
 
 def _orbax_checks(report, workdir, mesh, gather, check):
     import eqstate as es
-    import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
@@ -261,12 +258,12 @@ def _orbax_checks(report, workdir, mesh, gather, check):
                 manager.save(step, es.values_of(model), model=model)
                 saved_at[step] = done
                 # Training goes on while the save is written in the background.
-                for _ in range(200):
-                    if not manager.is_saving():
-                        break
+                # Every process runs the same steps (each has collectives); each
+                # counts those that ended before the save did.
+                for _ in range(20):
                     train_step().block_until_ready()
                     done += 1
-                    overlapped += 1
+                    overlapped += manager.is_saving()
             manager.wait_until_finished()
             steps = list(manager.steps())
         target = _checkpoint_model(zeros=True)
@@ -557,7 +554,7 @@ def test_manager_keeps_the_last_two_and_resumes_from_the_latest(run):
 def test_async_save_overlaps_training_steps(run):
     _needs_orbax(run)
     for result in _both(run, "manager"):
-        assert result["overlapped"] > 0
+        assert result["overlapped"] > 0  # of 60 steps run during three saves
 
 
 def test_the_launch_is_fast(run):

@@ -45,7 +45,8 @@ def test_orbax_round_trips_every_dtype_bit_exactly_onto_the_targets_sharding(
     loaded = es.load(tmp_path / "ckpt", target)  # a directory: Orbax, by default
     saved = es.values_of(model)
     assert tree_bitwise_equal(
-        [loaded[s] for s in es.states_of(target)], [saved[s] for s in es.states_of(model)]
+        [loaded[s] for s in es.states_of(target)],
+        [saved[s] for s in es.states_of(model)],
     )
     assert loaded[target["arrays"][0]].sharding.spec == P()
     assert loaded[target["arrays"][1]].sharding.spec == P("d")
@@ -71,7 +72,7 @@ def test_an_orbax_directory_not_written_by_eqstate_is_refused(tmp_path):
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "other", {"w": np.zeros(3)})
     w = es.ParamState(jnp.zeros(3), name="w")
-    with pytest.raises(es.CheckpointError, match="not one written by `eqstate.save`"):
+    with pytest.raises(es.CheckpointError, match=r"not one written by `eqstate\.save`"):
         es.load(tmp_path / "other", es.values_of(w))
 
 
