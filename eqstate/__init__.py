@@ -12,6 +12,7 @@ from ._errors import (
     TraceContextError as TraceContextError,
     UnknownCacheKeyError as UnknownCacheKeyError,
 )
+from ._orbax import CheckpointManager as CheckpointManager
 from ._run import (
     assign as assign,
     make_with_states as make_with_states,

@@ -56,6 +56,12 @@ from jaxtyping import PyTree
 
 from ._context import to_value
 from ._errors import CheckpointError
+from ._multi_process import (
+    device_put,
+    require_fully_addressable,
+    resolve_backend,
+    SAVE_FIX,
+)
 from ._pretty_print import state_label
 from ._run import states_of, values_of
 from ._state import is_state, State
@@ -231,6 +237,9 @@ def _host_bytes(spec: _Leaf, leaf: Any) -> memoryview:
             "JAX tracer. `eqstate.save` writes a file, so call it outside `jax.jit`, "
             "`jax.vmap` and eqstate transforms, on concrete values."
         )
+    require_fully_addressable(
+        leaf, f"`{spec.path}` ({state_label(spec.state)})", "save", SAVE_FIX
+    )
     if spec.key_impl is not None:
         leaf = jax.random.key_data(leaf)
     array = np.ascontiguousarray(_little_endian(np.asarray(leaf)))
@@ -287,6 +296,7 @@ def save(
     states: Mapping[State, PyTree],
     *,
     model: PyTree | None = None,
+    backend: str | None = None,
 ) -> None:
     """Saves the values of states to a checkpoint file.
 
@@ -310,6 +320,10 @@ def save(
     - `model`: a PyTree holding the handles, e.g. an `eqx.Module`; it gives each state
         its path. A state found at several places is stored under the first. If
         omitted, every state must have a unique name. (Keyword only argument.)
+    - `backend`: `"single-file"` (this format), `"orbax"` (a directory in which
+        every process writes its own shards; needs `eqstate[orbax]`), or `None`:
+        Orbax when the program runs as several processes (`jax.process_count() >
+        1`), else the single file. (Keyword only argument.)
 
     **Raises:**
 
@@ -334,6 +348,10 @@ def save(
         ```
     """
     path = os.fspath(path)
+    if resolve_backend(backend, path, "save") == "orbax":
+        from ._orbax import save_orbax
+
+        return save_orbax(path, states, model=model)
     values = {state: to_value(value) for state, value in states.items()}
     leaves = _leaves(_state_paths(tuple(values), model, "save"), values)
     entries, blobs, offset = [], [], 0
@@ -552,11 +570,51 @@ def _mismatch(path: str, target: str, needed: list, extra: list) -> CheckpointEr
     return CheckpointError("\n".join(lines))
 
 
+def _check_entries(
+    path: str, target: str, specs: list[_Leaf], entries: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Checks that a checkpoint's entries are exactly the arrays the target expects,
+    with their shapes and dtypes. Returns the entries by path."""
+    by_path = {entry["path"]: entry for entry in entries}
+    needed = [spec for spec in specs if spec.path not in by_path]
+    wanted = {spec.path for spec in specs}
+    extra = [entry for entry in entries if entry["path"] not in wanted]
+    if needed or extra:
+        raise _mismatch(path, target, needed, extra)
+
+    problems = []
+    for spec in specs:
+        entry = by_path[spec.path]
+        found = (entry["dtype"], tuple(entry["shape"]), entry.get("key_impl"))
+        if found != (spec.dtype.name, spec.shape, spec.key_impl):
+            problems.append(
+                f"`{spec.path}` holds {_describe(*found)}, but "
+                f"{state_label(spec.state)} expects "
+                f"{_describe(spec.dtype.name, spec.shape, spec.key_impl)}"
+            )
+    if problems:
+        more = len(problems) - _LIST_LIMIT
+        raise CheckpointError(
+            "\n".join(
+                [
+                    f"The checkpoint {path!r} does not match {target}:",
+                    *(f"- {problem};" for problem in problems[:_LIST_LIMIT]),
+                    *([f"- and {more} more;"] if more > 0 else []),
+                    "Build the target with the shapes and dtypes it had when it was "
+                    "saved, or load into such a target and convert the values after "
+                    "loading.",
+                ]
+            )
+        )
+    return by_path
+
+
 def load(
     path: str | os.PathLike,
     model_or_states: PyTree,
     *,
     model: PyTree | None = None,
+    backend: str | None = None,
 ) -> StateDict:
     """Loads the values of states from a checkpoint written by [`eqstate.save`][].
 
@@ -579,6 +637,9 @@ def load(
         their paths from. This loads a checkpoint saved with
         `save(path, states, model=model)` where `states` is part of the model's
         states, e.g. only its parameters. (Keyword only argument.)
+    - `backend`: `"single-file"`, `"orbax"`, or `None` to tell from `path`: a
+        directory that Orbax wrote is read with Orbax, each process reading only the
+        shards its devices hold. (Keyword only argument.)
 
     **Returns:**
 
@@ -615,41 +676,14 @@ def load(
         ```
     """
     path = os.fspath(path)
+    if resolve_backend(backend, path, "load") == "orbax":
+        from ._orbax import load_orbax
+
+        return load_orbax(path, model_or_states, model=model)
     expected, paths, target = _target(model_or_states, model)
     specs = _leaves(paths, expected)
     entries, data = _read_checkpoint(path)
-
-    by_path = {entry["path"]: entry for entry in entries}
-    needed = [spec for spec, _ in specs if spec.path not in by_path]
-    wanted = {spec.path for spec, _ in specs}
-    extra = [entry for entry in entries if entry["path"] not in wanted]
-    if needed or extra:
-        raise _mismatch(path, target, needed, extra)
-
-    problems = []
-    for spec, _ in specs:
-        entry = by_path[spec.path]
-        found = (entry["dtype"], tuple(entry["shape"]), entry.get("key_impl"))
-        if found != (spec.dtype.name, spec.shape, spec.key_impl):
-            problems.append(
-                f"`{spec.path}` holds {_describe(*found)}, but "
-                f"{state_label(spec.state)} expects "
-                f"{_describe(spec.dtype.name, spec.shape, spec.key_impl)}"
-            )
-    if problems:
-        more = len(problems) - _LIST_LIMIT
-        raise CheckpointError(
-            "\n".join(
-                [
-                    f"The checkpoint {path!r} does not match {target}:",
-                    *(f"- {problem};" for problem in problems[:_LIST_LIMIT]),
-                    *([f"- and {more} more;"] if more > 0 else []),
-                    "Build the target with the shapes and dtypes it had when it was "
-                    "saved, or load into such a target and convert the values after "
-                    "loading.",
-                ]
-            )
-        )
+    by_path = _check_entries(path, target, [spec for spec, _ in specs], entries)
 
     loaded: dict[State, list[Any]] = {state: [] for state in expected}
     for spec, leaf in specs:
@@ -666,7 +700,7 @@ def load(
         ):
             # Only values tied to devices are placed: placing the others would tie
             # them to a device, and jitted functions would compile again.
-            value = jax.device_put(value, leaf.sharding)
+            value = device_put(value, leaf.sharding)
         loaded[spec.state].append(value)
     return StateDict._wrap(
         {

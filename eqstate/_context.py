@@ -180,6 +180,24 @@ class Frame:
         raise NotImplementedError
 
 
+class _Values(dict):
+    """Values by `id(state)`. A value registered lazily (`World.add_lazy`) is made on
+    its first lookup, however it is looked up (the jit fast path indexes this dict)."""
+
+    __slots__ = ("lazy",)
+
+    def __init__(self):
+        super().__init__()
+        self.lazy: dict[int, Any] = {}
+
+    def __missing__(self, key: int) -> Any:
+        make = self.lazy.pop(key, None)
+        if make is None:
+            raise KeyError(key)
+        value = self[key] = to_value(make())
+        return value
+
+
 class World(Frame):
     """The outermost, process-wide frame."""
 
@@ -187,7 +205,7 @@ class World(Frame):
 
     def __init__(self):
         # Values by `id(state)`: the jit fast path reads and writes this dict directly.
-        self._values: dict[int, Any] = {}
+        self._values = _Values()
         self._refs: dict[int, weakref.ref] = {}
         self.lock = threading.RLock()
 
@@ -281,14 +299,28 @@ class World(Frame):
         with self.lock:
             self._register(state, value)
 
+    def add_lazy(self, state: Any, make: Any) -> None:
+        """Registers `state` with the value `make()`, made on its first access. The
+        default random state uses this: creating its key at import would start JAX's
+        backend, after which `jax.distributed.initialize()` can no longer run."""
+        with self.lock:
+            self._values.lazy[id(state)] = make
+            self._track(state)
+
     def _register(self, state: Any, value: Any) -> None:
+        self._values[id(state)] = value
+        self._track(state)
+
+    def _track(self, state: Any) -> None:
         key = id(state)
-        self._values[key] = value
         drop = functools.partial(_drop_entry, weakref.ref(self), key)
         self._refs[key] = weakref.ref(state, drop)
 
     def peek(self, state):
-        return self._values.get(id(state), MISSING)
+        try:
+            return self._values[id(state)]
+        except KeyError:
+            return MISSING
 
 
 def _drop_entry(world_ref: weakref.ref, key: int, _: weakref.ref) -> None:
@@ -297,6 +329,7 @@ def _drop_entry(world_ref: weakref.ref, key: int, _: weakref.ref) -> None:
     if world is not None:
         with world.lock:
             world._values.pop(key, None)
+            world._values.lazy.pop(key, None)
             world._refs.pop(key, None)
 
 

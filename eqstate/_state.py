@@ -232,6 +232,20 @@ def _as_key(seed_or_key: Any) -> Any:
     return seed_or_key
 
 
+def lazy_world_state(
+    cls: type[State], make_value: Any, *, name: str | None = None
+) -> Any:
+    """A handle of kind `cls` whose value in the world is `make_value()`, made when
+    the state is first accessed rather than now (see `World.add_lazy`)."""
+    state = object.__new__(cls)
+    object.__setattr__(state, "_tag", None)
+    object.__setattr__(state, "_name", name)
+    object.__setattr__(state, "_expired_in", None)
+    object.__setattr__(state, "_order", next(_CREATION_ORDER))
+    _context.WORLD.add_lazy(state, make_value)
+    return state
+
+
 def creation_order(state: State) -> int:
     """The position of `state` among all handles, in creation order."""
     return state._order

@@ -12,6 +12,7 @@ from ._context import check_write, to_value
 from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError
 from ._filters import to_predicate
+from ._multi_process import device_put
 from ._pretty_print import state_dict_doc, state_label
 from ._state import creation_order, State
 
@@ -199,9 +200,7 @@ class StateDict(_MappingBase):
         placed = {}
         for state, value in self._values.items():
             sharding = sharding_of(state, value)
-            placed[state] = (
-                value if sharding is None else jax.device_put(value, sharding)
-            )
+            placed[state] = value if sharding is None else device_put(value, sharding)
         return StateDict._wrap(placed)
 
     def __pdoc__(self, **kwargs: Any) -> Any:

@@ -395,6 +395,57 @@ def checkpoint_wrong_shape():
     return lambda: es.load(path, {"w": _w((4,))}), []
 
 
+@case("an unknown checkpoint backend", ValueError, "Unknown checkpoint backend")
+def checkpoint_unknown_backend():
+    model = {"w": _w()}
+    path = os.path.join(tempfile.mkdtemp(), "model")
+    return lambda: es.save(path, es.values_of(model), backend="zip"), []
+
+
+def _orbax_case(fn):
+    def guarded():
+        pytest.importorskip("orbax.checkpoint")
+        return fn()
+
+    guarded.__name__ = fn.__name__
+    return guarded
+
+
+@case("an Orbax checkpoint with a flipped byte", es.CheckpointError, "corrupted")
+@_orbax_case
+def orbax_flipped_byte():
+    model = {"w": es.ParamState(jnp.arange(1000.0), name="w")}
+    path = os.path.join(tempfile.mkdtemp(), "model")
+    es.save(path, es.values_of(model), model=model, backend="orbax")
+    data = max(
+        (p for p in pathlib.Path(path, "state").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return lambda: es.load(path, model), [model["w"]]
+
+
+@case("a checkpoint step that does not increase", es.CheckpointError, "must increase")
+@_orbax_case
+def manager_step_not_increasing():
+    w = _w()
+    manager = es.CheckpointManager(tempfile.mkdtemp(), async_save=False)
+    manager.save(5, es.values_of(w))
+    return lambda: manager.save(5, es.values_of(w)), [w]
+
+
+@case(
+    "resuming from a directory without checkpoints", es.CheckpointError, "No checkpoint"
+)
+@_orbax_case
+def manager_nothing_to_resume():
+    w = _w()
+    manager = es.CheckpointManager(tempfile.mkdtemp())
+    return lambda: manager.load(es.values_of(w)), [w]
+
+
 @case(
     "a state split over a mesh axis that does not divide it",
     ValueError,

@@ -6,10 +6,12 @@ from typing import Any
 import jax
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray
 
-from .._state import RandomState
+from .._state import lazy_world_state, RandomState
 
 
-DEFAULT = RandomState(0, name="default_rng")
+# Its key is made on first use: making it at import would start JAX's backend, and
+# `jax.distributed.initialize()` must run before that.
+DEFAULT = lazy_world_state(RandomState, lambda: jax.random.key(0), name="default_rng")
 """The world's default random state: every sampler of `eqstate.random` draws from it
 unless given a `key`."""
 

@@ -16,7 +16,12 @@ from .._state import is_state, State
 
 
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
-_ArrayImpl = type(jax.numpy.zeros(()))
+# The concrete array class, for a fast path in `signature`. Found without making an
+# array: that would start JAX's backend on import, and `jax.distributed.initialize()`
+# must run before. (If it is not found, `signature` takes its general path.)
+_ArrayImpl = next(
+    (c for c in jax.Array.__subclasses__() if c.__name__ == "ArrayImpl"), None
+)
 
 
 def is_dynamic(x: Any) -> bool:

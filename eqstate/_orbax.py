@@ -1,0 +1,494 @@
+"""Sharded checkpoints on Orbax: every process writes only its own shards.
+
+An eqstate Orbax checkpoint is a directory that Orbax's `CompositeCheckpointHandler`
+writes, with two items:
+
+- `state`: a flat dict `{path: array}` saved by Orbax's `PyTreeCheckpointHandler`,
+    where `path` is the readable state path of the single-file format
+    (`layers.0.bn.running_mean`). PRNG keys are stored as their key data. Plain Orbax
+    restores it without eqstate.
+- `eqstate`: JSON `{"format": "eqstate-orbax", "version": 1, "entries": [...]}`, one
+    entry per array as in the single-file header (`path`, `dtype`, `shape`, `key_impl`
+    for keys) plus `checksum`: a 32-bit checksum of the array's bytes, computed on
+    the devices, so that a corrupted shard is refused on restore as the single-file
+    format refuses a corrupted file.
+
+`orbax-checkpoint` is imported only when one of these functions runs.
+"""
+
+import functools as ft
+import importlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.core import Tracer
+from jaxtyping import PyTree
+
+from ._checkpoint import _check_entries, _Leaf, _leaves, _state_paths, _target
+from ._context import to_value
+from ._errors import CheckpointError
+from ._multi_process import device_put
+from ._pretty_print import state_label
+from ._state import State
+from ._state_dict import StateDict
+
+
+_FORMAT = "eqstate-orbax"
+_VERSION = 1
+_STATE_ITEM = "state"
+_META_ITEM = "eqstate"
+
+_MISSING_ORBAX = (
+    "{what} needs the optional dependency `orbax-checkpoint`, which is not installed. "
+    "Install it with `pip install 'eqstate[orbax]'`. (In a single process, "
+    "`eqstate.save` and `eqstate.load` can use the single-file format instead, with "
+    "`backend='single-file'`.)"
+)
+
+
+def orbax(what: str) -> Any:
+    """The `orbax.checkpoint` module, or an `ImportError` saying how to install it."""
+    try:
+        ocp = importlib.import_module("orbax.checkpoint")
+    except ImportError as e:
+        raise ImportError(_MISSING_ORBAX.format(what=what)) from e
+    _use_distributed_barriers()
+    return ocp
+
+
+def _use_distributed_barriers() -> None:
+    """Makes Orbax synchronise processes through the `jax.distributed` service, as
+    its flag `--experimental_orbax_use_distributed_barrier` does, unless a command
+    line set that flag. Orbax's default barrier is a computation with collectives on
+    every device; run from its background threads while the training loop's steps
+    run theirs, the two interleave differently on each process and deadlock (seen
+    with JAX 0.10 on CPU, in the first async save of a training run)."""
+    from absl import flags
+
+    name = "experimental_orbax_use_distributed_barrier"
+    flag = flags.FLAGS[name] if name in flags.FLAGS else None
+    if flag is not None and not flag.present:
+        flag.value = True
+        flag.present = 1
+
+
+# Checksums ---------------------------------------------------------------------------
+
+_GOLDEN = np.uint32(0x9E3779B1)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bytes of every element of `x` as `uint32` words (exact, no rounding)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([x.real, x.imag], axis=-1)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = x.dtype.itemsize
+    if size >= 4:
+        # 8-byte elements become a trailing axis of two words.
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    narrow = {2: jnp.uint16, 1: jnp.uint8}[size]
+    return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """A 32-bit checksum of `x`'s bytes: the sum of its words, each times an odd
+    weight that depends on its position, modulo 2**32. Integer addition is exact in
+    any order, so the sum is the same however `x` is sharded; and a change confined
+    to one word always changes it (odd weights are invertible modulo 2**32)."""
+    words = _words(x).reshape(-1)
+    index = jax.lax.iota(jnp.uint32, words.size)
+    weights = index * _GOLDEN * np.uint32(2) + np.uint32(1)
+    return jnp.sum(words * weights, dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(arrays: list[jax.Array]) -> list[jax.Array]:
+    return [_checksum(x) for x in arrays]
+
+
+def _device_group(x: jax.Array) -> Any:
+    return frozenset(x.sharding.device_set) if x.committed else None
+
+
+def checksums(arrays: list[jax.Array]) -> list[int]:
+    """The checksum of each array, computed on the devices holding it: one compiled
+    call per set of devices (a single call for a model placed on one mesh)."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        groups.setdefault(_device_group(x), []).append(i)
+    out: list[int] = [0] * len(arrays)
+    for indices in groups.values():
+        # Each result is a replicated scalar, which every process can read.
+        for i, value in zip(indices, _checksums([arrays[i] for i in indices])):
+            out[i] = int(value)
+    return out
+
+
+# Saving ------------------------------------------------------------------------------
+
+
+def _stored_array(spec: _Leaf, leaf: Any) -> jax.Array:
+    if isinstance(leaf, Tracer):
+        raise CheckpointError(
+            f"Cannot save `{spec.path}` ({state_label(spec.state)}): its value is a "
+            "JAX tracer. Checkpoints are written outside `jax.jit`, `jax.vmap` and "
+            "eqstate transforms, from concrete values."
+        )
+    return jax.random.key_data(leaf) if spec.key_impl is not None else leaf
+
+
+def _save_args(
+    ocp: Any, states: Mapping[State, PyTree], model: PyTree | None
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Orbax's save arguments for `states`, and the eqstate entries they describe."""
+    values = {state: to_value(value) for state, value in states.items()}
+    leaves = _leaves(_state_paths(tuple(values), model, "save"), values)
+    arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
+    entries: list[dict[str, Any]] = []
+    tree: dict[str, Any] = {}
+    for (spec, _), array, checksum in zip(leaves, arrays, checksums(arrays)):
+        entry: dict[str, Any] = {
+            "path": spec.path,
+            "dtype": spec.dtype.name,
+            "shape": list(spec.shape),
+            "checksum": checksum,
+        }
+        if spec.key_impl is not None:
+            entry["key_impl"] = spec.key_impl
+        entries.append(entry)
+        if jax.process_count() > 1 and array.is_fully_addressable:
+            # A process-local value is the same on every process (they run the same
+            # program): Orbax saves NumPy arrays from the first process only.
+            array = np.asarray(array)
+        tree[spec.path] = array
+    meta = {"format": _FORMAT, "version": _VERSION, "entries": entries}
+    args = ocp.args.Composite(
+        **{
+            _STATE_ITEM: ocp.args.PyTreeSave(tree),
+            _META_ITEM: ocp.args.JsonSave(meta),
+        }
+    )
+    return args, entries
+
+
+def save_orbax(
+    path: str, states: Mapping[State, PyTree], *, model: PyTree | None = None
+) -> None:
+    """`eqstate.save(path, states, model=model, backend='orbax')`."""
+    ocp = orbax("Saving a checkpoint with the Orbax backend")
+    args, _ = _save_args(ocp, states, model)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(os.path.abspath(path), args=args, force=True)
+
+
+# Loading -----------------------------------------------------------------------------
+
+
+def _check_meta(where: str, meta: Any) -> list[dict[str, Any]]:
+    if (
+        not isinstance(meta, dict)
+        or meta.get("format") != _FORMAT
+        or not isinstance(meta.get("entries"), list)
+    ):
+        raise CheckpointError(
+            f"{where!r} is an Orbax checkpoint, but not one written by `eqstate.save` "
+            "or `eqstate.CheckpointManager`: its `eqstate` item is missing or "
+            "malformed. Restore it with Orbax directly, or save it again with eqstate."
+        )
+    if meta.get("version") != _VERSION:
+        raise CheckpointError(
+            f"{where!r} has eqstate's Orbax format version {meta.get('version')}, but "
+            f"this version of eqstate reads only version {_VERSION}. Load it with the "
+            "eqstate release that wrote it."
+        )
+    return meta["entries"]
+
+
+def _place_directly(leaf: Any) -> bool:
+    """Whether a target value's sharding can be handed to Orbax: each process then
+    reads only its own shards. Other values are read whole, as NumPy arrays."""
+    if not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
+        return False
+    if not leaf.is_fully_addressable:
+        return True
+    return leaf.committed and jax.process_count() == 1
+
+
+def _restore_args(ocp: Any, specs: list[tuple[_Leaf, Any]]) -> dict[str, Any]:
+    args = {}
+    for spec, leaf in specs:
+        if _place_directly(leaf):
+            data = jax.random.key_data(leaf) if spec.key_impl is not None else leaf
+            args[spec.path] = ocp.ArrayRestoreArgs(
+                sharding=data.sharding, global_shape=spec.shape, dtype=spec.dtype
+            )
+        else:
+            args[spec.path] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=spec.dtype)
+    return args
+
+
+def _value(spec: _Leaf, leaf: Any, stored: Any) -> Any:
+    value = jnp.asarray(stored)
+    if spec.key_impl is not None:
+        value = jax.random.wrap_key_data(value, impl=spec.key_impl)
+    if (
+        isinstance(stored, np.ndarray)
+        and isinstance(leaf, jax.Array)
+        and not isinstance(leaf, Tracer)
+        and leaf.committed
+    ):
+        # As in the single-file format: only values tied to devices are placed.
+        value = device_put(value, leaf.sharding)
+    return value
+
+
+def _verify(where: str, specs: list[tuple[_Leaf, Any]], stored: dict, by_path: dict):
+    paths = [spec.path for spec, _ in specs if "checksum" in by_path[spec.path]]
+    arrays = [jnp.asarray(stored[path]) for path in paths]
+    for path, found in zip(paths, checksums(arrays)):
+        entry = by_path[path]
+        if found != entry["checksum"]:
+            raise CheckpointError(
+                f"The checkpoint {where!r} is corrupted: the values of entry `{path}` "
+                f"(shape {tuple(entry['shape'])}, dtype {entry['dtype']}) do not match "
+                "their checksum. Its files were changed after they were written (a "
+                "disk or transfer error); copy it again or use an earlier checkpoint."
+            )
+
+
+def restore_with(
+    restore: Any, where: str, model_or_states: PyTree, model: PyTree | None
+) -> StateDict:
+    """Loads into the target through `restore(args)`, an Orbax restore call of one
+    checkpoint: reads eqstate's entries, checks them against the target, restores
+    each array onto the target's sharding, and verifies the checksums."""
+    ocp = orbax("Loading an Orbax checkpoint")
+    expected, paths, target = _target(model_or_states, model)
+    specs = _leaves(paths, expected)
+    try:
+        meta = restore(ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
+    except (KeyError, FileNotFoundError, ValueError):
+        meta = {_META_ITEM: None}  # not an eqstate checkpoint: refused just below
+    entries = _check_meta(where, meta[_META_ITEM])
+    by_path = _check_entries(where, target, [spec for spec, _ in specs], entries)
+    args = ocp.args.PyTreeRestore(restore_args=_restore_args(ocp, specs))
+    stored = restore(ocp.args.Composite(**{_STATE_ITEM: args}))[_STATE_ITEM]
+    _verify(where, specs, stored, by_path)
+    loaded: dict[State, list[Any]] = {state: [] for state in expected}
+    for spec, leaf in specs:
+        loaded[spec.state].append(_value(spec, leaf, stored[spec.path]))
+    return StateDict._wrap(
+        {
+            state: jtu.tree_unflatten(jtu.tree_structure(expected[state]), leaves)
+            for state, leaves in loaded.items()
+        }
+    )
+
+
+def load_orbax(
+    path: str, model_or_states: PyTree, *, model: PyTree | None = None
+) -> StateDict:
+    """`eqstate.load(path, model_or_states, model=model, backend='orbax')`."""
+    ocp = orbax("Loading an Orbax checkpoint")
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"No Orbax checkpoint at {path!r}: "
+            + (
+                "it is a file. Load it with `backend='single-file'` (or no backend)."
+                if os.path.exists(path)
+                else "the directory does not exist. Check the path, or write one "
+                "first with `eqstate.save`."
+            )
+        )
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        restore = ft.partial(checkpointer.restore, os.path.abspath(path))
+        return restore_with(
+            lambda args: restore(args=args), path, model_or_states, model
+        )
+
+
+# A series of checkpoints ---------------------------------------------------------------
+
+
+class CheckpointManager:
+    """A directory of numbered checkpoints of a training run, written with Orbax: it
+    keeps the last few, saves in the background while training goes on, and finds
+    the latest one to resume from.
+
+    Every process of a multi-process program (`jax.distributed`) creates the manager
+    with the same directory and calls `save` and `load` together; each process then
+    writes and reads only its own shards. Checkpoints store each array under its
+    readable state path, as [`eqstate.save`][] does, and `load` refuses a
+    checkpoint that does not match the target with the same errors as
+    [`eqstate.load`][], or whose bytes changed since they were written. A checkpoint
+    loads onto any mesh and any number of processes: each array goes where the
+    target's value is placed.
+
+    Needs `orbax-checkpoint` (`pip install 'eqstate[orbax]'`).
+
+    !!! Example
+
+        ```python
+        import tempfile
+
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.zeros(3), name="w")
+        with tempfile.TemporaryDirectory() as directory:
+            with es.CheckpointManager(directory, max_to_keep=2) as manager:
+                for step in range(1, 5):
+                    w.value = w.value + 1
+                    manager.save(step, es.values_of(w))
+                manager.wait_until_finished()
+                assert manager.steps() == (3, 4)
+
+            # Later, perhaps in a new process: resume from the latest checkpoint.
+            w.value = jnp.zeros(3)
+            with es.CheckpointManager(directory) as manager:
+                es.assign(manager.load(es.values_of(w)))
+                assert manager.latest_step() == 4 and (w.value == 4).all()
+        ```
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        async_save: bool = True,
+    ):
+        """**Arguments:**
+
+        - `directory`: where the checkpoints go, one subdirectory per step. It is
+            created if missing. With several processes, every process must see it
+            (a shared file system, or a bucket Orbax can write).
+        - `max_to_keep`: keep only the last this many checkpoints, deleting older
+            ones after each save; `None` keeps all. (Keyword only argument.)
+        - `async_save`: save in the background: `save` returns once the values are
+            copied off the devices, and the files are written while the program
+            goes on. (Keyword only argument.)
+        """
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(
+                f"`max_to_keep` must be a positive number of checkpoints, or None to "
+                f"keep all; got {max_to_keep}."
+            )
+        ocp = orbax("`eqstate.CheckpointManager`")
+        self._ocp = ocp
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            # What a crash mid-save left behind is never a checkpoint: remove it.
+            cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(
+        self, step: int, states: Mapping[State, PyTree], *, model: PyTree | None = None
+    ) -> None:
+        """Saves the values of `states` as checkpoint `step`.
+
+        **Arguments:**
+
+        - `step`: the checkpoint's number, e.g. the training step; higher than every
+            step saved before.
+        - `states`, `model`: as in [`eqstate.save`][]: the values, and a PyTree
+            holding the handles that gives each state its path (else state names).
+            (`model` is a keyword only argument.)
+
+        **Raises:**
+
+        [`eqstate.CheckpointError`][] as [`eqstate.save`][] does, or if `step` is
+        not higher than the latest step saved.
+        """
+        latest = self._manager.latest_step()
+        if latest is not None and step <= latest:
+            raise CheckpointError(
+                f"Cannot save checkpoint {step} in {self.directory!r}: it already "
+                f"holds step {latest}, and steps must increase. Pass the training "
+                "step, or resume from the latest checkpoint with `load` first."
+            )
+        args, _ = _save_args(self._ocp, states, model)
+        self._manager.save(step, args=args, force=True)
+
+    def load(
+        self,
+        model_or_states: PyTree,
+        *,
+        step: int | None = None,
+        model: PyTree | None = None,
+    ) -> StateDict:
+        """Loads checkpoint `step` (by default the latest) into the target.
+
+        **Arguments:**
+
+        - `model_or_states`, `model`: the target, as in [`eqstate.load`][]. Its
+            current values give the expected shapes and dtypes, and the sharding
+            each loaded array gets. (`model` is a keyword only argument.)
+        - `step`: which checkpoint; `None` for the latest. (Keyword only argument.)
+
+        **Returns:**
+
+        A [`eqstate.StateDict`][] of the loaded values; pass it to
+        [`eqstate.assign`][].
+
+        **Raises:**
+
+        [`eqstate.CheckpointError`][] if there is no such checkpoint, or as
+        [`eqstate.load`][] does.
+        """
+        self._manager.wait_until_finished()
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(
+                    f"No checkpoint in {self.directory!r} yet. Check "
+                    "`manager.latest_step() is not None` before loading, and start "
+                    "from scratch otherwise."
+                )
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(
+                f"No checkpoint {step} in {self.directory!r}; it holds steps "
+                f"{list(steps)}."
+            )
+        restore = ft.partial(self._manager.restore, step)
+        where = os.path.join(self.directory, str(step))
+        return restore_with(
+            lambda args: restore(args=args), where, model_or_states, model
+        )
+
+    def latest_step(self) -> int | None:
+        """The highest step saved (or being saved), or `None` if there is none."""
+        return self._manager.latest_step()
+
+    def steps(self) -> tuple[int, ...]:
+        """Every step kept, in increasing order."""
+        return tuple(sorted(self._manager.all_steps()))
+
+    def is_saving(self) -> bool:
+        """Whether a save is still being written in the background."""
+        return self._manager.is_saving_in_progress()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every save has been written and committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for the saves in flight, then releases the manager's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

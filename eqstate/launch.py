@@ -1,0 +1,15 @@
+"""`python -m eqstate.launch -n N [--cpu-devices K] script.py [args ...]`: runs N
+processes of a JAX program on this machine, for development.
+
+Each process gets the environment that SLURM's `srun --ntasks=N` gives a task on one
+node, and `JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>`, so the program calls
+`jax.distributed.initialize()` without arguments, exactly as it would on a cluster.
+Their output is relayed with a `[i]` prefix per process. When one process fails, the
+others are killed, and the launcher exits with its exit code.
+"""
+
+from ._launch import main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

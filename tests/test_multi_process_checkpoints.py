@@ -1,0 +1,101 @@
+"""The Orbax backend of `eqstate.save` / `eqstate.load` and `eqstate.CheckpointManager`,
+in one process; `test_multi_process.py` runs them across processes."""
+
+import sys
+
+import eqstate as es
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from .helpers import tree_bitwise_equal
+
+
+ocp = pytest.importorskip("orbax.checkpoint")
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint32, jnp.bool_)
+
+
+def _model(getkey, zeros=False):
+    def value(dtype):
+        x = jax.random.normal(getkey(), (8, 3)) * 100
+        x = x > 0 if dtype == jnp.bool_ else x.astype(dtype)
+        return jnp.zeros_like(x) if zeros else x
+
+    return {
+        "arrays": [es.ParamState(value(dtype)) for dtype in _DTYPES],
+        "rng": es.RandomState(0 if zeros else 7),
+        "opt": es.State({"mu": value(jnp.float32), "count": jnp.array(3)}),
+    }
+
+
+def test_orbax_round_trips_every_dtype_bit_exactly_onto_the_targets_sharding(
+    tmp_path, getkey
+):
+    model = _model(getkey)
+    mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+    es.shard(model, mesh, {model["arrays"][0]: P("d")})
+    es.save(tmp_path / "ckpt", es.values_of(model), model=model, backend="orbax")
+    assert (tmp_path / "ckpt").is_dir()
+
+    target = _model(getkey, zeros=True)
+    es.shard(target, mesh, {target["arrays"][1]: P("d")})  # another layout
+    loaded = es.load(tmp_path / "ckpt", target)  # a directory: Orbax, by default
+    saved = es.values_of(model)
+    assert tree_bitwise_equal(
+        [loaded[s] for s in es.states_of(target)],
+        [saved[s] for s in es.states_of(model)],
+    )
+    assert loaded[target["arrays"][0]].sharding.spec == P()
+    assert loaded[target["arrays"][1]].sharding.spec == P("d")
+
+
+def test_orbax_checkpoint_keeps_readable_paths_for_plain_orbax(tmp_path, getkey):
+    model = _model(getkey)
+    es.save(tmp_path / "ckpt", es.values_of(model), model=model, backend="orbax")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(
+            tmp_path / "ckpt", args=ocp.args.Composite(state=ocp.args.PyTreeRestore())
+        )
+    assert set(restored["state"]) == {
+        *(f"arrays.{i}" for i in range(len(_DTYPES))),
+        "rng",
+        "opt.count",
+        "opt.mu",
+    }
+    assert np.array_equal(restored["state"]["opt.count"], 3)
+
+
+def test_an_orbax_directory_not_written_by_eqstate_is_refused(tmp_path):
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "other", {"w": np.zeros(3)})
+    w = es.ParamState(jnp.zeros(3), name="w")
+    with pytest.raises(es.CheckpointError, match=r"not one written by `eqstate\.save`"):
+        es.load(tmp_path / "other", es.values_of(w))
+
+
+def test_orbax_backend_without_orbax_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
+    w = es.ParamState(jnp.zeros(3), name="w")
+    with pytest.raises(ImportError, match=r"pip install 'eqstate\[orbax\]'"):
+        es.save(tmp_path / "ckpt", es.values_of(w), backend="orbax")
+    with pytest.raises(ImportError, match=r"pip install 'eqstate\[orbax\]'"):
+        es.CheckpointManager(tmp_path / "run")
+    # The single-file format needs nothing more.
+    es.save(tmp_path / "w.eqstate", es.values_of(w))
+    assert es.load(tmp_path / "w.eqstate", es.values_of(w))[w].shape == (3,)
+
+
+def test_manager_loads_an_older_step_on_request(tmp_path):
+    w = es.ParamState(jnp.zeros(2), name="w")
+    with es.CheckpointManager(tmp_path, async_save=False) as manager:
+        for step in (10, 20):
+            w.value = w.value + step
+            manager.save(step, es.values_of(w))
+        assert manager.steps() == (10, 20) and manager.latest_step() == 20
+        assert (manager.load(es.values_of(w), step=10)[w] == 10).all()
+        assert (manager.load(es.values_of(w))[w] == 30).all()
+        with pytest.raises(es.CheckpointError, match=r"holds steps \[10, 20\]"):
+            manager.load(es.values_of(w), step=15)
