@@ -191,11 +191,17 @@ class _Values(dict):
         self.lazy: dict[int, Any] = {}
 
     def __missing__(self, key: int) -> Any:
-        make = self.lazy.pop(key, None)
-        if make is None:
-            raise KeyError(key)
-        value = self[key] = to_value(make())
+        with _LAZY_LOCK:  # Two threads' first lookups make the value once.
+            if dict.__contains__(self, key):
+                return dict.__getitem__(self, key)
+            make = self.lazy.pop(key, None)
+            if make is None:
+                raise KeyError(key)
+            value = self[key] = to_value(make())
         return value
+
+
+_LAZY_LOCK = threading.Lock()
 
 
 class World(Frame):

@@ -87,6 +87,23 @@ def evaluates_at_once() -> bool:
     return _core is not None and isinstance(trace, _core.EvalTrace)
 
 
+try:  # JAX 0.10: the config states behind `jax.debug_nans` and `jax.debug_infs`.
+    _config: Any = importlib.import_module("jax._src.config")
+    _NAN_CHECKS: tuple[Any, ...] = (_config.debug_nans, _config.debug_infs)
+    _NAN_CHECKS[0].value  # noqa: B018 - fails here, not per call, if it moved
+except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
+    _NAN_CHECKS = ()
+
+
+def nan_checks_enabled() -> bool:
+    """Whether `jax.debug_nans` or `jax.debug_infs` is on (in this thread). Cheap
+    enough for a per-call check."""
+    if _NAN_CHECKS:
+        return _NAN_CHECKS[0].value or _NAN_CHECKS[1].value
+    config: Any = jax.config  # pragma: no cover - depends on the JAX release
+    return bool(config.jax_debug_nans or config.jax_debug_infs)  # pragma: no cover
+
+
 def is_dead_tracer(x: Any) -> bool:
     """Whether `x` is a tracer of a trace that has ended (it leaked out through a
     Python side effect). `False` where this JAX cannot tell."""

@@ -130,3 +130,12 @@ def test_is_dead_tracer_tells_leaked_tracers_from_live_ones():
     assert live == [False]
     assert compat.is_dead_tracer(leak_a_tracer((2,)))
     assert not compat.is_dead_tracer(jnp.ones(2))
+
+
+def test_nan_checks_enabled_follows_the_context_managers():
+    assert not compat.nan_checks_enabled()
+    with jax.debug_nans(True):
+        assert compat.nan_checks_enabled()
+    with jax.debug_infs(True):
+        assert compat.nan_checks_enabled()
+    assert not compat.nan_checks_enabled()

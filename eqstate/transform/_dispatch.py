@@ -134,11 +134,12 @@ del _holder
 
 def _unsafe_to_donate(written: list, single_leaf: bool) -> bool:
     """Whether donating the buffers of `written` could lose a value: one of them is
-    held elsewhere too (by another state, an argument of the call, or the caller).
-    (JAX itself does not donate while its NaN/Inf checks are on: they re-run a
-    failing call with its inputs.)"""
+    held elsewhere too (by another state, an argument of the call, or the caller), or
+    JAX's NaN/Inf checks are on (they re-run a failing call with its inputs)."""
     if not compat.is_top_level():
         return False  # JAX ignores donation inside a trace.
+    if compat.nan_checks_enabled():
+        return True
     leaves = written if single_leaf else jax.tree_util.tree_leaves(written)
     return _refcounts_above(leaves, _HELD_ONCE)
 
