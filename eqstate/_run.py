@@ -252,6 +252,12 @@ def assign(values: Mapping[State, PyTree]) -> None:
         assert (w.value == 1).all()
         ```
     """
+    if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
+        raise TypeError(
+            "`eqstate.assign` takes a StateDict or a mapping from state handles to new "
+            f"values, got {type(values).__name__} {values!r:.60}. E.g. "
+            "`eqstate.assign({w: new_w})`."
+        )
     frame = _context.current_frame()
     states = list(values)
     current = frame.read_many(states) if states else []

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from .helpers import unchecked
+
 
 def test_world_is_an_immutable_snapshot():
     s = es.State(jnp.zeros(2))
@@ -188,3 +190,11 @@ def test_assign_writes_all_or_nothing():
     with pytest.raises(ValueError, match="ShortTermState 'count'"):
         es.assign({model.w: jnp.zeros(2), model.count: jnp.zeros(3)})
     assert (model.w.value == 2).all() and model.count.value == 5
+
+
+@pytest.mark.parametrize("values", ([1, 2], {"w": 1.0}, None))
+def test_assign_takes_a_mapping_of_states(values):
+    w = es.State(jnp.zeros(()), name="w")
+    with pytest.raises(TypeError, match=r"`eqstate\.assign` takes a StateDict"):
+        unchecked(es.assign)(values)
+    assert w.value == 0.0
