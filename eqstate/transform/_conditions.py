@@ -160,7 +160,7 @@ def cond(
 
     The predicate follows `jax.lax.cond`: a scalar boolean, or a real number, true
     when non-zero (so `-1` and `0.5` take `true_fun`); `None`, complex numbers and
-    arrays of more than one element raise `TypeError`.
+    arrays that are not scalars raise `TypeError`.
 
     !!! Example
 
