@@ -36,12 +36,16 @@ exact file size.
 """
 
 import contextlib
+import io
 import json
 import math
 import os
+import re
 import secrets
+import stat
 import struct
 import sys
+import threading
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any, cast, NamedTuple
@@ -261,33 +265,103 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def _write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
-    """Writes to a temporary file next to `path` and renames it onto `path`, so a
-    reader sees either the previous file or the whole new one, never a partial one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(
-        directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp"
-    )
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+# Temporary files are `.{name}.{pid}.{16 hex digits}.tmp`, next to the target `name`
+# (`.{name}.{16 hex digits}.tmp` before the pid was added).
+_TEMPORARY_ID = re.compile(r"(?:(?P<pid>\d+)\.)?[0-9a-f]{16}")
+# Temporaries of saves in progress in this process (another thread may be writing).
+_WRITING: set[str] = set()
+_WRITING_LOCK = threading.Lock()
+
+
+def _target_file(path: str) -> str:
+    """Where the bytes of a checkpoint saved to `path` go: `path`, or the file its
+    symlinks lead to, so that saving keeps the link and replaces what it points to."""
+    return os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
+
+
+def _process_is_gone(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # Its own temporaries in progress are in `_WRITING`.
+    if os.name != "posix":
+        return False  # No safe way to ask; keep the file.
     try:
-        fd = os.open(tmp, flags, 0o666)
-    except FileNotFoundError:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # It exists (maybe another user's).
+    return False
+
+
+def _remove_stale_temporaries(target: str) -> None:
+    """Removes the temporary files that earlier saves to `target` left behind when
+    they were killed (the writing process is gone, so nothing will finish them)."""
+    directory, name = os.path.split(target)
+    try:
+        candidates = os.listdir(directory)
+    except OSError:
+        return
+    prefix, suffix = f".{name}.", ".tmp"
+    for candidate in candidates:
+        if not (candidate.startswith(prefix) and candidate.endswith(suffix)):
+            continue
+        match = _TEMPORARY_ID.fullmatch(candidate[len(prefix) : -len(suffix)])
+        if match is None:
+            continue
+        full = os.path.join(directory, candidate)
+        with _WRITING_LOCK:
+            pid = match["pid"]
+            if full in _WRITING or (pid is not None and not _process_is_gone(int(pid))):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(full)
+
+
+def _write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
+    """Writes to a temporary file next to the target and renames it onto the target,
+    so a reader sees either the previous file or the whole new one, never a partial
+    one. The target is `path`, or the file a symlink at `path` leads to."""
+    target = _target_file(path)
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
         raise CheckpointError(
             f"Cannot save a checkpoint to {path!r}: the directory {directory!r} does "
             "not exist. Create it first, e.g. with `os.makedirs(directory, "
             "exist_ok=True)`."
-        ) from None
+        )
+    _remove_stale_temporaries(target)
+    tmp = os.path.join(
+        directory,
+        f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(8)}.tmp",
+    )
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    with _WRITING_LOCK:
+        _WRITING.add(tmp)
     try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        fd = os.open(tmp, flags, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        where = repr(path)
+        if target != os.path.abspath(path):
+            where += f" (a link to {target!r})"
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {where}: {e.strerror or e}. Nothing was "
+            "written there: a checkpoint already at that path is unchanged. Check "
+            "that the directory is writable and the disk has space."
+        ) from e
+    finally:
+        with _WRITING_LOCK:
+            _WRITING.discard(tmp)
     _fsync_directory(directory)
 
 
@@ -309,8 +383,11 @@ def save(
 
     The write is atomic: the file is written next to `path` under a temporary name,
     flushed to disk and renamed onto `path`. If anything fails, the temporary file is
-    removed and a checkpoint already at `path` is left as it was. The format (one file,
-    no pickle) is described in the how-to guide on checkpoints.
+    removed and a checkpoint already at `path` is left as it was. If `path` is a
+    symlink, the link stays and the file it leads to is replaced (atomically, the same
+    way). A save that was killed cannot remove its temporary file; the next save to
+    the same path does. The format (one file, no pickle) is described in the how-to
+    guide on checkpoints.
 
     **Arguments:**
 
@@ -328,7 +405,9 @@ def save(
     **Raises:**
 
     [`eqstate.CheckpointError`][] if a state is not in `model`, if states lack unique
-    names when there is no `model`, or if two arrays would get the same path.
+    names when there is no `model`, if two arrays would get the same path, or
+    if the file cannot be written (a read-only directory, a full disk: the
+    `OSError` is its cause). `TypeError` if `states` is not a mapping of states.
 
     !!! Example
 
@@ -348,6 +427,12 @@ def save(
         ```
     """
     path = os.fspath(path)
+    if not _is_state_mapping(states):
+        raise TypeError(
+            "`eqstate.save(path, states)` takes the values to save as a StateDict (or a "
+            f"mapping from handles to values), got {_short_repr(states)}. E.g. "
+            "`eqstate.save(path, eqstate.values_of(model), model=model)`."
+        )
     if resolve_backend(backend, path, "save") == "orbax":
         from ._orbax import save_orbax
 
@@ -377,12 +462,32 @@ def save(
     _write_atomically(path, [head, _CRC.pack(zlib.crc32(head)), *blobs])
 
 
-def _read_checkpoint(path: str) -> tuple[list[dict[str, Any]], memoryview]:
-    """Reads and verifies a whole checkpoint: its format, header and every entry's
-    CRC. Returns the header's entries and the data section."""
+def _read_up_to(f: io.BufferedReader, n: int, preallocate: bool) -> memoryview:
+    """Up to `n` bytes of `f`, fewer only at its end. With `preallocate` (`n` is known
+    to fit in the file) one buffer of `n` bytes is filled; otherwise the buffer grows
+    only with the bytes that arrive, so a false size claimed by a file cannot make it
+    allocate more than the file holds."""
+    if preallocate:
+        buffer = bytearray(n)
+        view, got = memoryview(buffer), 0
+        while got < n:
+            read = f.readinto(view[got:])
+            if not read:
+                break
+            got += read
+        return view[:got]
+    buffer = bytearray()
+    while len(buffer) < n:
+        chunk = f.read(min(n - len(buffer), 1 << 24))
+        if not chunk:
+            break
+        buffer += chunk
+    return memoryview(buffer)
+
+
+def _open_checkpoint(path: str) -> io.BufferedReader:
     try:
-        with open(path, "rb") as f:
-            contents = f.read()
+        return open(path, "rb")
     except FileNotFoundError:
         raise CheckpointError(
             f"No checkpoint at {path!r}: the file does not exist. Check the path, or "
@@ -393,22 +498,58 @@ def _read_checkpoint(path: str) -> tuple[list[dict[str, Any]], memoryview]:
             f"{path!r} is a directory, not a checkpoint file. Pass the path of the "
             "file written by `eqstate.save`."
         ) from None
-    size = len(contents)
-    if contents[: len(_MAGIC)] != _MAGIC[:size]:
+    except OSError as e:
+        raise CheckpointError(
+            f"Cannot read the checkpoint {path!r}: {e.strerror or e}."
+        ) from e
+
+
+def _read_checkpoint(path: str) -> tuple[list[dict[str, Any]], memoryview]:
+    """Reads and verifies a whole checkpoint: its format, header and every entry's
+    CRC. Returns the header's entries and the data section. Each part is read only
+    once the parts before it have vouched for its size."""
+    with _open_checkpoint(path) as f:
+        try:
+            return _read_verified(path, f)
+        except OSError as e:
+            raise CheckpointError(
+                f"Cannot read the checkpoint {path!r}: {e.strerror or e}."
+            ) from e
+
+
+def _read_verified(
+    path: str, f: io.BufferedReader
+) -> tuple[list[dict[str, Any]], memoryview]:
+    info = os.fstat(f.fileno())
+    # A regular file tells its size up front; a pipe or a device does not.
+    size = info.st_size if stat.S_ISREG(info.st_mode) else None
+
+    def truncated(needed: str, got: int) -> CheckpointError:
+        return CheckpointError(
+            f"The checkpoint {path!r} is truncated: it has {got} bytes, but {needed}. "
+            "It was probably cut short while being copied or downloaded; copy it "
+            "again or use an earlier checkpoint."
+        )
+
+    def corrupted(what: str) -> CheckpointError:
+        return CheckpointError(
+            f"The checkpoint {path!r} is corrupted: {what}. The file was changed after "
+            "it was written (a disk or transfer error); copy it again or use an "
+            "earlier checkpoint."
+        )
+
+    def fits(end: int) -> bool:
+        return size is None or size >= end
+
+    head = _read_up_to(f, _PREAMBLE.size, preallocate=False)
+    if head[: len(_MAGIC)] != _MAGIC[: len(head)]:
         raise CheckpointError(
             f"{path!r} is not an eqstate checkpoint: it does not start with the "
             f"magic bytes {_MAGIC!r}. Pass a file written by `eqstate.save`."
         )
-    truncated = (
-        f"The checkpoint {path!r} is truncated: it has {size} bytes, but {{needed}}. "
-        "It was probably cut short while being copied or downloaded; copy it again "
-        "or use an earlier checkpoint."
-    )
-    if size < _PREAMBLE.size:
-        raise CheckpointError(
-            truncated.format(needed=f"its fixed-size start alone is {_PREAMBLE.size}")
-        )
-    _, version, header_size = _PREAMBLE.unpack_from(contents)
+    if len(head) < _PREAMBLE.size:
+        raise truncated(f"its fixed-size start alone is {_PREAMBLE.size}", len(head))
+    _, version, header_size = _PREAMBLE.unpack_from(head)
     if version != _VERSION:
         raise CheckpointError(
             f"The checkpoint {path!r} has format version {version}, but this version "
@@ -416,45 +557,41 @@ def _read_checkpoint(path: str) -> tuple[list[dict[str, Any]], memoryview]:
             "release that wrote it (a newer one, if the version is higher)."
         )
     data_start = _PREAMBLE.size + header_size + _CRC.size
-    if size < data_start:
-        raise CheckpointError(
-            truncated.format(needed=f"its header ends at byte {data_start}")
+    if not fits(data_start):
+        raise truncated(f"its header ends at byte {data_start}", cast(int, size))
+    rest = _read_up_to(f, header_size + _CRC.size, preallocate=size is not None)
+    if len(rest) < header_size + _CRC.size:
+        raise truncated(
+            f"its header ends at byte {data_start}", _PREAMBLE.size + len(rest)
         )
-    corrupted = (
-        f"The checkpoint {path!r} is corrupted: {{what}}. The file was changed after "
-        "it was written (a disk or transfer error); copy it again or use an earlier "
-        "checkpoint."
-    )
-    (header_crc,) = _CRC.unpack_from(contents, data_start - _CRC.size)
-    if zlib.crc32(memoryview(contents)[: data_start - _CRC.size]) != header_crc:
-        raise CheckpointError(
-            corrupted.format(what="the checksum of its header does not match")
-        )
-    entries = _parse_header(path, contents[_PREAMBLE.size : data_start - _CRC.size])
+    (header_crc,) = _CRC.unpack_from(rest, header_size)
+    if zlib.crc32(rest[:header_size], zlib.crc32(head)) != header_crc:
+        raise corrupted("the checksum of its header does not match")
+    entries = _parse_header(path, bytes(rest[:header_size]))
     data_size = sum(entry["length"] for entry in entries)
-    if size < data_start + data_size:
-        raise CheckpointError(
-            truncated.format(
-                needed=f"its {len(entries)} entries end at byte {data_start + data_size}"
-            )
+    end = data_start + data_size
+    if not fits(end):
+        raise truncated(
+            f"its {len(entries)} entries end at byte {end}", cast(int, size)
         )
-    if size > data_start + data_size:
-        raise CheckpointError(
-            corrupted.format(
-                what=f"it has {size - data_start - data_size} bytes after its last "
-                "entry, where it should end"
-            )
+    if size is not None and size > end:
+        raise corrupted(
+            f"it has {size - end} bytes after its last entry, where it should end"
         )
-    data = memoryview(contents)[data_start:]
+    data = _read_up_to(f, data_size, preallocate=size is not None)
+    if len(data) < data_size:
+        raise truncated(
+            f"its {len(entries)} entries end at byte {end}", data_start + len(data)
+        )
+    if size is None and f.read(1):
+        raise corrupted("it has bytes after its last entry, where it should end")
     for entry in entries:
         blob = data[entry["offset"] : entry["offset"] + entry["length"]]
         if zlib.crc32(blob) != entry["crc32"]:
-            raise CheckpointError(
-                corrupted.format(
-                    what=f"the bytes of entry `{entry['path']}` (shape "
-                    f"{tuple(entry['shape'])}, dtype {entry['dtype']}) do not match "
-                    "their checksum"
-                )
+            raise corrupted(
+                f"the bytes of entry `{entry['path']}` (shape "
+                f"{tuple(entry['shape'])}, dtype {entry['dtype']}) do not match "
+                "their checksum"
             )
     return entries, data
 
@@ -471,7 +608,9 @@ def _parse_header(path: str, raw: bytes) -> list[dict[str, Any]]:
 
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise malformed("it nests JSON values too deeply to read") from None
+    except ValueError as e:  # Not UTF-8, not JSON, or a number too long to convert.
         raise malformed(f"it is not UTF-8 JSON ({e})") from None
     if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
         raise malformed('it is not a JSON object with an "entries" list')
@@ -498,7 +637,7 @@ def _parse_header(path: str, raw: bytes) -> list[dict[str, Any]]:
             raise malformed(f"entry `{name}` has an invalid 'key_impl'")
         try:
             dtype = np.dtype(entry["dtype"])
-        except (TypeError, ValueError):
+        except Exception:  # NumPy parses dtype strings with several error types.
             raise malformed(
                 f"entry `{name}` has the unknown dtype {entry['dtype']!r}"
             ) from None
@@ -516,6 +655,12 @@ def _parse_header(path: str, raw: bytes) -> list[dict[str, Any]]:
             )
         offset += entry["length"]
     return header["entries"]
+
+
+def _short_repr(x: Any, limit: int = 60) -> str:
+    text = repr(x)
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{text} (a {type(x).__name__})"
 
 
 def _is_state_mapping(x: Any) -> bool:
@@ -648,10 +793,13 @@ def load(
 
     **Raises:**
 
-    [`eqstate.CheckpointError`][] if the file is missing, is not an eqstate checkpoint,
-    has an unknown format version, is truncated or corrupted (a checksum does not
-    match), lacks a path the target needs or holds one it does not have, or holds an
-    array whose shape or dtype differs from the target's.
+    [`eqstate.CheckpointError`][] if the file is missing or unreadable, is not an
+    eqstate checkpoint, has an unknown format version, is truncated, malformed or
+    corrupted (a checksum does not match), lacks a path the target needs or holds one
+    it does not have, or holds an array whose shape or dtype differs from the
+    target's. The file is read part by part, each part only once the parts before it
+    have vouched for its size, so a large file that is not a checkpoint costs a few
+    bytes of reading.
 
     !!! Example
 

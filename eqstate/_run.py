@@ -302,19 +302,13 @@ def assign(values: Mapping[State, PyTree]) -> None:
         assert (w.value == 1).all()
         ```
     """
-    if not isinstance(values, Mapping):
+    if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
         raise TypeError(
-            "`eqstate.assign` takes a StateDict or a mapping from state handles to "
-            f"values, got {type(values).__name__}. Build one with "
-            "`eqstate.StateDict({state: value, ...})`."
+            "`eqstate.assign` takes a StateDict or a mapping from state handles to new "
+            f"values, got {type(values).__name__} {values!r:.60}. E.g. "
+            "`eqstate.assign({w: new_w})`."
         )
     states = list(values)
-    for state in states:
-        if not is_state(state):
-            raise TypeError(
-                "`eqstate.assign` takes a mapping from state handles to values; one "
-                f"of its keys is {state!r} of type {type(state).__name__}."
-            )
     if not states:
         return
     frame = _context.current_frame()

@@ -2,6 +2,7 @@
 
 import functools as ft
 import itertools
+import operator
 from typing import Any, Generic, NoReturn, TypeVar
 
 import jax
@@ -63,6 +64,12 @@ class State(Generic[_Value]):
             argument.)
         - `name`: a name shown in messages and printing. (Keyword only argument.)
         """
+        for label, text in (("tag", tag), ("name", name)):
+            if text is not None and not isinstance(text, str):
+                raise TypeError(
+                    f"A state's `{label}` must be a string or None, got {text!r} (a "
+                    f"{type(text).__name__}). E.g. `{label}={str(text)!r}`."
+                )
         object.__setattr__(self, "_tag", tag)
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_expired_in", None)
@@ -188,6 +195,8 @@ class RandomState(State[Any]):
 
     def split_key(self, n: int | None = None) -> Any:
         """Advances the key and returns a fresh one (or `n` fresh ones, stacked)."""
+        if n is not None:
+            n = _key_count(n)
         self.value, keys = split_and_advance(self.value, n)
         return keys
 
@@ -216,7 +225,27 @@ def fresh_copy(state: State) -> State:
     return fresh
 
 
+def _key_count(n: Any) -> int:
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(
+            f"`split_key(n)` takes a non-negative integer `n` (or None for one key), "
+            f"got {n!r}."
+        ) from None
+    if n < 0:
+        raise ValueError(f"`split_key(n)` cannot make a negative number of keys ({n}).")
+    return n
+
+
 def _as_key(seed_or_key: Any) -> Any:
+    if isinstance(seed_or_key, (str, bytes)) or not (
+        isinstance(seed_or_key, (int, np.integer)) or hasattr(seed_or_key, "dtype")
+    ):
+        raise TypeError(
+            "A RandomState holds a typed PRNG key: pass an integer seed or a key from "
+            f"`jax.random.key`, got {seed_or_key!r}."
+        )
     if isinstance(seed_or_key, (int, np.integer)) or (
         hasattr(seed_or_key, "dtype")
         and jnp.issubdtype(seed_or_key.dtype, jnp.integer)

@@ -1,3 +1,6 @@
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -40,3 +43,19 @@ def leak_a_tracer(shape: tuple[int, ...]) -> jax.Array:
     with jax.check_tracer_leaks(False):
         jax.jit(lambda x: leaked.append(x) or x)(jnp.ones(shape))
     return leaked[0]
+
+
+def unchecked(fn):
+    """`fn` without the runtime type checks the test suite adds to the package
+    (jaxtyping's import hook): for tests of what a user without them sees. (The
+    functions `fn` calls are still checked.)"""
+    if inspect.ismethod(fn):
+        return functools.partial(inspect.unwrap(fn.__func__), fn.__self__)
+    return inspect.unwrap(fn)
+
+
+def unchecked_new(cls, *args, **kwargs):
+    """`cls(*args, **kwargs)`, with `cls.__init__` unchecked as by `unchecked`."""
+    obj = cls.__new__(cls)
+    unchecked(cls.__init__)(obj, *args, **kwargs)
+    return obj

@@ -226,3 +226,43 @@ def test_failure_inside_grad_keeps_values(linear):
     with pytest.raises(RuntimeError, match="nope"):
         es.transform.grad(bad, grad_states=[w])(jnp.ones((1, 3)))
     assert calls.value == 0
+
+
+def test_has_aux_needs_a_pair_and_says_so():
+    with pytest.raises(TypeError, match=r"has_aux=True`, loss must return a pair"):
+
+        def loss(x):
+            return x**2
+
+        es.transform.grad(loss, has_aux=True)(1.0)
+
+
+@pytest.mark.parametrize(
+    "argnums, args, kwargs, match",
+    (
+        ((0, 3), (1.0,), {}, r"`argnums=\(0, 3\)` needs argument 3, but f was called "),
+        (None, (), {}, r"`argnums=0` \(the default without `grad_states`\) needs"),
+        (None, (), {"x": 1.0}, r"Keyword arguments \(x\) are not differentiated"),
+        (-3, (1.0, 2.0), {}, "`argnums=-3` needs argument -3"),
+    ),
+)
+def test_argnums_errors_speak_of_the_users_argnums(argnums, args, kwargs, match):
+    def f(x=1.0, y=2.0):
+        return x * y
+
+    with pytest.raises((TypeError, ValueError)) as from_jax:
+        jax.grad(f, argnums=0 if argnums is None else argnums)(*args, **kwargs)
+    with pytest.raises(type(from_jax.value), match=match):
+        es.transform.grad(f, argnums=argnums)(*args, **kwargs)
+
+
+@pytest.mark.parametrize("argnums", (-1, (-2, -1), (1, -2)))
+def test_negative_argnums_count_from_the_end_as_in_jax(argnums):
+    w = es.ParamState(jnp.array(3.0), name="w")
+
+    def f(x, y):
+        return w.value * x * y**2
+
+    ours = es.transform.grad(f, argnums=argnums)(2.0, 5.0)
+    ref = jax.grad(lambda x, y: 3.0 * x * y**2, argnums=argnums)(2.0, 5.0)
+    assert tree_allclose(ours, ref)

@@ -1,11 +1,19 @@
+import errno
 import json
 import os
 import pathlib
+import signal
 import struct
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
 import zlib
 
 import eqstate as es
 import equinox as eqx
+import hypothesis
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -16,7 +24,7 @@ from eqstate import _checkpoint
 from eqstate._checkpoint import load, save
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .helpers import tree_bitwise_equal
+from .helpers import tree_bitwise_equal, unchecked
 
 
 _DTYPES = (
@@ -587,8 +595,15 @@ def test_crash_mid_save_keeps_previous_checkpoint(checkpoint, monkeypatch, fail,
     previous = path.read_bytes()
     w.value = jnp.array([9.0, 9.0, 9.0])
     fail(monkeypatch, error)
-    with pytest.raises(type(error)):
+    if isinstance(error, OSError):
+        # An `OSError` becomes a `CheckpointError` naming the target, caused by it.
+        expected = pytest.raises(es.CheckpointError, match=f"{path.name}'.*disk full")
+    else:
+        expected = pytest.raises(KeyboardInterrupt, match=r"^$")
+    with expected as raised:
         save(path, es.values_of([w, n]))
+    if isinstance(error, OSError):
+        assert raised.value.__cause__ is error
     monkeypatch.undo()
     assert os.listdir(path.parent) == [path.name]
     assert path.read_bytes() == previous
@@ -599,7 +614,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(checkpoint, monkeypatch, fail,
 def test_crash_mid_first_save_leaves_nothing(tmp_path, monkeypatch):
     w = es.ParamState(jnp.ones(3), name="w")
     _fail_in_write(monkeypatch, OSError("disk full"))
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(es.CheckpointError, match="disk full"):
         save(tmp_path / "c", es.values_of(w))
     assert os.listdir(tmp_path) == []
 
@@ -614,3 +629,285 @@ def test_load_places_only_values_that_are_tied_to_devices(tmp_path):
     loaded = es.load(path, model)
     assert not loaded[loose].committed
     assert loaded[placed].committed and loaded[placed].devices() == {jax.devices()[1]}
+
+
+def _raw_checkpoint(header: bytes, data: bytes = b"") -> bytes:
+    """A file with a valid magic, version and header checksum around `header`."""
+    head = struct.pack("<8sIQ", b"\x93EQSTATE", 1, len(header)) + header
+    return head + struct.pack("<I", zlib.crc32(head)) + data
+
+
+def test_deeply_nested_header_is_malformed_not_a_recursion_error(checkpoint):
+    path, w, n = checkpoint
+    path.write_bytes(_raw_checkpoint(b"[" * 100_000 + b"]" * 100_000))
+    with pytest.raises(es.CheckpointError, match="malformed header: it nests"):
+        load(path, es.values_of([w, n]))
+
+
+_JSON = hypothesis.strategies.recursive(
+    hypothesis.strategies.none()
+    | hypothesis.strategies.booleans()
+    | hypothesis.strategies.integers(-(2**70), 2**70)
+    | hypothesis.strategies.floats(allow_nan=False)
+    | hypothesis.strategies.sampled_from(["w", "n", "float32", "int32", "V8", "O", ""]),
+    lambda children: (
+        hypothesis.strategies.lists(children, max_size=4)
+        | hypothesis.strategies.dictionaries(
+            hypothesis.strategies.sampled_from(
+                [
+                    "entries",
+                    "path",
+                    "dtype",
+                    "shape",
+                    "offset",
+                    "length",
+                    "crc32",
+                    "key_impl",
+                ]
+            ),
+            children,
+            max_size=7,
+        )
+    ),
+    max_leaves=20,
+)
+
+
+@hypothesis.settings(max_examples=300)
+@hypothesis.given(header=_JSON, data=hypothesis.strategies.binary(max_size=16))
+def test_any_header_loads_or_raises_checkpoint_error(tmp_path_factory, header, data):
+    w = es.ParamState(jnp.zeros(2), name="w")
+    path = tmp_path_factory.mktemp("fuzz") / "c.eqstate"
+    path.write_bytes(_raw_checkpoint(json.dumps(header).encode(), data))
+    try:
+        load(path, es.values_of(w))
+    except es.CheckpointError:
+        pass
+
+
+@hypothesis.settings(max_examples=200)
+@hypothesis.given(
+    cut=hypothesis.strategies.integers(0, 200),
+    junk=hypothesis.strategies.binary(max_size=40),
+)
+def test_any_cut_or_extended_file_raises_checkpoint_error(tmp_path_factory, cut, junk):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    path = tmp_path_factory.mktemp("cut") / "c.eqstate"
+    save(path, es.values_of(w))
+    raw = path.read_bytes()
+    hypothesis.assume(cut < len(raw) or junk)
+    path.write_bytes(raw[:cut] + junk)
+    with pytest.raises(es.CheckpointError, match=r"checkpoint|malformed|truncated"):
+        load(path, es.values_of(w))
+
+
+def _peak_bytes_of_refused_load(path, states) -> int:
+    """The most memory Python allocated while `load` refused the file."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(es.CheckpointError, match="checkpoint"):
+            load(path, states)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize("claim", ("none", "header", "entries"))
+def test_a_huge_file_costs_only_the_bytes_its_header_vouches_for(tmp_path, claim):
+    # A 1 GiB sparse file: not a checkpoint, or one whose header claims more than
+    # it holds. Reading it whole would take 1 GiB and seconds.
+    w = es.ParamState(jnp.zeros(2), name="w")
+    path = tmp_path / "big.eqstate"
+    if claim == "none":
+        start = b"not a checkpoint"
+    elif claim == "header":
+        start = struct.pack("<8sIQ", b"\x93EQSTATE", 1, 2**62)
+    else:
+        entry = {"path": "w", "dtype": "float32", "shape": [2**40], "offset": 0}
+        entry.update(length=2**42, crc32=0)
+        start = _raw_checkpoint(json.dumps({"entries": [entry]}).encode())
+    with open(path, "wb") as f:
+        f.write(start)
+        f.truncate(2**30)
+    match = {"none": "not an eqstate checkpoint", "header": "truncated"}
+    clock = time.perf_counter()
+    with pytest.raises(es.CheckpointError, match=match.get(claim, "truncated")):
+        load(path, es.values_of(w))
+    assert time.perf_counter() - clock < 1.0
+    assert _peak_bytes_of_refused_load(path, es.values_of(w)) < 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_dev_zero_is_not_a_checkpoint_and_is_cheap():
+    w = es.ParamState(jnp.zeros(2), name="w")
+    with pytest.raises(es.CheckpointError, match="not an eqstate checkpoint"):
+        load("/dev/zero", es.values_of(w))
+    assert _peak_bytes_of_refused_load("/dev/zero", es.values_of(w)) < 2**20
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("extra", (b"", b"x"))
+def test_a_checkpoint_streamed_through_a_pipe(checkpoint, tmp_path, extra):
+    # A pipe has no size up front: it is read only as far as the header says.
+    path, w, n = checkpoint
+    raw = path.read_bytes() + extra
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(raw))
+    writer.start()
+    try:
+        if extra:
+            with pytest.raises(es.CheckpointError, match="bytes after its last entry"):
+                load(fifo, es.values_of([w, n]))
+        else:
+            loaded = load(fifo, es.values_of([w, n]))
+            assert (loaded[w] == jnp.array([1.0, 2.0, 3.0])).all() and loaded[n] == 7
+    finally:
+        writer.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symlinks")
+@pytest.mark.parametrize("relative", (False, True))
+def test_save_onto_a_symlink_keeps_the_link_and_replaces_its_target(tmp_path, relative):
+    w = es.ParamState(jnp.ones(3), name="w")
+    (tmp_path / "store").mkdir()
+    target = tmp_path / "store" / "real.eqstate"
+    link = tmp_path / "latest.eqstate"
+    save(target, es.values_of(w))
+    link.symlink_to(os.path.relpath(target, tmp_path) if relative else target)
+    es.assign({w: jnp.full(3, 5.0)})
+    save(link, es.values_of(w))
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert (load(target, es.values_of(w))[w] == 5.0).all()
+    assert sorted(os.listdir(tmp_path / "store")) == ["real.eqstate"]
+    assert sorted(os.listdir(tmp_path)) == ["latest.eqstate", "store"]
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symlinks")
+def test_save_onto_a_dangling_symlink_creates_its_target(tmp_path):
+    w = es.ParamState(jnp.ones(3), name="w")
+    link = tmp_path / "latest.eqstate"
+    link.symlink_to(tmp_path / "new.eqstate")
+    save(link, es.values_of(w))
+    assert link.is_symlink() and (tmp_path / "new.eqstate").is_file()
+    assert (load(link, es.values_of(w))[w] == 1.0).all()
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_next_save_removes_the_temporaries_of_killed_saves(checkpoint):
+    path, w, n = checkpoint
+    directory = path.parent
+    stale = [
+        f".{path.name}.{_dead_pid()}.{'a' * 16}.tmp",  # its process is gone
+        f".{path.name}.{os.getpid()}.{'b' * 16}.tmp",  # ours, and no save runs
+        f".{path.name}.{'c' * 16}.tmp",  # named before the pid was added
+    ]
+    kept = [
+        f".{path.name}.{os.getppid()}.{'d' * 16}.tmp",  # its process may still write
+        f".other.eqstate.{_dead_pid()}.{'e' * 16}.tmp",  # another target's
+        f".{path.name}.notes.tmp",  # not a temporary of eqstate
+    ]
+    for name in stale + kept:
+        (directory / name).write_bytes(b"partial")
+    save(path, es.values_of([w, n]))
+    assert sorted(os.listdir(directory)) == sorted([path.name, *kept])
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+import jax.numpy as jnp
+import eqstate as es
+from eqstate import _checkpoint
+
+def killed(fd):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+_checkpoint.os.fsync = killed
+w = es.ParamState(jnp.zeros(1000), name="w")
+es.save(sys.argv[1], es.values_of(w))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_a_save_killed_with_sigkill_is_cleaned_up_by_the_next(checkpoint):
+    path, w, n = checkpoint
+    previous = path.read_bytes()
+    killed = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path)])
+    assert killed.returncode == -signal.SIGKILL
+    assert path.read_bytes() == previous  # the kill left the old checkpoint...
+    assert len(os.listdir(path.parent)) == 2  # ...and its temporary file
+    save(path, es.values_of([w, n]))
+    assert os.listdir(path.parent) == [path.name]
+
+
+@pytest.mark.parametrize(
+    "error",
+    (
+        PermissionError(errno.EACCES, "Permission denied"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        OSError(errno.EROFS, "Read-only file system"),
+    ),
+    ids=("read-only directory", "full disk", "read-only file system"),
+)
+@pytest.mark.parametrize("fail", (_fail_in_write, "open"))
+def test_unwritable_target_gives_checkpoint_error_and_keeps_the_old_file(
+    checkpoint, monkeypatch, error, fail
+):
+    path, w, n = checkpoint
+    previous = path.read_bytes()
+    if fail == "open":
+        real_open = os.open
+
+        def refuse(name, *args, **kwargs):
+            if str(name).endswith(".tmp"):
+                raise error
+            return real_open(name, *args, **kwargs)
+
+        monkeypatch.setattr(_checkpoint.os, "open", refuse)
+    else:
+        fail(monkeypatch, error)
+    with pytest.raises(es.CheckpointError, match=f"{path.name}'.*{error.strerror}"):
+        save(path, es.values_of([w, n]))
+    monkeypatch.undo()
+    assert path.read_bytes() == previous and os.listdir(path.parent) == [path.name]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0,
+    reason="needs POSIX permissions that apply (root writes anywhere)",
+)
+def test_save_into_a_read_only_directory(checkpoint):
+    path, w, n = checkpoint
+    previous = path.read_bytes()
+    path.parent.chmod(0o500)
+    try:
+        with pytest.raises(es.CheckpointError, match="Permission denied") as raised:
+            save(path, es.values_of([w, n]))
+    finally:
+        path.parent.chmod(0o700)
+    assert isinstance(raised.value.__cause__, PermissionError)
+    assert path.read_bytes() == previous
+
+
+def test_unreadable_file_gives_checkpoint_error(checkpoint, monkeypatch):
+    path, w, n = checkpoint
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr("builtins.open", refuse)
+    with pytest.raises(es.CheckpointError, match=r"Cannot read .*Permission denied"):
+        load(path, es.values_of([w, n]))
+
+
+@pytest.mark.parametrize("bad", (None, [1, 2], {"w": jnp.zeros(2)}))
+def test_save_refuses_what_is_not_a_mapping_of_states(tmp_path, bad):
+    with pytest.raises(TypeError, match="takes the values to save as a StateDict"):
+        unchecked(save)(tmp_path / "c", bad)
+    assert os.listdir(tmp_path) == []

@@ -1,9 +1,12 @@
 import eqstate as es
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from .helpers import tree_allclose
+from .helpers import tree_allclose, unchecked
 
 
 pytestmark = pytest.mark.usefixtures("tracing_mode")
@@ -117,3 +120,141 @@ def test_cond_matches_lax_under_grad():
     assert tree_allclose((gw[w], gx), (9.0, 12.0))
     (gw, gx) = g(-3.0)
     assert tree_allclose((gw[w], gx), (3.0, -2.0))
+
+
+_VALUES = (-2, -1, -0.25, 0, 0.5, 1, 3, float("nan"), float("inf"))
+_DTYPES = ("bool", "int8", "uint8", "int32", "uint32", "float16", "bfloat16", "float32")
+
+
+def _typed(dtype: str, value: float) -> np.ndarray:
+    """`value` as a 0-d NumPy array of `dtype`, taken as that dtype can hold it."""
+    kind = np.dtype(jnp.dtype(dtype)).kind
+    if kind in "iu" and not np.isfinite(value):
+        value = 7
+    if kind in "iu":
+        value = abs(int(value)) if kind == "u" else int(value)
+    return np.asarray(value, dtype=jnp.dtype(dtype))
+
+
+_PREDICATES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(_VALUES),
+    st.integers(-(2**31), 2**31 - 1),
+    st.floats(width=32),
+    st.complex_numbers(max_magnitude=4),
+    st.text(max_size=2),
+    st.builds(_typed, st.sampled_from(_DTYPES), st.sampled_from(_VALUES)),
+    st.builds(
+        lambda d, v: jnp.asarray(_typed(d, v)),
+        st.sampled_from((*_DTYPES, "complex64")),
+        st.sampled_from(_VALUES),
+    ),
+    st.builds(
+        lambda v, n: jnp.full((n,), v), st.sampled_from(_VALUES), st.integers(0, 2)
+    ),
+)
+
+
+def _outcome(run):
+    try:
+        return int(run())
+    except TypeError:
+        return TypeError
+
+
+@hypothesis.settings(max_examples=150)
+@hypothesis.given(pred=_PREDICATES)
+def test_cond_takes_the_branch_jax_lax_cond_takes(pred):
+    hits = es.State(jnp.array(0), name="hits")
+
+    def true_fun():
+        hits.value = hits.value + 1
+        return 1
+
+    ours = _outcome(lambda: es.transform.cond(pred, true_fun, lambda: 0))
+    assert ours == _outcome(lambda: jax.lax.cond(pred, lambda: 1, lambda: 0))
+    assert hits.value == (ours == 1)
+    if isinstance(pred, jax.Array):  # the same through a traced predicate
+        traced = _outcome(
+            lambda: es.transform.jit(
+                lambda p: es.transform.cond(p, true_fun, lambda: 0)
+            )(pred)
+        )
+        raw = _outcome(
+            lambda: jax.jit(lambda p: jax.lax.cond(p, lambda: 1, lambda: 0))(pred)
+        )
+        assert traced == raw
+
+
+@hypothesis.settings(max_examples=100)
+@hypothesis.given(index=_PREDICATES)
+def test_switch_takes_the_branch_jax_lax_switch_takes(index):
+    branches = [lambda: 0, lambda: 1, lambda: 2]
+    ours = _outcome(lambda: es.transform.switch(index, branches))
+    assert ours == _outcome(lambda: jax.lax.switch(index, branches))
+
+
+@pytest.mark.parametrize("pred", (-1, 0.5, -0.25, jnp.float32(-0.5), jnp.int8(-3)))
+def test_cond_reads_a_non_zero_number_as_true(pred):
+    assert es.transform.cond(pred, lambda: 1, lambda: 0) == 1
+    assert jax.lax.cond(pred, lambda: 1, lambda: 0) == 1
+
+
+@pytest.mark.parametrize("pred", (2j, None, jnp.complex64(1), jnp.ones(2), "yes"))
+def test_cond_refuses_what_jax_lax_cond_refuses(pred):
+    hits = es.State(jnp.array(0), name="hits")
+
+    def true_fun():
+        hits.value = hits.value + 1
+        return 1
+
+    with pytest.raises(TypeError, match="`cond`"):
+        unchecked(es.transform.cond)(pred, true_fun, lambda: 0)
+    with pytest.raises(TypeError, match=r"[Pp]red"):
+        jax.lax.cond(pred, lambda: 1, lambda: 0)
+    assert hits.value == 0
+
+
+def test_cond_and_switch_run_their_branch_eagerly_under_disable_jit(capsys):
+    seen = es.State(jnp.array(0.0), name="seen")
+
+    def branch(x):
+        print("inside, x =", float(x))  # needs a concrete value
+        seen.value = seen.value + x
+        return x * 2
+
+    with jax.disable_jit():
+        assert es.transform.cond(True, branch, lambda x: x, 2.0) == 4.0
+        assert es.transform.switch(5, [lambda x: x, branch], 3.0) == 6.0
+    assert capsys.readouterr().out == "inside, x = 2.0\ninside, x = 3.0\n"
+    assert seen.value == 5.0
+
+
+def test_an_eager_branch_that_fails_leaves_the_states_as_they_were():
+    seen = es.State(jnp.array(0.0), name="seen")
+
+    def branch():
+        seen.value = seen.value + 1
+        raise RuntimeError("in the branch")
+
+    with jax.disable_jit(), pytest.raises(RuntimeError, match="in the branch"):
+        es.transform.cond(1, branch, lambda: None)
+    assert seen.value == 0.0
+
+
+def test_an_eager_branch_may_not_create_states():
+    with jax.disable_jit(), pytest.raises(ValueError, match=r"branch 1 .* creates"):
+        es.transform.cond(True, lambda: es.State(jnp.zeros(2)).name, lambda: None)
+
+
+def test_a_traced_predicate_under_disable_jit_takes_the_compiled_path():
+    # As `jax.lax.cond`: a predicate with no value yet cannot pick a branch in Python.
+    scale = es.State(jnp.array(3.0), name="scale")
+
+    def cond(x):
+        return es.transform.cond(x > 0, lambda y: y * scale.value, lambda y: -y, x)
+
+    with jax.disable_jit():
+        out = es.transform.vmap(cond)(jnp.array([1.0, -2.0]))
+    assert (out == jnp.array([3.0, 2.0])).all()

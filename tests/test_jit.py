@@ -1,3 +1,5 @@
+import re
+
 import eqstate as es
 import equinox as eqx
 import jax
@@ -371,3 +373,42 @@ def test_position_options_with_a_function_that_creates_states_are_refused():
         NotImplementedError, match=r"donate_states=\.\.\..* creates no states"
     ):
         make(1.0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    (
+        {"donate_argnums": 5},
+        {"donate_argnums": (0, -3)},
+        {"static_argnums": 4},
+        {"static_argnames": "y"},
+        {"static_argnums": 0, "donate_argnums": 0},
+    ),
+    ids=str,
+)
+def test_jit_refuses_options_beyond_the_signature_as_jax_jit(options):
+    def f(x):
+        return x
+
+    with pytest.raises(ValueError) as from_jax:
+        jax.jit(f, **options)
+    with pytest.raises(ValueError, match=re.escape(str(from_jax.value))):
+        es.transform.jit(f, **options)
+
+
+def test_jit_refuses_a_generator_function_as_jax_jit():
+    def numbers(x):
+        yield x
+
+    with pytest.raises(TypeError, match="got a generator function"):
+        es.transform.jit(numbers)
+    with pytest.raises(TypeError, match="got a generator function"):
+        jax.jit(numbers)
+
+
+def test_make_jaxpr_names_its_function_as_jax_does():
+    def step(x):
+        return x
+
+    assert es.transform.make_jaxpr(step).__name__ == jax.make_jaxpr(step).__name__
+    assert es.transform.make_jaxpr(step).__name__ == "make_jaxpr(step)"

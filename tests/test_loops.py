@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import pytest
 
-from .helpers import tree_allclose
+from .helpers import tree_allclose, unchecked
 
 
 pytestmark = pytest.mark.usefixtures("tracing_mode")
@@ -179,3 +179,149 @@ def test_failure_in_a_loop_keeps_values():
     with pytest.raises(TypeError):
         es.transform.scan(step, 0, jnp.arange(3))
     assert s.value == 0
+
+
+def test_scan_runs_its_body_eagerly_under_disable_jit_like_lax(capsys):
+    total = es.State(jnp.array(0.0), name="total")
+
+    def step(carry, x):
+        print("x =", float(x))  # needs a concrete value
+        total.value = total.value + x
+        return carry + x, total.value
+
+    def pure_step(carry_and_total, x):
+        carry, t = carry_and_total
+        return (carry + x, t + x), t + x
+
+    xs = jnp.arange(3.0)
+    with jax.disable_jit():
+        final, ys = es.transform.scan(step, 0.0, xs, reverse=True)
+        (final2, t2), ys2 = jax.lax.scan(pure_step, (0.0, 0.0), xs, reverse=True)
+    assert capsys.readouterr().out == "x = 2.0\nx = 1.0\nx = 0.0\n"
+    assert tree_allclose((final, ys), (final2, ys2)) and total.value == t2
+
+
+def test_for_loop_and_progress_bar_run_eagerly_under_disable_jit():
+    h = es.ShortTermState(jnp.array(0.0), name="h")
+    out = io.StringIO()
+
+    def step(x):
+        h.value = 0.5 * h.value + float(x)
+        return h.value
+
+    with jax.disable_jit():
+        hs = es.transform.for_loop(
+            step, jnp.ones(4), pbar=es.transform.ProgressBar(freq=2, file=out)
+        )
+    assert (hs == jnp.array([1.0, 1.5, 1.75, 1.875])).all() and h.value == 1.875
+    assert "4/4" in out.getvalue()
+
+
+def test_while_loops_run_eagerly_under_disable_jit():
+    steps = es.State(jnp.array(0), name="steps")
+
+    def body(x):
+        steps.value = steps.value + 1
+        return x + float(x)  # needs a concrete value
+
+    with jax.disable_jit():
+        assert es.transform.while_loop(lambda x: x < 10, body, 1.0) == 16.0
+        assert es.transform.bounded_while_loop(lambda x: x < 10, body, 1.0, 2) == 4.0
+        assert es.transform.bounded_while_loop(lambda x: x < 10, body, 1.0, 0) == 1.0
+    assert steps.value == 6
+
+
+def test_while_loop_under_disable_jit_falls_back_when_a_transform_needs_it():
+    # As `jax.lax.while_loop`: inside `jax.vmap` the condition has no Python value.
+    def count_to(limit):
+        return es.transform.while_loop(lambda x: x < limit, lambda x: x + 1.0, 0.0)
+
+    with jax.disable_jit():
+        out = jax.vmap(count_to)(jnp.array([1.0, 3.0]))
+        ref = jax.vmap(
+            lambda n: jax.lax.while_loop(lambda x: x < n, lambda x: x + 1.0, 0.0)
+        )(jnp.array([1.0, 3.0]))
+    assert (out == ref).all()
+
+
+def test_an_eager_loop_that_fails_leaves_the_states_as_they_were():
+    total = es.State(jnp.array(0.0), name="total")
+
+    def step(carry, x):
+        total.value = total.value + 1
+        if float(x) == 2.0:
+            raise RuntimeError("third step")
+        return carry, x
+
+    with jax.disable_jit(), pytest.raises(RuntimeError, match="third step"):
+        es.transform.scan(step, 0, jnp.arange(4.0))
+    assert total.value == 0.0
+
+
+def test_an_eager_loop_body_may_not_create_states():
+    with jax.disable_jit(), pytest.raises(ValueError, match="body of `scan` creates"):
+        es.transform.scan(lambda c, x: (es.State(x).name and c, x), 0, jnp.ones(2))
+
+
+@pytest.mark.parametrize("disable_jit", (False, True))
+def test_bounded_while_loop_condition_may_not_write(disable_jit):
+    w = es.State(jnp.array(0), name="w")
+
+    def cond(x):
+        w.value = w.value + 1
+        return x < 3
+
+    with jax.disable_jit(disable_jit):
+        with pytest.raises(ValueError, match="`cond_fun` of `bounded_while_loop`"):
+            es.transform.bounded_while_loop(cond, lambda x: x + 1, 0, 5)
+    assert w.value == 0
+
+
+@pytest.mark.parametrize("disable_jit", (False, True))
+def test_while_loop_condition_may_read_states(disable_jit):
+    limit = es.State(jnp.array(3), name="limit")
+    with jax.disable_jit(disable_jit):
+        got = es.transform.while_loop(lambda x: x < limit.value, lambda x: x + 1, 0)
+        bounded = es.transform.bounded_while_loop(
+            lambda x: x < limit.value, lambda x: x + 1, 0, 10
+        )
+    assert got == 3 and bounded == 3
+
+
+@pytest.mark.parametrize("max_steps", (2.5, "3", None))
+def test_bounded_while_loop_needs_an_integer_max_steps(max_steps):
+    with pytest.raises(TypeError, match="`max_steps` must be a non-negative integer"):
+        unchecked(es.transform.bounded_while_loop)(
+            lambda v: v < 3, lambda v: v + 1, 0, max_steps
+        )
+
+
+def test_for_loop_needs_operands():
+    with pytest.raises(ValueError, match="`for_loop` needs operands"):
+        es.transform.for_loop(lambda: 1)
+
+
+@pytest.mark.parametrize(
+    "xs, match",
+    (
+        ({"a": jnp.float32(1.0)}, r"`xs\['a'\]` is a scalar"),
+        ((jnp.ones(2), jnp.ones(3)), r"`xs\[0\]` has 2, `xs\[1\]` has 3"),
+    ),
+)
+def test_scan_names_the_leaf_without_the_loop_axis(xs, match):
+    with pytest.raises(ValueError, match=match):
+        es.transform.scan(lambda c, x: (c, x), 0, xs)
+    with pytest.raises(ValueError, match=match.replace("`xs", r"`operands\[0\]")):
+        es.transform.for_loop(lambda x: x, xs)
+
+
+def test_scan_length_must_agree_with_xs():
+    with pytest.raises(ValueError, match="`xs` has 2, `length` has 3"):
+        es.transform.scan(lambda c, x: (c, x), 0, jnp.ones(2), length=3)
+
+
+def test_scan_refuses_a_progress_bar_that_is_not_one():
+    with pytest.raises(TypeError, match="`pbar` must be an"):
+        unchecked(es.transform.scan)(
+            lambda c, x: (c, x), 0, jnp.ones(3), pbar="invalid"
+        )

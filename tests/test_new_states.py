@@ -287,3 +287,59 @@ def test_state_to_exclude_sees_the_creators_tag_even_with_a_state_tag():
     )()
     assert lr.value.shape == () and w.value.shape == (4, 3)
     assert lr.tag == "ensemble" and w.tag == "ensemble"
+
+
+def _member_keys(shared: es.RandomState) -> dict:
+    """Every key a lane hands out: to the default random state's draws, to two new
+    random states seeded alike, and to a pre-existing random state it reads."""
+    own, other = es.RandomState(0, name="own"), es.RandomState(0, name="other")
+    keys = {
+        "default": es.random.split_key(),
+        "default_again": es.random.split_key(2),
+        "own": own.value,
+        "other": other.value,
+        "shared": shared.value,
+        "own_draw": own.split_key(),
+        "other_draw": other.split_key(),
+        "shared_draw": shared.split_key(),
+    }
+    keys["default_last"] = es.random.split_key()
+    keys["own_last"], keys["other_last"] = own.value, other.value
+    return keys
+
+
+@pytest.mark.parametrize("jit", (False, True))
+def test_no_two_consumers_in_any_of_1000_lanes_share_a_key(getkey, jit):
+    es.random.set_key(getkey())
+    shared = es.RandomState(getkey(), name="shared")
+    build = es.transform.vmap_new_states(lambda: _member_keys(shared), axis_size=1000)
+    keys = (es.transform.jit(build) if jit else build)()
+    data = [jax.random.key_data(k).reshape(-1, 2) for k in jax.tree.leaves(keys)]
+    data.append(jax.random.key_data(es.random.get_key()).reshape(-1, 2))
+    rows = jnp.concatenate(data).tolist()
+    assert len(rows) == 1000 * 12 + 1  # 12 keys a lane, and the outer key
+    assert len({tuple(r) for r in rows}) == len(rows)
+
+
+def test_a_seed_given_in_every_lane_is_replaced_by_a_per_lane_key(getkey):
+    # The documented rule (docs/how-to/random.md): the seed is not used, so building
+    # with another seed gives the same keys; the default key decides them.
+    key = getkey()
+    built = []
+    for seed in (0, 1):
+        es.random.set_key(key)
+        rng = es.transform.vmap_new_states(
+            lambda seed=seed: es.RandomState(seed), axis_size=4
+        )()
+        built.append(jax.random.key_data(rng.value))
+    assert (built[0] == built[1]).all()
+    lanes = jax.random.split(jax.random.split(key)[1], 4)
+    others = jax.vmap(lambda k: jax.random.split(k)[1])(lanes)
+    expected = jax.vmap(lambda k: jax.random.fold_in(k, 0))(others)
+    assert (built[0] == jax.random.key_data(expected)).all()
+
+
+def test_keys_that_differ_across_lanes_are_kept(getkey):
+    chosen = jax.random.split(getkey(), 3)
+    rng = es.transform.vmap_new_states(lambda k: es.RandomState(k))(chosen)
+    assert tree_bitwise_equal(rng.value, chosen)

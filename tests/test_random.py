@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from .helpers import tree_bitwise_equal
+from .helpers import tree_bitwise_equal, unchecked, unchecked_new
 
 
 SAMPLERS = {
@@ -125,3 +125,123 @@ def test_default_state_is_a_random_state_in_the_world():
 def test_a_key_of_another_implementation_gets_a_fitting_message():
     with pytest.raises(es.StateValueError, match="another PRNG implementation"):
         es.random.seed(jax.random.key(0, impl="rbg"))
+
+
+_BAD_CALLS = {
+    "choice_too_many": (
+        lambda: es.random.choice(3, (5,), replace=False),
+        ValueError,
+        r"larger sample \(size 5\) than population \(size 3\)",
+    ),
+    "normal_int_dtype": (
+        lambda: es.random.normal((2,), jnp.int32),
+        ValueError,
+        "`normal` must be a float",
+    ),
+    "exponential_int_dtype": (
+        lambda: es.random.exponential((2,), jnp.int32),
+        ValueError,
+        "`exponential` must be a float",
+    ),
+    "randint_float_dtype": (
+        lambda: es.random.randint((2,), 0, 5, jnp.float32),
+        TypeError,
+        "randint only accepts integer dtypes",
+    ),
+    "categorical_axis": (
+        lambda: es.random.categorical(jnp.zeros(3), axis=4),
+        ValueError,
+        r"categorical`: `axis=4` is out of range for `logits` of shape \(3,\)",
+    ),
+    "categorical_scalar_logits": (
+        lambda: es.random.categorical(jnp.zeros(())),
+        ValueError,
+        r"`axis=-1` is out of range for `logits` of shape \(\)",
+    ),
+    "negative_shape": (
+        lambda: es.random.normal(-1),
+        ValueError,
+        r"normal`: `shape` must not have negative sizes, got -1",
+    ),
+    "fractional_shape": (
+        lambda: unchecked(es.random.uniform)((2.5,)),
+        TypeError,
+        r"uniform`: `shape` must be an integer or a sequence of integers",
+    ),
+    "uniform_minval_shape": (
+        lambda: es.random.uniform((2,), minval=jnp.zeros(3)),
+        ValueError,
+        r"`minval` of shape \(3,\) does not broadcast to `shape` \(2,\)",
+    ),
+    "bernoulli_p_shape": (
+        lambda: es.random.bernoulli(jnp.full(3, 0.5), (2,)),
+        ValueError,
+        r"bernoulli`: `p` of shape \(3,\)",
+    ),
+    "gamma_a_shape": (
+        lambda: es.random.gamma(jnp.ones((3, 2)), (2,)),
+        ValueError,
+        r"gamma`: `a` of shape \(3, 2\)",
+    ),
+    "truncated_normal_shape": (
+        lambda: es.random.truncated_normal(jnp.zeros(3), 1.0, (2,)),
+        ValueError,
+        r"`lower` of shape \(3,\)",
+    ),
+    "permutation_axis": (
+        lambda: es.random.permutation(jnp.arange(3), axis=2),
+        ValueError,
+        r"permutation`: `axis=2` is out of range for `x` of shape \(3,\)",
+    ),
+    "choice_axis": (
+        lambda: es.random.choice(jnp.ones((2, 2)), (2,), axis=5),
+        ValueError,
+        r"choice`: `axis=5` is out of range for `a` of shape \(2, 2\)",
+    ),
+    "choice_p_shape": (
+        lambda: es.random.choice(3, (2,), p=jnp.ones(4) / 4),
+        ValueError,
+        "p must be None or a 1D vector",
+    ),
+    "dropout_negative_shape": (
+        lambda: es.random.dropout_mask(0.5, (-2,)),
+        ValueError,
+        "dropout_mask`: `shape` must not have negative sizes",
+    ),
+    "split_key_negative": (
+        lambda: es.random.split_key(-5),
+        ValueError,
+        r"cannot make a negative number of keys \(-5\)",
+    ),
+    "split_key_fractional": (
+        lambda: unchecked(es.random.DEFAULT.split_key)(2.5),
+        TypeError,
+        "takes a non-negative integer `n`",
+    ),
+    "seed_text": (
+        lambda: unchecked(es.random.DEFAULT.seed)("abc"),
+        TypeError,
+        "pass an integer seed or a key .* got 'abc'",
+    ),
+}
+
+
+@pytest.mark.parametrize("jit", (False, True))
+@pytest.mark.parametrize("case", sorted(_BAD_CALLS))
+def test_a_refused_sampler_call_leaves_the_default_key_alone(getkey, case, jit):
+    call, error, match = _BAD_CALLS[case]
+    es.random.set_key(getkey())
+    before = es.random.get_key()
+    with pytest.raises(error, match=match):
+        (es.transform.jit(call) if jit else call)()
+    assert tree_bitwise_equal(es.random.get_key(), before)
+
+
+def test_a_random_state_refuses_text_as_a_seed():
+    with pytest.raises(TypeError, match="got 'abc'"):
+        unchecked_new(es.RandomState, "abc")
+
+
+def test_split_key_of_zero_keys_is_empty():
+    keys = es.random.split_key(0)
+    assert keys.shape == (0,)

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from .helpers import unchecked
+
 
 def test_world_is_an_immutable_snapshot():
     s = es.State(jnp.zeros(2))
@@ -292,3 +294,11 @@ def test_raw_transforms_that_stage_out_refuse_reads(staging):
     w = es.ParamState(jnp.arange(3.0), name="w")
     with pytest.raises(es.TraceContextError, match="Cannot read ParamState 'w'"):
         staging(lambda x: w.value * x)
+
+
+@pytest.mark.parametrize("values", ([1, 2], {"w": 1.0}, None))
+def test_assign_takes_a_mapping_of_states(values):
+    w = es.State(jnp.zeros(()), name="w")
+    with pytest.raises(TypeError, match=r"`eqstate\.assign` takes a StateDict"):
+        unchecked(es.assign)(values)
+    assert w.value == 0.0

@@ -192,3 +192,33 @@ def test_batched_ensemble_sharded_over_devices(getkey):
     )
     x = jr.normal(getkey(), (N, 3))
     assert tree_allclose(predict(x), jnp.einsum("ij,ij->i", w.value, x), atol=1e-5)
+
+
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit))
+def test_jit_takes_one_sharding_for_every_argument_as_jax_jit(axis_type):
+    split = NamedSharding(_mesh(axis_type=axis_type), P("x"))
+    total = es.State(jnp.zeros(()), name="total")  # a scalar: the sharding is not its
+
+    def f(x, n, y):
+        total.value = total.value + jnp.sum(x)
+        return x * n + y
+
+    jitted = es.transform.jit(f, static_argnums=1, in_shardings=split)
+    ref = jax.jit(lambda x, n, y: x * n + y, static_argnums=1, in_shardings=split)
+    for x in (jnp.arange(float(N)), jnp.ones(N)):
+        out, expected = jitted(x, 2, jnp.ones(N)), ref(x, 2, jnp.ones(N))
+        assert tree_allclose(out, expected) and out.sharding == expected.sharding
+    assert total.value == sum(range(N)) + N
+    compiled = jitted.lower(jnp.ones(N), 2, jnp.ones(N)).compile()
+    *_, x_sharding, y_sharding = compiled.input_shardings[0]
+    assert x_sharding.is_equivalent_to(split, 1)
+    assert y_sharding.is_equivalent_to(split, 1)
+
+
+def test_jit_with_one_sharding_refuses_keyword_arguments_as_jax_jit():
+    split = NamedSharding(_mesh(), P("x"))
+    jitted = es.transform.jit(lambda x, y: x + y, in_shardings=split)
+    with pytest.raises(ValueError, match="kwargs when in_shardings is specified"):
+        jitted(jnp.ones(N), y=jnp.ones(N))
+    with pytest.raises(ValueError, match="kwargs when in_shardings is specified"):
+        jax.jit(lambda x, y: x + y, in_shardings=split)(jnp.ones(N), y=jnp.ones(N))

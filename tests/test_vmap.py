@@ -145,3 +145,12 @@ def test_nested_vmaps(getkey):
     out = es.transform.vmap(inner)(xs)
     wv = w.value
     assert tree_allclose(out, jax.vmap(jax.vmap(lambda x: wv[0] * x))(xs))
+
+
+@pytest.mark.parametrize("transform", ("vmap", "vmap_new_states"))
+def test_mapping_a_scalar_argument_names_it(transform):
+    f = getattr(es.transform, transform)(lambda x, y: x + y)
+    with pytest.raises(ValueError, match=r"maps argument 1 along axis 0, but it has"):
+        f(jnp.ones(2), jnp.float32(1.0))
+    with pytest.raises(ValueError, match="rank should be at least 1"):
+        jax.vmap(lambda x, y: x + y)(jnp.ones(2), jnp.float32(1.0))

@@ -1,12 +1,19 @@
-"""The default random state and samplers that read and advance it."""
+"""The default random state and samplers that read and advance it.
 
-from collections.abc import Sequence
+A sampler given no `key` splits the default key, draws with the drawn half, and only
+then writes the other half back: a sampler that refuses its arguments (JAX's checks,
+and the clearer ones made here first) leaves the default key as it was.
+"""
+
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray
 
-from .._state import lazy_world_state, RandomState
+from .._state import lazy_world_state, RandomState, split_and_advance
 
 
 # Its key is made on first use: making it at import would start JAX's backend, and
@@ -52,16 +59,65 @@ def split_key(n: int | None = None) -> Key[Array, "..."]:
     return DEFAULT.split_key(n)
 
 
-def _key(key: PRNGKeyArray | None) -> PRNGKeyArray:
-    return split_key() if key is None else key
+def _draw(key: PRNGKeyArray | None, sample: Callable[[Any], Any]) -> Any:
+    """`sample(key)`; without a key, with one split from the default random state,
+    which advances only once `sample` has succeeded."""
+    if key is not None:
+        return sample(key)
+    successor, drawn = split_and_advance(DEFAULT.value, None)
+    out = sample(drawn)
+    DEFAULT.value = successor
+    return out
 
 
-def _shape(shape: _Shape) -> tuple[int, ...]:
-    return (shape,) if isinstance(shape, int) else tuple(shape)
+def _shape(shape: Any, sampler: str) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) or np.ndim(shape) == 0 else shape
+    try:
+        dims = tuple(operator.index(n) for n in dims)  # pyright: ignore[reportGeneralTypeIssues]
+    except TypeError:
+        raise TypeError(
+            f"`eqstate.random.{sampler}`: `shape` must be an integer or a sequence of "
+            f"integers, got {shape!r}."
+        ) from None
+    if any(n < 0 for n in dims):
+        raise ValueError(
+            f"`eqstate.random.{sampler}`: `shape` must not have negative sizes, got "
+            f"{shape!r}."
+        )
+    return dims
 
 
-def _maybe_shape(shape: _Shape | None) -> tuple[int, ...] | None:
-    return None if shape is None else _shape(shape)
+def _maybe_shape(shape: Any, sampler: str) -> tuple[int, ...] | None:
+    return None if shape is None else _shape(shape, sampler)
+
+
+def _check_fits(
+    sampler: str, shape: tuple[int, ...] | None, **params: ArrayLike
+) -> None:
+    """Each parameter must broadcast to `shape` (when given), as JAX requires."""
+    if shape is None:
+        return
+    for name, value in params.items():
+        got = np.shape(value)
+        try:
+            fits = np.broadcast_shapes(got, shape) == shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"`eqstate.random.{sampler}`: `{name}` of shape {got} does not "
+                f"broadcast to `shape` {shape}. Give `{name}` a shape that broadcasts "
+                "to it, or leave `shape` out to take the parameters' shape."
+            )
+
+
+def _check_axis(sampler: str, axis: int, name: str, x: ArrayLike) -> None:
+    ndim = np.ndim(x)
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"`eqstate.random.{sampler}`: `axis={axis}` is out of range for `{name}` "
+            f"of shape {np.shape(x)}."
+        )
 
 
 def normal(
@@ -69,7 +125,8 @@ def normal(
 ) -> Float[Array, "..."]:
     """Standard normal samples, as `jax.random.normal` (`key` defaults to one split
     from the default random state)."""
-    return jax.random.normal(_key(key), _shape(shape), dtype)
+    dims = _shape(shape, "normal")
+    return _draw(key, lambda k: jax.random.normal(k, dims, dtype))
 
 
 def uniform(
@@ -81,7 +138,9 @@ def uniform(
     key: PRNGKeyArray | None = None,
 ) -> Float[Array, "..."]:
     """Uniform samples in `[minval, maxval)`, as `jax.random.uniform`."""
-    return jax.random.uniform(_key(key), _shape(shape), dtype, minval, maxval)
+    dims = _shape(shape, "uniform")
+    _check_fits("uniform", dims, minval=minval, maxval=maxval)
+    return _draw(key, lambda k: jax.random.uniform(k, dims, dtype, minval, maxval))
 
 
 def randint(
@@ -93,7 +152,9 @@ def randint(
     key: PRNGKeyArray | None = None,
 ) -> Int[Array, "..."]:
     """Integers in `[minval, maxval)`, as `jax.random.randint`."""
-    return jax.random.randint(_key(key), _shape(shape), minval, maxval, dtype)
+    dims = _shape(shape, "randint")
+    _check_fits("randint", dims, minval=minval, maxval=maxval)
+    return _draw(key, lambda k: jax.random.randint(k, dims, minval, maxval, dtype))
 
 
 def bernoulli(
@@ -102,7 +163,9 @@ def bernoulli(
     """Booleans that are `True` with probability `p`, as `jax.random.bernoulli`. A
     dropout mask keeping each unit with probability `1 - rate` is
     `bernoulli(1 - rate, x.shape)`."""
-    return jax.random.bernoulli(_key(key), p, _maybe_shape(shape))
+    dims = _maybe_shape(shape, "bernoulli")
+    _check_fits("bernoulli", dims, p=p)
+    return _draw(key, lambda k: jax.random.bernoulli(k, p, dims))
 
 
 def categorical(
@@ -113,7 +176,9 @@ def categorical(
     key: PRNGKeyArray | None = None,
 ) -> Int[Array, "..."]:
     """Samples from a categorical distribution, as `jax.random.categorical`."""
-    return jax.random.categorical(_key(key), logits, axis, _maybe_shape(shape))
+    dims = _maybe_shape(shape, "categorical")
+    _check_axis("categorical", axis, "logits", logits)
+    return _draw(key, lambda k: jax.random.categorical(k, logits, axis, dims))
 
 
 def choice(
@@ -126,7 +191,10 @@ def choice(
     key: PRNGKeyArray | None = None,
 ) -> Array:
     """Random elements of `a`, as `jax.random.choice`."""
-    return jax.random.choice(_key(key), a, _shape(shape), replace, p, axis)
+    dims = _shape(shape, "choice")
+    if np.ndim(a) > 0:
+        _check_axis("choice", axis, "a", a)
+    return _draw(key, lambda k: jax.random.choice(k, a, dims, replace, p, axis))
 
 
 def permutation(
@@ -137,7 +205,9 @@ def permutation(
     key: PRNGKeyArray | None = None,
 ) -> Array:
     """A random permutation, as `jax.random.permutation`."""
-    return jax.random.permutation(_key(key), x, axis, independent)
+    if np.ndim(x) > 0:
+        _check_axis("permutation", axis, "x", x)
+    return _draw(key, lambda k: jax.random.permutation(k, x, axis, independent))
 
 
 def truncated_normal(
@@ -149,8 +219,10 @@ def truncated_normal(
     key: PRNGKeyArray | None = None,
 ) -> Float[Array, "..."]:
     """Normal samples truncated to `[lower, upper]`, as `jax.random.truncated_normal`."""
-    return jax.random.truncated_normal(
-        _key(key), lower, upper, _maybe_shape(shape), dtype
+    dims = _maybe_shape(shape, "truncated_normal")
+    _check_fits("truncated_normal", dims, lower=lower, upper=upper)
+    return _draw(
+        key, lambda k: jax.random.truncated_normal(k, lower, upper, dims, dtype)
     )
 
 
@@ -162,14 +234,17 @@ def gamma(
     key: PRNGKeyArray | None = None,
 ) -> Float[Array, "..."]:
     """Gamma samples with shape parameter `a`, as `jax.random.gamma`."""
-    return jax.random.gamma(_key(key), a, _maybe_shape(shape), dtype)
+    dims = _maybe_shape(shape, "gamma")
+    _check_fits("gamma", dims, a=a)
+    return _draw(key, lambda k: jax.random.gamma(k, a, dims, dtype))
 
 
 def exponential(
     shape: _Shape = (), dtype: Any = float, *, key: PRNGKeyArray | None = None
 ) -> Float[Array, "..."]:
     """Exponential samples, as `jax.random.exponential`."""
-    return jax.random.exponential(_key(key), _shape(shape), dtype)
+    dims = _shape(shape, "exponential")
+    return _draw(key, lambda k: jax.random.exponential(k, dims, dtype))
 
 
 def dropout_mask(
@@ -192,4 +267,5 @@ def dropout_mask(
     """
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"The dropout `rate` must be in [0, 1), got {rate}.")
+    _shape(shape, "dropout_mask")
     return bernoulli(1.0 - rate, shape, key=key)

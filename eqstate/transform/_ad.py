@@ -6,12 +6,14 @@ arguments in `argnums`), and writes back the states the function wrote.
 """
 
 import functools as ft
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
 from .. import _jax_compat as compat
 from .._custom_types import MISSING
@@ -28,9 +30,61 @@ compat.hide_from_tracebacks(__file__)
 def _as_argnums(argnums: int | Sequence[int] | None) -> tuple[tuple[int, ...], bool]:
     if argnums is None:
         return (), False
-    if isinstance(argnums, int):
-        return (argnums,), True
-    return tuple(argnums), False
+    try:
+        if isinstance(argnums, (int, np.integer)):
+            return (operator.index(argnums),), True
+        return tuple(operator.index(i) for i in argnums), False
+    except TypeError:
+        raise TypeError(
+            f"`argnums` must be an integer or a sequence of integers, got {argnums!r}."
+        ) from None
+
+
+def _positions(
+    argnums: tuple[int, ...], spec: Any, n_args: int, kwargs: dict, name: str
+) -> tuple[int, ...]:
+    """`argnums` as non-negative positions among the `n_args` positional arguments
+    of a call, or a `TypeError` in the user's terms."""
+    out_of_range = [i for i in argnums if not -n_args <= i < n_args]
+    if not out_of_range:
+        return tuple(i % n_args for i in argnums)
+    if n_args == 0:
+        got = "no positional arguments"
+    else:
+        got = f"only {n_args} positional argument{'s' if n_args > 1 else ''}"
+    hint = (
+        f" Keyword arguments ({', '.join(sorted(kwargs))}) are not differentiated: "
+        "pass the ones to differentiate positionally."
+        if kwargs
+        else ""
+    )
+    default = " (the default without `grad_states`)" if spec is None else ""
+    # The error types of `jax.grad`: `TypeError` past the end, `ValueError` before.
+    raise (ValueError if out_of_range[0] < 0 else TypeError)(
+        f"Differentiating with respect to `argnums={spec if spec is not None else 0}`"
+        f"{default} needs argument {out_of_range[0]}, but {name} was called with "
+        f"{got}.{hint} To differentiate with respect to states instead, pass "
+        "`grad_states=...`."
+    )
+
+
+def _split_aux(out: Any, name: str) -> tuple[Any, Any]:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            f"With `has_aux=True`, {name} must return a pair `(value, aux)`, but it "
+            f"returned {_describe_output(out)}. Return `(value, aux)`, or drop "
+            "`has_aux`."
+        )
+    return out[0], out[1]
+
+
+def _describe_output(out: Any) -> str:
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of length {len(out)}"
+    shape = getattr(out, "shape", None)
+    if shape is not None:
+        return f"an array of shape {tuple(shape)}"
+    return f"{out!r}"
 
 
 class _Differentiable:
@@ -73,7 +127,7 @@ class _Differentiable:
                 if state in index:
                     values[index[state]] = value
             out, updates, new = traced.call(values, args, kwargs)
-            main, aux = out if has_aux else (out, None)
+            main, aux = _split_aux(out, traced.sf.name) if has_aux else (out, None)
             aux_leaves, rebuild_aux = partition(aux)
             self.box["rebuild_aux"] = rebuild_aux
             self.box["new_states"] = [s for s, _ in new]
@@ -111,6 +165,8 @@ class _GradientTransform:
         self.fun = fun
         self._jax_transform = jax_transform
         self._grad_states = grad_states
+        # The user's `argnums`, for messages (None: the default 0).
+        self._argnums_spec = argnums
         if argnums is None and grad_states is None:
             argnums = 0
         self._argnums, self._single_arg = _as_argnums(argnums)
@@ -130,7 +186,10 @@ class _GradientTransform:
             main, extras = pure(grad_values, *args)
             return main, (main, extras)
 
-        argnums = (0, *(i + 1 for i in self._argnums))
+        positions = _positions(
+            self._argnums, self._argnums_spec, len(args), kwargs, self._sf.name
+        )
+        argnums = (0, *(i + 1 for i in positions))
         transformed = self._jax_transform(
             with_value, argnums=argnums, has_aux=True, **self._transform_kwargs
         )
@@ -139,7 +198,7 @@ class _GradientTransform:
         aux = diff.finish(extras)
         # Jacobians come output-first (each output leaf holds one entry per input);
         # eqstate returns them input-first: `(state_grads, *arg_grads)`.
-        inputs = (grad_values, *(args[i] for i in self._argnums))
+        inputs = (grad_values, *(args[i] for i in positions))
         grads = jtu.tree_transpose(
             jtu.tree_structure(value), jtu.tree_structure(inputs), grads
         )

@@ -11,25 +11,29 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import ArrayLike, Bool, Int
+from jaxtyping import ArrayLike, Bool, Integer, Real
 
 from .. import _jax_compat as compat
 from .._state import State
 from ._common import strong, Traced
+from ._eager import guarded, is_concrete, jit_disabled
 
 
 compat.hide_from_tracebacks(__file__)
 
 
 def switch(
-    index: Int[ArrayLike, ""], branches: Sequence[Callable], *operands: Any
+    index: Integer[ArrayLike, ""], branches: Sequence[Callable], *operands: Any
 ) -> Any:
     """Like `jax.lax.switch`, for branches that read and write states.
 
+    Under `jax.disable_jit()`, a concrete `index` runs its branch directly, as
+    `jax.lax.switch` does, so that `print` and `float(x)` work inside it.
+
     **Arguments:**
 
-    - `index`: which branch to run; clamped to `[0, len(branches) - 1]` as in
-        `jax.lax.switch`.
+    - `index`: which branch to run, an integer scalar; clamped to
+        `[0, len(branches) - 1]` as in `jax.lax.switch`.
     - `branches`: functions of `*operands` returning outputs of the same structure,
         shapes and dtypes. They may read and write states, but not create them.
     - `*operands`: passed to the chosen branch.
@@ -60,6 +64,11 @@ def switch(
         raise ValueError("`switch` needs at least one branch.")
     if not all(callable(b) for b in branches):
         raise TypeError("`branches` must be a sequence of functions.")
+    _check_index(index)
+    if jit_disabled() and is_concrete(index):
+        chosen = min(max(int(jnp.asarray(index)), 0), len(branches) - 1)
+        with guarded(f"branch {chosen} of a conditional"):
+            return branches[chosen](*operands)
     traced = [
         Traced(b, operands, name=getattr(b, "__name__", f"branch {i}"))
         for i, b in enumerate(branches)
@@ -90,14 +99,68 @@ def switch(
     return out
 
 
+def _check_index(index: Any) -> None:
+    # The checks of `jax.lax.switch`, made before the branches are traced.
+    if jnp.ndim(index) != 0:
+        raise TypeError(
+            f"`switch` needs a scalar branch index, got {index!r} of shape "
+            f"{jnp.shape(index)}."
+        )
+    try:
+        dtype = jnp.result_type(index)
+    except TypeError:
+        raise TypeError(
+            f"`switch` needs an integer branch index, got {index!r}."
+        ) from None
+    if dtype.kind not in "iu":
+        raise TypeError(
+            f"`switch` needs an integer branch index, got {index!r} of dtype {dtype}. "
+            "Convert it, e.g. `index.astype(int)`, or use `cond` for a predicate."
+        )
+
+
+def _branch_index(pred: Any) -> Any:
+    """`pred` as the index of `cond`'s branch, by the rules of `jax.lax.cond`: a
+    scalar bool, or a number that is true when non-zero."""
+    if pred is None:
+        raise TypeError("`cond` got None as its predicate; pass a boolean scalar.")
+    if isinstance(pred, Sequence) or jnp.ndim(pred) != 0:
+        raise TypeError(
+            f"`cond` needs a scalar predicate, got {pred!r} of "
+            + (
+                f"type {type(pred).__name__}."
+                if isinstance(pred, Sequence)
+                else f"shape {jnp.shape(pred)}."
+            )
+        )
+    try:
+        dtype = jnp.result_type(pred)
+    except TypeError:
+        raise TypeError(
+            f"`cond` needs a boolean or real number as its predicate, got {pred!r}."
+        ) from None
+    if dtype.kind not in "biuf":
+        raise TypeError(
+            f"`cond` needs a boolean or real number as its predicate, got {pred!r} of "
+            f"dtype {dtype}."
+        )
+    if dtype.kind != "b":
+        pred = pred != 0
+    return jax.lax.convert_element_type(pred, jnp.int32)
+
+
 def cond(
-    pred: Bool[ArrayLike, ""],
+    pred: Bool[ArrayLike, ""] | Real[ArrayLike, ""],
     true_fun: Callable,
     false_fun: Callable,
     *operands: Any,
 ) -> Any:
     """Like `jax.lax.cond`, for branches that read and write states (see
     [`eqstate.transform.switch`][]).
+
+    The predicate follows `jax.lax.cond`: a scalar boolean, or a real number, true
+    when non-zero (so `-1` and `0.5` take `true_fun`); `None`, complex numbers and
+    arrays that are not scalars raise `TypeError`.
 
     !!! Example
 
@@ -116,8 +179,9 @@ def cond(
         assert hits.value == 1
         ```
     """
-    index = jnp.asarray(pred).astype(jnp.int32)
-    return switch(index, [false_fun, true_fun], *operands)
+    if not (callable(true_fun) and callable(false_fun)):
+        raise TypeError("`cond` needs two functions, `true_fun` and `false_fun`.")
+    return switch(_branch_index(pred), [false_fun, true_fun], *operands)
 
 
 def ifelse(

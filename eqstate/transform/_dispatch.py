@@ -24,6 +24,7 @@ from .._jax_compat import is_top_level
 from .._state import State
 from .._state_dict import sharding_rule
 from ._compiled import Compiled, StaleTrace
+from ._one_sharding import OneShardingJit
 
 
 if TYPE_CHECKING:
@@ -370,7 +371,11 @@ class JitDispatch:
             ]
             return entry.build_output(out, ()), updated
 
-        return jax.jit(body, **self._jit_options(donate))
+        options = self._jit_options(donate)
+        if isinstance(options.get("in_shardings"), jax.sharding.Sharding):
+            sharding = options.pop("in_shardings")
+            return OneShardingJit(body, sharding, 2, options)
+        return jax.jit(body, **options)
 
     def flat_options(self, name: str) -> dict[str, Any]:
         """The `jax.jit` options for calls that cannot take a plan (the function
@@ -404,7 +409,9 @@ class JitDispatch:
         if donate:
             options["donate_argnums"] = donate
         in_shardings = options.pop("in_shardings", None)
-        if in_shardings is not None:
+        if isinstance(in_shardings, jax.sharding.Sharding):
+            options["in_shardings"] = in_shardings  # See `OneShardingJit`.
+        elif in_shardings is not None:
             # States are placed by sharding constraints inside the body instead.
             options["in_shardings"] = (None, None, *in_shardings)
         return options

@@ -1,8 +1,11 @@
 """jit: `jax.jit` for functions that read and write states."""
 
 import functools as ft
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, overload, ParamSpec, TypeVar
+
+import jax
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING, Missing
@@ -61,6 +64,18 @@ class JittedFunction:
     def clear_cache(self) -> None:
         """Drops every trace and compiled executable."""
         self.stateful_function.clear_cache()
+
+
+def _check_like_jax(fun: Any, options: dict[str, Any]) -> None:
+    """Raises what `jax.jit` raises for these options on this function (a generator
+    function, an argument number beyond its signature, a name it does not take, ...),
+    at the same time: when the function is wrapped."""
+    names = ("static_argnums", "static_argnames", "donate_argnums", "in_shardings")
+    # Options left at their defaults are not passed: `jax.jit` infers them (e.g. the
+    # static names from the static positions) only when they are absent.
+    given = {k: options[k] for k in names if options[k] not in (None, ())}
+    if given or not callable(fun) or inspect.isgeneratorfunction(fun):
+        jax.jit(fun, **given)  # Skipped otherwise: it costs as much as a call.
 
 
 @overload
@@ -203,6 +218,7 @@ def jit(
     )
     if fun is MISSING:
         return lambda f: jit(f, **options)
+    _check_like_jax(fun, options)
     sf = StatefulFunction(
         fun,
         static_argnums=static_argnums,

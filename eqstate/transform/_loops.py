@@ -3,8 +3,15 @@
 The body is traced once to find its states. Written states become part of the loop
 carry (with their weak types dropped, so that the carry keeps one type); states only
 read are closed over. States cannot be created inside a loop body.
+
+Under `jax.disable_jit()` the loops run their functions directly, iteration by
+iteration, as `jax.lax.scan` and `jax.lax.while_loop` do there: `print` and
+`float(x)` work inside. Their writes still reach the enclosing context only when the
+whole loop succeeds.
 """
 
+import functools as ft
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,19 +24,67 @@ from .._pretty_print import state_label
 from .._state import State
 from ._common import abstract, strong, Traced
 from ._conditions import cond
+from ._eager import guarded, jit_disabled
 from ._progress_bar import ProgressBar
 
 
 compat.hide_from_tracebacks(__file__)
 
 
-def _loop_length(xs: Any, length: int | None) -> int:
-    leaves = jtu.tree_leaves(xs)
+def _loop_length(xs: Any, length: int | None, what: tuple[str, str, str]) -> int:
+    """The number of iterations: `length`, and the leading axis of every leaf of
+    `xs`, which must agree."""
+    sizes = {}
+    for path, leaf in jtu.tree_leaves_with_path(xs):
+        shape = jnp.shape(leaf)
+        name = f"`{what[1]}{jtu.keystr(path)}`"
+        if not shape:
+            raise ValueError(
+                f"{what[0]} iterates over the leading axis of every array in "
+                f"`{what[1]}`, but {name} is a scalar (shape ()). Give it a leading "
+                "axis, or close over it instead of passing it."
+            )
+        sizes[name] = shape[0]
     if length is not None:
-        return length
-    if not leaves:
-        raise ValueError("`scan` needs `length` when `xs` has no arrays.")
-    return jnp.shape(leaves[0])[0]
+        try:
+            length = operator.index(length)
+        except TypeError:
+            raise TypeError(f"`length` must be an integer, got {length!r}.") from None
+        if length < 0:
+            raise ValueError(f"`length` must be non-negative, got {length}.")
+        sizes["`length`"] = length
+    if not sizes:
+        raise ValueError(what[2])
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"{k} has {v}" for k, v in sizes.items())
+        raise ValueError(
+            f"{what[0]} needs one length for every array of `{what[1]}` (their "
+            f"leading axis){' and `length`' if length is not None else ''}, but {shown}."
+        )
+    return next(iter(sizes.values()))
+
+
+_SCAN = (
+    "`scan`",
+    "xs",
+    "`scan` needs `length` when `xs` has no arrays: pass `length=n` to run the body "
+    "n times.",
+)
+_FOR_LOOP = (
+    "`for_loop`",
+    "operands",
+    "`for_loop` needs operands to iterate over: `for_loop(f, xs)` calls `f(x)` for "
+    "each slice `x` of `xs` along its leading axis. To run a body a fixed number of "
+    "times, use `for_loop(f, jnp.arange(n))` or `scan(f, init, length=n)`.",
+)
+
+
+def _check_pbar(pbar: Any) -> None:
+    if pbar is not None and not isinstance(pbar, ProgressBar):
+        raise TypeError(
+            "`pbar` must be an `eqstate.transform.ProgressBar` or None, got "
+            f"{pbar!r}. E.g. `pbar=eqstate.transform.ProgressBar(freq=10)`."
+        )
 
 
 def _slice(xs: Any) -> Any:
@@ -74,7 +129,9 @@ def scan(
     """Like `jax.lax.scan`, for a body that reads and writes states.
 
     The states the body writes are carried through the loop and written back once it
-    finishes; the ones it only reads are constants of the loop.
+    finishes; the ones it only reads are constants of the loop. Under
+    `jax.disable_jit()` the body runs directly, iteration by iteration, as in
+    `jax.lax.scan`.
 
     **Arguments:**
 
@@ -103,7 +160,48 @@ def scan(
         assert n == 4 and total.value == 6.0 and (running == jnp.array([0, 1, 3, 6.0])).all()
         ```
     """
-    n = _loop_length(xs, length)
+    _check_pbar(pbar)
+    return _scan(f, init, xs, length, reverse, unroll, pbar, _SCAN)
+
+
+def _check_pair(out: Any) -> tuple[Any, Any]:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"The body of `scan` must return a pair `(carry, y)`, got {out!r}."
+        )
+    return out
+
+
+def _scan_eagerly(
+    f: Callable, init: Any, xs: Any, n: int, reverse: bool, pbar: ProgressBar | None
+) -> tuple[Any, Any]:
+    """`scan` under `jax.disable_jit()`: the body runs directly, iteration by
+    iteration, as `jax.lax.scan` runs it there."""
+
+    def body(carry, x):
+        if pbar is not None:
+            x, index = x
+            pbar.tick(index, n)
+        return _check_pair(f(carry, x))
+
+    scanned = xs if pbar is None else (xs, jnp.arange(n))
+    with guarded("the body of `scan`"):
+        return jax.lax.scan(body, init, scanned, length=n, reverse=reverse)
+
+
+def _scan(
+    f: Callable,
+    init: Any,
+    xs: Any,
+    length: int | None,
+    reverse: bool,
+    unroll: int | bool,
+    pbar: ProgressBar | None,
+    what: tuple[str, str, str],
+) -> tuple[Any, Any]:
+    n = _loop_length(xs, length, what)
+    if jit_disabled():
+        return _scan_eagerly(f, init, xs, n, reverse, pbar)
     traced = Traced(f, (init, _slice(xs)), name=getattr(f, "__name__", "scan body"))
     traced.refuse_new_states("the body of `scan`")
     carried = _Carried(traced)
@@ -116,11 +214,7 @@ def scan(
         out, updates, _ = traced.call(
             carried.values_for(traced, state_values), (user_carry, x)
         )
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"The body of `scan` must return a pair `(carry, y)`, got {out!r}."
-            )
-        new_carry, y = out
+        new_carry, y = _check_pair(out)
         return (new_carry, carried.carry_out(updates, state_values)), y
 
     scanned = xs if pbar is None else (xs, jnp.arange(n))
@@ -128,7 +222,7 @@ def scan(
         body,
         (init, carried.initial()),
         scanned,
-        length=length,
+        length=n,
         reverse=reverse,
         unroll=unroll,
     )
@@ -149,7 +243,8 @@ def for_loop(
     **Arguments:**
 
     - `f`: called with one slice of each operand. It may read and write states.
-    - `*operands`: arrays (or PyTrees of arrays) with a common leading axis.
+    - `*operands`: arrays (or PyTrees of arrays) with a common leading axis; at
+        least one.
     - `reverse`, `unroll`: as in `jax.lax.scan`.
     - `pbar`: a [`eqstate.transform.ProgressBar`][] to print progress.
 
@@ -177,14 +272,16 @@ def for_loop(
     def body(carry, xs):
         return carry, f(*xs)
 
-    _, ys = scan(body, None, operands, reverse=reverse, unroll=unroll, pbar=pbar)
+    _check_pbar(pbar)
+    _, ys = _scan(body, None, operands, None, reverse, unroll, pbar, _FOR_LOOP)
     return ys
 
 
 def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     """Like `jax.lax.while_loop`, for functions that read states; `body_fun` may also
     write them. (Not reverse-mode differentiable, like `jax.lax.while_loop`; see
-    [`eqstate.transform.bounded_while_loop`][].)
+    [`eqstate.transform.bounded_while_loop`][].) Under `jax.disable_jit()` both
+    functions run directly, as in `jax.lax.while_loop`.
 
     **Arguments:**
 
@@ -212,6 +309,11 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
         assert out == 128 and steps.value == 7
         ```
     """
+    if jit_disabled():
+        try:
+            return _while_eagerly(cond_fun, body_fun, init_val, "while_loop")
+        except jax.errors.ConcretizationTypeError:
+            pass  # A transform around the loop needs it compiled, as in JAX.
     traced_cond = Traced(
         cond_fun, (init_val,), name=getattr(cond_fun, "__name__", "cond_fun")
     )
@@ -249,6 +351,25 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     return final
 
 
+def _condition(cond_fun: Callable, val: Any, loop: str) -> Any:
+    """`cond_fun(val)`, refusing writes to states."""
+    with guarded(f"`cond_fun` of `{loop}`", read_only=True):
+        return cond_fun(val)
+
+
+def _while_eagerly(
+    cond_fun: Callable, body_fun: Callable, init_val: Any, loop: str
+) -> Any:
+    """`while_loop` under `jax.disable_jit()`: both functions run directly, as
+    `jax.lax.while_loop` runs them there."""
+    as_arrays = ft.partial(jtu.tree_map, jnp.asarray)
+    with guarded(f"`body_fun` of `{loop}`"):
+        val = as_arrays(init_val)
+        while _condition(cond_fun, val, loop):
+            val = as_arrays(body_fun(val))
+    return val
+
+
 def bounded_while_loop(
     cond_fun: Callable, body_fun: Callable, init_val: Any, max_steps: int
 ) -> Any:
@@ -259,9 +380,10 @@ def bounded_while_loop(
 
     **Arguments:**
 
-    - `cond_fun`, `body_fun`, `init_val`: as for [`eqstate.transform.while_loop`][].
-    - `max_steps`: the most iterations to run; the loop stops there even if
-        `cond_fun` still holds.
+    - `cond_fun`, `body_fun`, `init_val`: as for [`eqstate.transform.while_loop`][]
+        (`cond_fun` may read states but not write them).
+    - `max_steps`: the most iterations to run, a non-negative integer; the loop
+        stops there even if `cond_fun` still holds.
 
     **Returns:**
 
@@ -280,11 +402,21 @@ def bounded_while_loop(
         assert f(1.0) == 16.0 and jax.grad(f)(1.0) == 16.0
         ```
     """
+    try:
+        max_steps = operator.index(max_steps)
+    except TypeError:
+        raise TypeError(
+            f"`max_steps` must be a non-negative integer, got {max_steps!r}. It is "
+            "the length of the compiled loop, so it cannot be traced either."
+        ) from None
     if max_steps < 0:
         raise ValueError(f"`max_steps` must be non-negative, got {max_steps}.")
+    if max_steps == 0 and jit_disabled():
+        return init_val  # `jax.lax.scan` cannot run zero steps eagerly.
 
     def step(val, _):
-        return cond(cond_fun(val), body_fun, lambda v: v, val), None
+        pred = _condition(cond_fun, val, "bounded_while_loop")
+        return cond(pred, body_fun, lambda v: v, val), None
 
     final, _ = scan(step, init_val, None, length=max_steps)
     return final

@@ -46,16 +46,24 @@ class _LaneFrame(_context.Frame):
     function is traced under `jax.vmap`).
 
     New states are kept here and returned stacked. Every random state first read in
-    the lane (the default one included) draws from a key derived from the lane's key,
-    so lanes differ; its lane-local writes are dropped, the outer key advancing once
-    per call. Pre-existing states are read (broadcast to every lane) but not written.
+    the lane (the default one included), and every random state created in it with a
+    value shared by the lanes, draws from a key derived from the lane's key, so lanes
+    differ; lane-local writes to pre-existing random states are dropped, the outer key
+    advancing once per call. Pre-existing states are read (broadcast to every lane)
+    but not written.
+
+    No two of these keys are alike: the default random state starts from
+    `default_key`, whose stream (its successors and the keys drawn from them) stays
+    inside `default_key`'s subtree of splits, and the `i`-th other random state gets
+    `fold_in(others_key, i)`, a distinct child of a sibling subtree.
     """
 
     __slots__ = (
+        "default_key",
         "excluded",
         "jax_trace",
-        "lane_key",
         "new_states",
+        "others_key",
         "parent",
         "randoms",
         "replicated",
@@ -66,13 +74,13 @@ class _LaneFrame(_context.Frame):
     def __init__(
         self,
         parent: _context.Frame,
-        lane_key: Any,
+        lane_keys: tuple[Any, Any],
         tag: str | None,
         excluded: Callable[[tuple, State], bool],
     ):
         self.parent = parent
         self.jax_trace = compat.current_trace()
-        self.lane_key = lane_key
+        self.default_key, self.others_key = lane_keys
         self.tag = tag
         self.excluded = excluded
         self.values: dict[State, Any] = {}
@@ -82,11 +90,10 @@ class _LaneFrame(_context.Frame):
 
     def _lane_key_for(self, state: State) -> Any:
         # Computed in the vmap's own trace even when a nested transform asks for it.
+        if state is DEFAULT:
+            return self.default_key
         with compat.in_trace(self.jax_trace):
-            if state is DEFAULT:
-                key = self.lane_key
-            else:
-                key = jax.random.fold_in(self.lane_key, 1 + len(self.randoms))
+            key = jax.random.fold_in(self.others_key, len(self.randoms))
         self.randoms.append(state)
         return key
 
@@ -146,6 +153,20 @@ class _LaneFrame(_context.Frame):
         return self.parent.peek(state) if value is MISSING else value
 
 
+@ft.partial(jax.jit, static_argnums=1)
+def _split_for_lanes(key: Any, size: int) -> tuple[Any, tuple[Any, Any]]:
+    """`(outer successor of key, (default_keys, others_keys))`, one pair per lane.
+
+    The key's children are `0`, the successor the caller keeps, and `1`, split into
+    one key per lane; each lane key's child `0` starts the lane's default random
+    state, and its child `1` roots the keys of the lane's other random states.
+    """
+    # Jitted, so that an eager build pays one dispatch for all its keys.
+    outer, lanes = jax.random.split(key)
+    per_lane = jax.vmap(jax.random.split)(jax.random.split(lanes, size))
+    return outer, (per_lane[:, 0], per_lane[:, 1])
+
+
 def _batched(value: Any) -> bool:
     return any(compat.is_batched_here(x) for x in jtu.tree_leaves(value))
 
@@ -167,12 +188,11 @@ def _build(
     frame = _context.current_frame()
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
-    outer_key, lanes_key = jax.random.split(frame.read(DEFAULT))
-    lane_keys = jax.random.split(lanes_key, size)
+    outer_key, lane_keys = _split_for_lanes(frame.read(DEFAULT), size)
     box: dict[str, Any] = {}
 
-    def lane(lane_key, args):
-        lane_frame = _LaneFrame(frame, lane_key, state_tag, excluded)
+    def lane(lane_keys, args):
+        lane_frame = _LaneFrame(frame, lane_keys, state_tag, excluded)
         token = _context.enter(lane_frame)
         try:
             out = fun(*args)
@@ -266,7 +286,10 @@ def vmap_new_states(
     every new state; their values are stacked on a leading axis and registered in the
     enclosing context (the world, a scope, or the trace of an enclosing transform).
     Random states are split per lane, so randomly initialised values differ across
-    lanes; the default random key advances once per call.
+    lanes, and no two random states of a lane share a key; the default random key
+    advances once per call. A `RandomState` created in `fun` with the same value in
+    every lane (an integer seed) is re-keyed per lane: its seed is not used (see the
+    how-to guide on random numbers).
 
     `fun` is executed **exactly once per call**, traced under `eqx.filter_vmap` over a
     constructor that receives its lane's random key. There is no eager probe, so

@@ -827,4 +827,5 @@ def make_jaxpr(
         ).make_jaxpr(*args, **kwargs)
         return sf.get_jaxpr(), sf.get_states()
 
+    make.__name__ = make.__qualname__ = f"make_jaxpr({getattr(fun, '__name__', fun)})"
     return make

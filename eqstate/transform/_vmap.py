@@ -75,7 +75,9 @@ def axis_size_of(
             if not -len(shape) <= axis < len(shape):
                 raise ValueError(
                     f"`in_axes` maps {where}{jtu.keystr(path)} along axis {axis}, but it "
-                    f"has shape {tuple(shape)}."
+                    f"has shape {tuple(shape)}, without that axis. Give it the mapped "
+                    "axis, or broadcast it to every lane with `None` as its entry of "
+                    "`in_axes`."
                 )
             sizes[f"{where}{jtu.keystr(path)}"] = shape[axis]
 
@@ -278,10 +280,11 @@ def vmap(
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         frame = _context.current_frame()
         axes = per_argument_axes(in_axes, len(args))
+        # None if only states are mapped: their values give the size. Computed first,
+        # as it checks that every mapped argument has its mapped axis.
+        size = axis_size_of((*axes, 0), (*args, kwargs), axis_size, required=False)
         lane_args = tuple(_lane_args(a, ax) for a, ax in zip(args, axes))
         lane_kwargs = {k: _lane_args(v, 0) for k, v in kwargs.items()}
-        # None if only states are mapped: their values give the size.
-        size = axis_size_of((*axes, 0), (*args, kwargs), axis_size, required=False)
 
         def mapped_axis(state: State) -> int | None:
             return axis_of(state, in_pairs)

@@ -1,0 +1,126 @@
+"""Frames that run part of a loop or a conditional directly, without tracing it: the
+eager form of the control flow under `jax.disable_jit()`, and the read-only frame of a
+loop condition."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+from jax.core import Tracer
+
+from .. import _context, _jax_compat as compat
+from .._custom_types import MISSING
+from .._errors import LEAKED_TRACER_WRITE, RAW_TRANSFORM_WRITE, TraceContextError
+from .._pretty_print import state_label
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+_CREATES_STATES = (
+    "{where} creates {label}. States cannot be created inside it, because each call "
+    "or iteration would create another set. Create them before, outside the "
+    "transformed function."
+)
+
+_CONDITION_WRITES = (
+    "{where} writes {label}. The condition may read states but not write them: move "
+    "the write into `body_fun`."
+)
+
+
+def jit_disabled() -> bool:
+    """Whether `jax.disable_jit()` is in effect: control flow then runs eagerly, as
+    `jax.lax.scan`, `jax.lax.cond` and the others do."""
+    # A config value set by a context manager, so read as an attribute (pyright
+    # does not know the attribute).
+    return bool(getattr(jax.config, "jax_disable_jit"))  # noqa: B009
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether `x` has a value now (it is not a tracer of any transform)."""
+    return not any(isinstance(leaf, Tracer) for leaf in jtu.tree_leaves(x))
+
+
+class _GuardFrame(_context.Frame):
+    """Runs code directly against its parent frame: reads fall through (recorded by
+    the parent as usual), writes are kept here and handed to the parent only by
+    `commit_to_parent`, so that a failure leaves the parent as it was. States cannot be
+    created here; with `read_only`, they cannot be written either."""
+
+    __slots__ = ("eager", "jax_trace", "parent", "read_only", "values", "where")
+
+    def __init__(self, parent: _context.Frame, where: str, read_only: bool):
+        self.parent = parent
+        self.where = where
+        self.read_only = read_only
+        self.values: dict[Any, Any] = {}
+        self.jax_trace = compat.current_trace()
+        self.eager = compat.is_top_level()
+
+    def read(self, state):
+        value = self.values.get(state, MISSING)
+        return self.parent.read(state) if value is MISSING else value
+
+    def fetch(self, state):
+        value = self.values.get(state, MISSING)
+        return self.parent.fetch(state) if value is MISSING else value
+
+    def _check_writable(self, state: Any) -> None:
+        if self.read_only:
+            raise ValueError(
+                _CONDITION_WRITES.format(where=self.where, label=state_label(state))
+            )
+        if compat.current_trace() is not self.jax_trace:
+            raise TraceContextError(
+                RAW_TRANSFORM_WRITE.format(label=state_label(state))
+            )
+
+    def write(self, state, value):
+        self._check_writable(state)
+        if self.eager and any(isinstance(x, Tracer) for x in jtu.tree_leaves(value)):
+            raise TraceContextError(
+                LEAKED_TRACER_WRITE.format(label=state_label(state))
+            )
+        self.values[state] = _context.check_write(state, self.fetch(state), value)
+
+    def commit(self, updates, new=()):
+        if new:
+            self.add_new(*new[0])
+        for state in updates:
+            self._check_writable(state)
+        self.values.update(updates)
+
+    def add_new(self, state, value):
+        raise ValueError(
+            _CREATES_STATES.format(where=self.where, label=state_label(state))
+        )
+
+    def peek(self, state):
+        value = self.values.get(state, MISSING)
+        return self.parent.peek(state) if value is MISSING else value
+
+    def commit_to_parent(self) -> None:
+        if self.values:
+            self.parent.commit(dict(self.values))
+
+
+@contextlib.contextmanager
+def guarded(where: str, *, read_only: bool = False) -> Iterator[_GuardFrame]:
+    """Runs the `with` block in a `_GuardFrame` over the current frame. Its writes
+    reach the current frame only if the block succeeds (never with `read_only`).
+
+    **Arguments:**
+
+    - `where`: the code that runs, in messages, e.g. "the body of `scan`".
+    - `read_only`: refuse writes (`ValueError`), as a loop condition must.
+    """
+    frame = _GuardFrame(_context.current_frame(), where, read_only)
+    token = _context.enter(frame)
+    try:
+        yield frame
+    finally:
+        _context.leave(token)
+    frame.commit_to_parent()
