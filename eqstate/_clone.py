@@ -3,6 +3,7 @@
 import operator
 from typing import TypeVar
 
+import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
@@ -42,47 +43,48 @@ def _register(tree: _T, states: tuple[State, ...], values: list[PyTree]) -> _T:
 
 def clone(tree: _T) -> _T:
     """A copy of `tree` whose handles are fresh states holding copies of the original
-    values: writing to the copy leaves the original as it was, and the other way round.
+        values: writing to the copy leaves the original as it was, and the other way round.
 
-    Each handle of `tree` is replaced by a new handle of the same kind, tag and name,
-    registered in the innermost context (the world, an [`eqstate.scope`][], or the
-    trace of a transform) with a copy of the original's value there. A handle found at
-    several places in `tree` becomes one new handle, found at the same places. Leaves
-    that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
-    are: JAX arrays are immutable, so sharing them is safe.
+        Each handle of `tree` is replaced by a new handle of the same kind, tag and name,
+        registered in the innermost context (the world, an [`eqstate.scope`][], or the
+        trace of a transform) with a copy of the original's value there. A handle found at
+        several places in `tree` becomes one new handle, found at the same places. Leaves
+        that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
+        are: JAX arrays are immutable, so sharing them is safe.
 
-    `copy.deepcopy` of a handle raises instead, since it cannot choose the context
-    to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]
-    holds a copy of its key, so both draw the same numbers until one is reseeded.
+        `copy.deepcopy` of a handle raises instead, since it cannot choose the context
+        to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]
+        holds a copy of its key, so both draw the same numbers until one is reseeded.
 
-    **Arguments:**
+        **Arguments:**
 
-    - `tree`: any PyTree, e.g. an `eqx.Module` holding handles.
+        - `tree`: any PyTree, e.g. an `eqx.Module` holding handles.
 
-    **Returns:**
+        **Returns:**
 
-    `tree` with every handle replaced by its clone.
+        `tree` with every handle replaced by its clone.
 
-    **Raises:**
+        **Raises:**
 
-    [`eqstate.StateNotFoundError`][] if a state has no value in the innermost context
-    (nothing is registered then).
+        [`eqstate.StateNotFoundError`][] if a state has no value in the innermost context
+        (nothing is registered then).
 
-    !!! Example
+        !!! Example
 
-        ```python
-        import eqstate as es
-        import eqstate.nn as enn
-        import jax.numpy as jnp
+            ```python
+            import eqstate as es
+            import eqstate.nn as enn
+            import equinox as eqx
+    import jax.numpy as jnp
 
-        bn = enn.BatchNorm(3)
-        copy = es.clone(bn)
-        copy(es.random.normal((8, 3)))  # updates the copy's running statistics only
-        assert copy.running_mean is not bn.running_mean
-        assert copy.running_mean.name == "running_mean"
-        assert (bn.running_mean.value == 0).all()
-        assert not (copy.running_mean.value == 0).all()
-        ```
+            bn = enn.BatchNorm(3)
+            copy = es.clone(bn)
+            copy(es.random.normal((8, 3)))  # updates the copy's running statistics only
+            assert copy.running_mean is not bn.running_mean
+            assert copy.running_mean.name == "running_mean"
+            assert (bn.running_mean.value == 0).all()
+            assert not (copy.running_mean.value == 0).all()
+            ```
     """
     states = states_of(tree)
     if not states:
@@ -91,24 +93,25 @@ def clone(tree: _T) -> _T:
     return _register(tree, states, [_copy(v) for v in values])
 
 
-def _member_axis_size(stacked: list[tuple[State, PyTree]]) -> int:
+def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
+    """The size of the leading axis shared by every `(label, value)` of `stacked`."""
     sizes: dict[str, int] = {}
-    for state, value in stacked:
+    for label, value in stacked:
         for leaf in jtu.tree_leaves(value):
             if leaf.ndim == 0:
                 raise ValueError(
-                    f"{state_label(state)} holds {value_summary(value)}, which has no "
-                    "leading member axis, so it cannot be a state of an ensemble "
-                    "member. If every member shares it, pass a filter selecting it as "
-                    "`shared=` (the `state_to_exclude` given to `vmap_new_states`)."
+                    f"{label} holds {value_summary(value)}, which has no leading "
+                    "member axis, so it cannot be part of an ensemble member. If "
+                    "every member shares it, pass a filter selecting it as `shared=` "
+                    "(the `state_to_exclude` given to `vmap_new_states`)."
                 )
-            sizes[f"{state_label(state)} ({value_summary(value)})"] = leaf.shape[0]
+            sizes[f"{label} ({value_summary(value)})"] = leaf.shape[0]
     if len(set(sizes.values())) > 1:
         shown = ", ".join(f"{label}: {size}" for label, size in sizes.items())
         raise ValueError(
-            "The states of this ensemble have leading axes of different sizes "
-            f"({shown}), so they are not the stacked states of one ensemble. States "
-            "shared by every member must be selected by `shared=` (the "
+            "The states and arrays of this ensemble have leading axes of different "
+            f"sizes ({shown}), so they are not the stacked values of one ensemble. "
+            "States shared by every member must be selected by `shared=` (the "
             "`state_to_exclude` given to `vmap_new_states`)."
         )
     return next(iter(sizes.values()))
@@ -119,13 +122,21 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
 
     An ensemble built by [`eqstate.transform.vmap_new_states`][] (or
     [`eqstate.transform.vmap2_new_states`][]) is one model whose states hold stacked
-    values, one per member. `member` returns the same model with every handle replaced
-    by a fresh one (same kind, tag and name) holding a copy of slice `index` of the
-    stacked value, so that the member's values are bit for bit those of its lane.
-    States shared by every member (not stacked) are copied whole. The new states are
-    registered in the innermost context, as by [`eqstate.clone`][]; for an ensemble
-    whose values are in a `StateDict`, run it against the dictionary:
-    `new_states, one = eqstate.run(eqstate.member, states, ensemble, 3)`.
+    values, one per member. `member` returns the same model with every handle
+    replaced by a fresh one (same kind, tag and name) holding a copy of slice `index`
+    of the stacked value, so the member's values are bit for bit those of its lane.
+    States shared by every member (not stacked) are copied whole. Arrays of the tree
+    that are not states, such as the weights of an `eqx.nn.Linear` built in each
+    lane, are stacked by `vmap_new_states` too, and are sliced the same way.
+
+    The new states are registered in the innermost context, as by
+    [`eqstate.clone`][]. For an ensemble whose values are in a `StateDict`, run it
+    against the dictionary: `new_states, one = eqstate.run(eqstate.member, states,
+    ensemble, 3)`.
+
+    The member computes what its lane computes, but as another XLA program: a
+    batched matrix product may sum in another order than an unbatched one, so
+    outputs can differ from the lane's in the last bits (a few 1e-7 for float32).
 
     **Arguments:**
 
@@ -152,7 +163,8 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         ```python
         import eqstate as es
         import jax
-        import jax.numpy as jnp
+        import equinox as eqx
+    import jax.numpy as jnp
 
         def make():
             return {"w": es.ParamState(es.random.normal((3,)), name="w")}
@@ -168,11 +180,13 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     """
     index = operator.index(index)
     states = states_of(ensemble)
-    if not states:
-        return ensemble
-    values = _context.current_frame().read_many(states)
+    values = _context.current_frame().read_many(states) if states else []
     is_shared = to_predicate(shared)
-    stacked = [(s, v) for s, v in zip(states, values) if not is_shared((), s)]
+    stacked = [
+        (state_label(s), v) for s, v in zip(states, values) if not is_shared((), s)
+    ]
+    arrays = jtu.tree_leaves_with_path(eqx.filter(ensemble, eqx.is_array))
+    stacked += [(f"the array at {jtu.keystr(path)}", x) for path, x in arrays]
     if stacked:
         size = _member_axis_size(stacked)
         if not -size <= index < size:
@@ -180,6 +194,9 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
                 f"Member {index} of an ensemble of {size} members does not exist: "
                 f"the index must be in [{-size}, {size})."
             )
+    ensemble = jtu.tree_map(
+        lambda x: x[index] if eqx.is_array(x) else x, ensemble, is_leaf=is_state
+    )
     picked = [
         _copy(v) if is_shared((), s) else jtu.tree_map(lambda x: x[index], v)
         for s, v in zip(states, values)
