@@ -4,7 +4,7 @@ import inspect
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.extend.core as jex_core
@@ -508,6 +508,16 @@ class StatefulFunction:
             entry = self.compile(call, parent, stale=entry)
             values = values_of(entry)
             return entry, *self._evaluate(entry, call.leaves, values)
+
+    @overload
+    def jaxpr_call(
+        self, state_vals: StateDict, *args: Any, **kwargs: Any
+    ) -> tuple[StateDict, Any]: ...
+
+    @overload
+    def jaxpr_call(
+        self, state_vals: Sequence[PyTree], *args: Any, **kwargs: Any
+    ) -> tuple[tuple[PyTree, ...], Any]: ...
 
     def jaxpr_call(
         self,
