@@ -43,48 +43,46 @@ def _register(tree: _T, states: tuple[State, ...], values: list[PyTree]) -> _T:
 
 def clone(tree: _T) -> _T:
     """A copy of `tree` whose handles are fresh states holding copies of the original
-        values: writing to the copy leaves the original as it was, and the other way round.
+    values: writing to the copy leaves the original as it was, and the other way round.
 
-        Each handle of `tree` is replaced by a new handle of the same kind, tag and name,
-        registered in the innermost context (the world, an [`eqstate.scope`][], or the
-        trace of a transform) with a copy of the original's value there. A handle found at
-        several places in `tree` becomes one new handle, found at the same places. Leaves
-        that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
-        are: JAX arrays are immutable, so sharing them is safe.
+    Each handle of `tree` is replaced by a new handle of the same kind, tag and name,
+    registered in the innermost context (the world, an [`eqstate.scope`][], or the
+    trace of a transform) with a copy of the original's value there. A handle found at
+    several places in `tree` becomes one new handle, found at the same places. Leaves
+    that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
+    are: JAX arrays are immutable, so sharing them is safe.
 
-        `copy.deepcopy` of a handle raises instead, since it cannot choose the context
-        to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]
-        holds a copy of its key, so both draw the same numbers until one is reseeded.
+    `copy.deepcopy` of a handle raises instead, since it cannot choose the context
+    to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]
+    holds a copy of its key, so both draw the same numbers until one is reseeded.
 
-        **Arguments:**
+    **Arguments:**
 
-        - `tree`: any PyTree, e.g. an `eqx.Module` holding handles.
+    - `tree`: any PyTree, e.g. an `eqx.Module` holding handles.
 
-        **Returns:**
+    **Returns:**
 
-        `tree` with every handle replaced by its clone.
+    `tree` with every handle replaced by its clone.
 
-        **Raises:**
+    **Raises:**
 
-        [`eqstate.StateNotFoundError`][] if a state has no value in the innermost context
-        (nothing is registered then).
+    [`eqstate.StateNotFoundError`][] if a state has no value in the innermost context
+    (nothing is registered then).
 
-        !!! Example
+    !!! Example
 
-            ```python
-            import eqstate as es
-            import eqstate.nn as enn
-            import equinox as eqx
-    import jax.numpy as jnp
+        ```python
+        import eqstate as es
+        import eqstate.nn as enn
 
-            bn = enn.BatchNorm(3)
-            copy = es.clone(bn)
-            copy(es.random.normal((8, 3)))  # updates the copy's running statistics only
-            assert copy.running_mean is not bn.running_mean
-            assert copy.running_mean.name == "running_mean"
-            assert (bn.running_mean.value == 0).all()
-            assert not (copy.running_mean.value == 0).all()
-            ```
+        bn = enn.BatchNorm(3)
+        copy = es.clone(bn)
+        copy(es.random.normal((8, 3)))  # updates the copy's running statistics only
+        assert copy.running_mean is not bn.running_mean
+        assert copy.running_mean.name == "running_mean"
+        assert (bn.running_mean.value == 0).all()
+        assert not (copy.running_mean.value == 0).all()
+        ```
     """
     states = states_of(tree)
     if not states:
@@ -162,9 +160,7 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
 
         ```python
         import eqstate as es
-        import jax
-        import equinox as eqx
-    import jax.numpy as jnp
+        import jax.numpy as jnp
 
         def make():
             return {"w": es.ParamState(es.random.normal((3,)), name="w")}
