@@ -41,14 +41,25 @@ class StateDict(Mapping[State, PyTree]):
     __slots__ = ("_canonical", "_values")
 
     def __init__(
-        self, values: Mapping[State, PyTree[ArrayLike]] | Iterable[tuple] = ()
+        self,
+        values: Mapping[State, PyTree[ArrayLike]] | Iterable[tuple] | PyTree = (),
     ):
         """**Arguments:**
 
         - `values`: the contents, a mapping (or iterable of pairs) from handles to
-            PyTrees of arrays. Each leaf is converted with `jnp.asarray`.
+            PyTrees of arrays. Each leaf is converted with `jnp.asarray`. (Typed to
+            also accept what optax returns, e.g. `optax.apply_updates(params,
+            updates)`: a `StateDict` at run time, declared as a PyTree of arrays.)
         """
-        items = values.items() if isinstance(values, Mapping) else values
+        if isinstance(values, Mapping):
+            items = values.items()
+        elif isinstance(values, Iterable):
+            items = values
+        else:
+            raise TypeError(
+                "A StateDict is built from a mapping (or an iterable of pairs) from "
+                f"handles to values, got {type(values).__name__}."
+            )
         contents = {}
         for state, value in items:
             if not isinstance(state, State):
