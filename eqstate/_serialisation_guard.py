@@ -40,25 +40,38 @@ _EQUINOX_CALLERS = {
 }
 
 
+_WRAPPERS = ("eqstate.", "beartype", "jaxtyping")
+
+
 def refuse_if_serialised(state: Any) -> None:
     """Raises `TypeError` if Equinox's (de)serialisation is asking whether `state` is
     array-like; returns otherwise."""
-    # Equinox's default filter specs call `is_array_like(leaf)`, which calls
-    # `hasattr(leaf, "__jax_array__")`: a few frames up (more if wrapped by a checker).
+    # The question comes as `hasattr(leaf, "__jax_array__")` from Equinox's
+    # `is_array_like`, called by a default filter spec. Walk up past this package's
+    # frames (and those of a runtime type checker wrapping them), expect
+    # `is_array_like`, then look at its caller. Any other caller returns at once: JAX
+    # asks the same question of every non-array it is given.
     frame: Any = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return
-        message = _EQUINOX_CALLERS.get(frame.f_code.co_name)
-        if message is not None and frame.f_globals.get("__name__", "").startswith(
-            "equinox"
-        ):
-            raise TypeError(message.format(label=state_label(state)))
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(
+        _WRAPPERS
+    ):
         frame = frame.f_back
+    if frame is None or frame.f_code.co_name != "is_array_like":
+        return
+    caller = frame.f_back
+    if caller is None or not caller.f_globals.get("__name__", "").startswith("equinox"):
+        return
+    message = _EQUINOX_CALLERS.get(caller.f_code.co_name)
+    if message is not None:
+        raise TypeError(message.format(label=state_label(state)))
+
+
+_NOT_AN_ARRAY = "A state handle is not an array: read its value with `.value`."
 
 
 def not_an_array(state: Any) -> NoReturn:
-    """The `AttributeError` that makes `hasattr(handle, "__jax_array__")` false."""
-    raise AttributeError(
-        f"{state_label(state)} is a handle, not an array: read its value with `.value`."
-    )
+    """The `AttributeError` that makes `hasattr(handle, "__jax_array__")` false. Its
+    message names no state: JAX and Equinox ask this of every non-array leaf, so it
+    must be cheap."""
+    del state
+    raise AttributeError(_NOT_AN_ARRAY)
