@@ -4,6 +4,7 @@ import importlib.metadata
 
 from . import filters as filters, nn as nn, random as random, transform as transform
 from ._checkpoint import load as load, save as save
+from ._clone import clone as clone, member as member
 from ._errors import (
     BatchAxisError as BatchAxisError,
     CheckpointError as CheckpointError,

@@ -112,25 +112,40 @@ class _Leaf(NamedTuple):
     key_impl: str | None
 
 
-def _key_text(entry: Any) -> str:
+def _key_text(entry: Any, states: Mapping[State, str]) -> str:
     if isinstance(entry, jtu.GetAttrKey):
         return entry.name
     if isinstance(entry, jtu.SequenceKey):
         return str(entry.idx)
     if isinstance(entry, jtu.DictKey):
-        return str(entry.key)
+        return _state_text(entry.key, states) if is_state(entry.key) else str(entry.key)
     if isinstance(entry, jtu.FlattenedIndexKey):
         return str(entry.key)
     return jtu.keystr((entry,)).lstrip(".")
+
+
+def _state_text(state: State, states: Mapping[State, str]) -> str:
+    """A state met inside a value (a StateDict in an optimiser's state) is stored under
+    its own path (or name), which stays the same across runs and processes."""
+    text = states.get(state, state.name)
+    if text is None:
+        raise CheckpointError(
+            f"A value holds a StateDict entry for {state_label(state)}, which has no "
+            "path here: it is neither among the states saved (pass `model=` holding "
+            "it, or save its value too) nor named. Give it a `name=`, or save the "
+            "model's states with `model=`."
+        )
+    return text
 
 
 def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
 
-def _path_text(path: tuple) -> str:
-    """`(GetAttrKey('layers'), SequenceKey(0), DictKey('w'))` -> `layers.0.w`."""
-    return _join(*(_key_text(entry) for entry in path))
+def _path_text(path: tuple, states: Mapping[State, str] | None = None) -> str:
+    """`(GetAttrKey('layers'), SequenceKey(0), DictKey('w'))` -> `layers.0.w`; a
+    `DictKey` of a state gives that state's path in `states`, else its name."""
+    return _join(*(_key_text(entry, states or {}) for entry in path))
 
 
 def _names(items: Iterable[str], limit: int = _LIST_LIMIT) -> str:
@@ -209,7 +224,7 @@ def _leaves(
     seen: dict[str, State] = {}
     for state, base in paths.items():
         for subpath, leaf in jtu.tree_leaves_with_path(values[state]):
-            path = _join(base, _path_text(subpath))
+            path = _join(base, _path_text(subpath, paths))
             if path in seen:
                 raise CheckpointError(
                     f"Two arrays would be stored under the same path `{path}` (of "

@@ -2,7 +2,8 @@
 
 Every API that takes a filter accepts any of:
 
-- a State subclass: states of that kind (`eqstate.ParamState`);
+- a State subclass: states of that kind *or a subclass of it* (`eqstate.LongTermState`
+  also selects `eqstate.ParamState`s; `OfType(kind, exact=True)` selects one kind only);
 - a handle: that state;
 - a string: states with that tag;
 - a predicate `(path, state) -> bool`, where `path` is the state's PyTree path where one
@@ -27,11 +28,36 @@ class StateFilter:
 
 @dataclasses.dataclass(frozen=True)
 class OfType(StateFilter):
-    """States whose kind is `kind` or a subclass of it."""
+    """States whose kind is `kind` or, unless `exact=True`, a subclass of it.
+
+    A bare kind used as a filter means `OfType(kind)`: since [`eqstate.ParamState`][]
+    subclasses [`eqstate.LongTermState`][], the filter `eqstate.LongTermState` selects
+    parameters too. `OfType(eqstate.LongTermState, exact=True)` selects the running
+    statistics alone.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import eqstate.nn as enn
+        from eqstate.filters import OfType
+
+        bn = enn.BatchNorm(3)
+        assert es.states_of(bn, es.LongTermState) == (
+            bn.running_mean, bn.running_var, bn.weight, bn.bias
+        )
+        assert es.states_of(bn, OfType(es.LongTermState, exact=True)) == (
+            bn.running_mean, bn.running_var
+        )
+        ```
+    """
 
     kind: type[State]
+    exact: bool = False
 
     def __call__(self, path, state):
+        if self.exact:
+            return type(state) is self.kind
         return isinstance(state, self.kind)
 
 

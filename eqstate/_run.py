@@ -3,7 +3,7 @@ make_with_states, states_of."""
 
 import functools as ft
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, overload, ParamSpec, TypeVar
 
 import jax.tree_util as jtu
 from jaxtyping import PyTree
@@ -115,7 +115,7 @@ class scope:
         self._initial = states
         self._frame: _context.DictFrame | None = None
         self._token: Any = None
-        self.states: StateDict | None = None
+        self._states: StateDict | None = None
 
     def __enter__(self) -> "scope":
         if self._frame is not None:
@@ -128,8 +128,22 @@ class scope:
         _context.leave(self._token)
         assert self._frame is not None
         if exc_type is None:
-            self.states = StateDict._wrap(self._frame.values)
+            self._states = StateDict._wrap(self._frame.values)
         self._frame = None
+
+    @property
+    def states(self) -> StateDict:
+        """The resulting dictionary: the given states with the block's writes applied,
+        and the states created inside. Available once the block has exited normally;
+        reading it earlier, or after the block raised, raises `RuntimeError`."""
+        if self._states is None:
+            raise RuntimeError(
+                "`scope.states` holds the result of the `with eqstate.scope(...)` "
+                "block, which is only available once the block has exited normally "
+                "(a block that raises keeps nothing). Inside the block, read states "
+                "with `.value` or `eqstate.values_of(...)`."
+            )
+        return self._states
 
 
 def run(
@@ -176,7 +190,6 @@ def run(
     """
     with scope(states) as s:
         out = fn(*args, **kwargs)
-    assert s.states is not None
     return s.states, out
 
 
@@ -214,9 +227,31 @@ def make_with_states(
     return build
 
 
+# A JAX key path, as `jax.tree_util.tree_leaves_with_path` gives it.
+_KeyPath = tuple[Any, ...]
+
+
+@overload
+def states_of(
+    pytree: PyTree, *filters: Filter, with_paths: Literal[False] = False
+) -> tuple[State, ...]: ...
+
+
+@overload
+def states_of(
+    pytree: PyTree, *filters: Filter, with_paths: Literal[True]
+) -> tuple[tuple[_KeyPath, State], ...]: ...
+
+
+@overload
+def states_of(
+    pytree: PyTree, *filters: Filter, with_paths: bool
+) -> tuple[State, ...] | tuple[tuple[_KeyPath, State], ...]: ...
+
+
 def states_of(
     pytree: PyTree, *filters: Filter, with_paths: bool = False
-) -> tuple[State, ...] | tuple[tuple[tuple, State], ...]:
+) -> tuple[State, ...] | tuple[tuple[_KeyPath, State], ...]:
     """The handles found in a PyTree, in flattening order, each listed once.
 
     **Arguments:**
@@ -281,7 +316,7 @@ def values_of(pytree: PyTree, *filters: Filter) -> StateDict:
     return StateDict._wrap(dict(zip(states, frame.read_many(states) if states else [])))
 
 
-def assign(values: Mapping[State, PyTree]) -> None:
+def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     """Writes every value of `values` to its state in the innermost context, as
     `state.value = value` would, all at once: every write is checked before any is
     made, so a bad value leaves every state as it was.
@@ -289,7 +324,10 @@ def assign(values: Mapping[State, PyTree]) -> None:
     **Arguments:**
 
     - `values`: a [`eqstate.StateDict`][] or mapping from handles to new values,
-        e.g. parameters updated by an optimiser.
+        e.g. parameters updated by an optimiser. It is typed as any PyTree so that
+        what optax returns (`optax.apply_updates(params, updates)`, declared as a
+        PyTree of arrays, and a `StateDict` when `params` is one) is accepted as it
+        is; anything but a mapping from handles raises `TypeError`.
 
     !!! Example
 

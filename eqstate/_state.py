@@ -3,7 +3,7 @@
 import functools as ft
 import itertools
 import operator
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from jaxtyping import ArrayLike, PyTree
 from . import _context
 from ._context import current_frame, describe, to_value
 from ._pretty_print import state_doc
+from ._serialisation_guard import not_an_array, refuse_if_serialised
 
 
 _Value = TypeVar("_Value")
@@ -113,14 +114,30 @@ class State(Generic[_Value]):
     def __copy__(self) -> "State[_Value]":
         return self
 
-    def __deepcopy__(self, memo: dict) -> "State[_Value]":
-        return self
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        # A deep copy that returned `self` would silently share the state with the
+        # original; a copy needs a context to hold its value, which `clone` takes.
+        raise TypeError(
+            f"Cannot deep-copy {describe(self)}: a handle is an identity, and a copy "
+            "sharing it would share its value with the original. Use "
+            "`eqstate.clone(tree)`, which gives fresh handles (same kind, tag and "
+            "name) holding copies of the values in the innermost context."
+        )
 
     def __reduce__(self) -> NoReturn:
         raise TypeError(
             f"Cannot pickle {describe(self)}: a handle is an identity, not a value. "
             "Save values with `eqstate.save` instead."
         )
+
+    if not TYPE_CHECKING:  # Hidden from type checkers: a handle is not array-like.
+
+        @property
+        def __jax_array__(self) -> NoReturn:
+            # Equinox's serialisation tests leaves with `hasattr(x, "__jax_array__")`
+            # and skips those without: refuse there rather than lose the values.
+            refuse_if_serialised(self)
+            not_an_array(self)
 
     def __pdoc__(self, **kwargs: Any) -> Any:
         # Equinox's pretty printer (`eqx.tree_pformat`) calls this.

@@ -51,14 +51,25 @@ class StateDict(_MappingBase):
     __slots__ = ("_canonical", "_values")
 
     def __init__(
-        self, values: Mapping[State, PyTree[ArrayLike]] | Iterable[tuple] = ()
+        self,
+        values: Mapping[State, PyTree[ArrayLike]] | Iterable[tuple] | PyTree = (),
     ):
         """**Arguments:**
 
         - `values`: the contents, a mapping (or iterable of pairs) from handles to
-            PyTrees of arrays. Each leaf is converted with `jnp.asarray`.
+            PyTrees of arrays. Each leaf is converted with `jnp.asarray`. (Typed to
+            also accept what optax returns, e.g. `optax.apply_updates(params,
+            updates)`: a `StateDict` at run time, declared as a PyTree of arrays.)
         """
-        items = values.items() if isinstance(values, Mapping) else values
+        if isinstance(values, Mapping):
+            items = values.items()
+        elif isinstance(values, Iterable):
+            items = values
+        else:
+            raise TypeError(
+                "A StateDict is built from a mapping (or an iterable of pairs) from "
+                f"handles to values, got {type(values).__name__}."
+            )
         contents = {}
         for state, value in items:
             if not isinstance(state, State):
@@ -119,11 +130,15 @@ class StateDict(_MappingBase):
         checked = check_write(state, self[state], value)
         return StateDict._wrap({**self._values, state: checked})
 
-    def update(self, other: Mapping[State, PyTree[ArrayLike]]) -> "StateDict":
+    def update(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
         """Returns a copy with the entries of `other` added. Values of states already
-        present are checked like writes; new states are added at the end."""
+        present are checked like writes; new states are added at the end.
+
+        `other` is a mapping from handles to values, typically another `StateDict`.
+        It is typed as any PyTree so that what optax returns (a `StateDict` at run
+        time, declared as a PyTree of arrays) type-checks without a cast."""
         values = dict(self._values)
-        for state, value in other.items():
+        for state, value in _as_mapping(other, "StateDict.update").items():
             old = values.get(state, MISSING)
             if old is MISSING:
                 values[state] = to_value(value)
@@ -131,10 +146,16 @@ class StateDict(_MappingBase):
                 values[state] = check_write(state, old, value)
         return StateDict._wrap(values)
 
-    def __or__(self, other: Mapping[State, PyTree[ArrayLike]]) -> "StateDict":
+    def __or__(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
         if not isinstance(other, Mapping):
             return NotImplemented
         return self.update(other)
+
+    def __ror__(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
+        # `params | rest` where `params` came from optax (typed as a PyTree), or a dict.
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return StateDict.merge(other, self)
 
     def filter(self, *filters: Filter) -> "StateDict":
         """The states matching any of `filters` (see [`eqstate.filters`][])."""
@@ -160,9 +181,9 @@ class StateDict(_MappingBase):
         return tuple(StateDict._wrap(part) for part in parts)
 
     @staticmethod
-    def merge(*state_dicts: Mapping[State, PyTree[ArrayLike]]) -> "StateDict":
-        """Joins dictionaries; a state present in several takes its value from the
-        last one (checked like a write)."""
+    def merge(*state_dicts: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
+        """Joins dictionaries (or mappings from handles to values); a state present in
+        several takes its value from the last one (checked like a write)."""
         merged = StateDict()
         for sd in state_dicts:
             merged = merged.update(sd)
@@ -208,6 +229,15 @@ class StateDict(_MappingBase):
 
     def __repr__(self) -> str:
         return wl.pformat(self)
+
+
+def _as_mapping(other: Any, where: str) -> Mapping:
+    if not isinstance(other, Mapping):
+        raise TypeError(
+            f"`{where}` takes a StateDict (or a mapping from handles to values), got "
+            f"{type(other).__name__}."
+        )
+    return other
 
 
 def sharding_rule(rule: Any) -> Any:

@@ -52,7 +52,7 @@ def train(mesh=None, steps=30, manual=False):
     opt_state = optimizer.init(es.values_of(model, es.ParamState))
 
     def forward(counts):
-        if not manual:
+        if not manual or mesh is None:
             return model(counts)
 
         @es.transform.shard_map(

@@ -73,7 +73,7 @@ def batch(step: int, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--checkpoint-every", type=int, default=100)
@@ -95,10 +95,9 @@ def main(argv=None):
 
     optimizer = optax.adam(3e-3)
     model = Model(jr.key(0))
-    params = es.states_of(model, es.ParamState)
     training = Training(
         model,
-        es.LongTermState(optimizer.init(tuple(p.value for p in params))),
+        es.LongTermState(optimizer.init(es.values_of(model, es.ParamState))),
         es.ShortTermState(jnp.array(0)),
     )
     es.shard(training, mesh, P())  # everything replicated on every device
@@ -106,13 +105,12 @@ def main(argv=None):
     @es.transform.jit
     def train_step(x, y):
         loss = lambda: jnp.mean((model(x) - y) ** 2)  # noqa: E731
+        params = es.values_of(model, es.ParamState)
         value, grads = es.transform.value_and_grad(loss, grad_states=params)()
-        current = tuple(p.value for p in params)
         updates, training.opt_state.value = optimizer.update(
-            tuple(grads[p] for p in params), training.opt_state.value, current
+            grads, training.opt_state.value, params
         )
-        for p, new in zip(params, optax.apply_updates(current, updates)):
-            p.value = new
+        es.assign(optax.apply_updates(params, updates))
         training.step.value = training.step.value + 1
         return value
 

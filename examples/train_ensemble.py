@@ -217,7 +217,7 @@ def plot(path: pathlib.Path, series: np.ndarray, predictions: np.ndarray) -> Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="a small run, as a smoke test"
     )

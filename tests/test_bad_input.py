@@ -1,6 +1,7 @@
 """Every bad input in `docs/bad-input.md`, each a test: the error it gets, and every
 state left as it was. The page's table and `CASES` must list the same cases."""
 
+import copy
 import os
 import pathlib
 import pickle
@@ -10,6 +11,7 @@ import tempfile
 import zlib
 
 import eqstate as es
+import eqstate.nn as enn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -868,6 +870,51 @@ def checkpoint_not_one():
 
     path = _checkpoint_of(model, replace)
     return lambda: es.load(path, model), []
+
+
+@case("`copy.deepcopy` of a handle", TypeError, r"Cannot deep-copy .*eqstate.clone")
+def deepcopy_handle():
+    w = _w()
+    return lambda: copy.deepcopy({"w": w}), [w]
+
+
+@case("`es.member` with an index out of range", IndexError, r"Member 4 .* \[-4, 4\)")
+def member_out_of_range():
+    w = es.ParamState(jnp.zeros((4, 3)), name="w")
+    return lambda: es.member(w, 4), [w]
+
+
+@case(
+    "`es.member` of an ensemble with an unstacked state not in `shared`",
+    ValueError,
+    r"State 'lr' holds f32\[\], which has no leading member axis.*shared=",
+)
+def member_unstacked_state():
+    w = es.ParamState(jnp.zeros((4, 3)), name="w")
+    lr = es.State(jnp.array(0.1), name="lr")
+    return lambda: es.member({"w": w, "lr": lr}, 0), [w, lr]
+
+
+@case(
+    "a batched input to an RNN cell whose hidden state has another batch",
+    ValueError,
+    r"GRUCell\(input_size=2, hidden_size=3\) got an input of shape \(8, 2\).*reset",
+)
+def cell_batch_mismatch():
+    cell = enn.GRUCell(2, 3)
+    return lambda: cell(jnp.ones((8, 2))), es.states_of(cell)
+
+
+@case(
+    "changing the batch of an RNN cell inside a transform",
+    ValueError,
+    r"Cannot change the batch shape of the hidden state of LSTMCell.*\(\) to \(8,\)",
+)
+def cell_reset_batch_in_transform():
+    cell = enn.LSTMCell(2, 3)
+    return lambda: es.transform.jit(lambda: cell.reset(batch_size=8))(), es.states_of(
+        cell
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

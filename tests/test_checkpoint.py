@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from eqstate import _checkpoint
 from eqstate._checkpoint import load, save
@@ -911,3 +912,31 @@ def test_save_refuses_what_is_not_a_mapping_of_states(tmp_path, bad):
     with pytest.raises(TypeError, match="takes the values to save as a StateDict"):
         unchecked(save)(tmp_path / "c", bad)
     assert os.listdir(tmp_path) == []
+
+
+class _Trained(eqx.Module):
+    w: es.ParamState
+    b: es.ParamState
+    opt_state: es.LongTermState
+
+    def __init__(self, scale: float):
+        self.w = es.ParamState(jnp.ones(3) * scale)
+        self.b = es.ParamState(jnp.ones(2) * scale)
+        params = es.values_of(self, es.ParamState)
+        self.opt_state = es.LongTermState(optax.adam(1e-3).init(params))
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_optimiser_state_of_state_dicts_loads_into_a_fresh_model(tmp_path, backend):
+    # The optimiser's moments are StateDicts keyed by handles: they are stored under
+    # the parameters' paths, so a model built afresh (other handles) loads them.
+    model = _Trained(2.0)
+    model.opt_state.value = jax.tree.map(lambda x: x + 1, model.opt_state.value)
+    path = tmp_path / "model"
+    es.save(path, es.values_of(model), model=model, backend=backend)
+    fresh = _Trained(0.0)
+    loaded = es.load(path, fresh, backend=backend)
+    es.assign(loaded)
+    mu = fresh.opt_state.value[0].mu
+    assert (mu[fresh.w] == 1).all() and (mu[fresh.b] == 1).all()
+    assert (fresh.w.value == 2).all()

@@ -1,6 +1,9 @@
 """eqx.Modules holding handles under Equinox's own transforms and tree tools."""
 
+import functools as ft
+
 import eqstate as es
+import eqstate.nn as enn
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,7 +11,10 @@ import jax.random as jr
 import pytest
 from jaxtyping import Array, Float, jaxtyped, TypeCheckError
 
-from .helpers import tree_allclose
+from .helpers import tree_allclose, tree_bitwise_equal
+
+
+_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 class Linear(eqx.Module):
@@ -113,3 +119,173 @@ def test_jaxtyping_annotations_with_state_generics():
     assert norm(es.State(jnp.ones(3))) == 3.0
     with pytest.raises(TypeCheckError, match="Type-check error"):
         norm(jnp.ones(3))  # pyright: ignore[reportArgumentType]
+
+
+# --- A mixed model: eqx.nn.Linear arrays next to eqstate layers -------------------------
+
+
+class _Net(eqx.Module):
+    linear1: eqx.nn.Linear
+    bn: enn.BatchNorm
+    dropout: enn.Dropout
+    linear2: eqx.nn.Linear
+
+    def __init__(self, key, p=0.25):
+        k1, k2 = jr.split(key)
+        self.linear1 = eqx.nn.Linear(3, 8, key=k1)
+        self.bn = enn.BatchNorm(8, momentum=0.9)
+        self.dropout = enn.Dropout(p)
+        self.linear2 = eqx.nn.Linear(8, 1, key=k2)
+
+    def __call__(self, x, *, key=None):
+        h = jax.nn.relu(self.bn(jax.vmap(self.linear1)(x)))
+        return jax.vmap(self.linear2)(self.dropout(h, key=key))[:, 0]
+
+
+def _pure_net(model, bn_values, x, mask=None):
+    """`_Net` in plain JAX, from its arrays and the values of its BatchNorm."""
+    h = x @ model.linear1.weight.T + model.linear1.bias
+    mean, var = h.mean(0), h.var(0)
+    h = (h - mean) / jnp.sqrt(var + 1e-5) * bn_values["weight"] + bn_values["bias"]
+    h = jax.nn.relu(h)
+    if mask is not None:
+        h = jnp.where(mask, h / 0.75, 0)
+    return (h @ model.linear2.weight.T + model.linear2.bias)[:, 0]
+
+
+def _bn_values(model, states):
+    return {"weight": states[model.bn.weight], "bias": states[model.bn.bias]}
+
+
+def test_mixed_model_under_filter_jit_reads_and_writes_the_state_dict(getkey):
+    model, states = es.make_with_states(_Net)(getkey())
+    states = states | es.world().filter(es.random.DEFAULT)  # Dropout draws from it
+    traces = []
+
+    @eqx.filter_jit
+    def step(model, states, x):
+        traces.append(1)
+        return es.run(model, states, x)
+
+    x = jr.normal(getkey(), (16, 3))
+    new_states, y = step(model, states, x)
+    expected_states, expected = es.run(model, states, x)  # eager: the same numbers
+    assert tree_allclose(y, expected) and y.shape == (16,)
+    assert tree_allclose(
+        new_states[model.bn.running_mean], expected_states[model.bn.running_mean]
+    )
+    assert not tree_bitwise_equal(
+        new_states[es.random.DEFAULT], states[es.random.DEFAULT]
+    )
+    step(model, new_states, x)
+    assert len(traces) == 1  # the model is static (its leaves are handles or arrays)
+
+
+def test_mixed_model_keys_follow_equinox_and_match_plain_jax(getkey):
+    model, states = es.make_with_states(_Net)(getkey())
+    x, key = jr.normal(getkey(), (16, 3)), getkey()
+    _, y = eqx.filter_jit(lambda m, s, x, k: es.run(ft.partial(m, key=k), s, x))(
+        model, states, x, key
+    )
+    mask = jr.bernoulli(key, 0.75, (16, 8))
+    assert tree_allclose(
+        y, _pure_net(model, _bn_values(model, states), x, mask), **_TOL
+    )
+
+
+def test_filter_grad_differentiates_linear_arrays_and_param_states_together(getkey):
+    model, states = es.make_with_states(_Net)(getkey())
+    model = eqx.nn.inference_mode(model, False)
+    model = eqx.tree_at(lambda m: m.dropout.p, model, 0.0)
+    params, rest = states.split(es.ParamState)
+    x = jr.normal(getkey(), (16, 3))
+
+    @eqx.filter_grad(has_aux=True)
+    def grads_of(trainable, rest, x):
+        model, params = trainable
+        new_states, y = es.run(model, params | rest, x)
+        return jnp.sum(y**2), new_states
+
+    (model_grads, param_grads), new_states = grads_of((model, params), rest, x)
+    assert isinstance(param_grads, es.StateDict)
+    assert model_grads.bn.weight is None  # a handle: static, no gradient
+
+    def pure_loss(linear1, linear2, weight, bias):
+        m = eqx.tree_at(lambda m: (m.linear1, m.linear2), model, (linear1, linear2))
+        return jnp.sum(_pure_net(m, {"weight": weight, "bias": bias}, x) ** 2)
+
+    expected = jax.grad(pure_loss, argnums=(0, 1, 2, 3))(
+        model.linear1, model.linear2, params[model.bn.weight], params[model.bn.bias]
+    )
+    assert tree_allclose(
+        (
+            model_grads.linear1,
+            model_grads.linear2,
+            param_grads[model.bn.weight],
+            param_grads[model.bn.bias],
+        ),
+        expected,
+        **_TOL,
+    )
+    assert not tree_allclose(
+        new_states[model.bn.running_mean], states[model.bn.running_mean]
+    )
+
+
+def test_filter_vmap_over_an_ensemble_of_mixed_models(getkey):
+    keys = jr.split(getkey(), 4)
+    ensemble, states = es.transform.vmap2_new_states(
+        lambda k: _Net(k, p=0.0), axis_size=4, in_axes=0
+    )(keys)
+    assert ensemble.linear1.weight.shape == (4, 8, 3)  # eqx arrays are stacked too
+    assert states[ensemble.bn.running_mean].shape == (4, 8)
+    x = jr.normal(getkey(), (16, 3))
+
+    @eqx.filter_vmap(in_axes=(eqx.if_array(0), 0, None))
+    def run_all(model, states, x):
+        return es.run(model, states, x)
+
+    new_states, ys = run_all(ensemble, states, x)
+    assert ys.shape == (4, 16) and new_states[ensemble.bn.running_mean].shape == (4, 8)
+    for i in range(4):
+        member_states, member = es.run(es.member, states, ensemble, i)
+        _, y = es.run(member, member_states, x)
+        assert tree_allclose(y, ys[i], **_TOL)
+        assert tree_allclose(
+            member_states[member.bn.running_mean], states[ensemble.bn.running_mean][i]
+        )
+
+
+def test_tree_at_and_partition_on_a_mixed_model(getkey):
+    model, states = es.make_with_states(_Net)(getkey())
+    x = jr.normal(getkey(), (16, 3))
+
+    # `partition` by arrays: the eqx.nn.Linear arrays on one side, handles and
+    # static fields on the other; `combine` gives back a model that runs.
+    arrays, static = eqx.partition(model, eqx.is_array)
+    assert es.states_of(arrays) == ()
+    assert es.states_of(static) == es.states_of(model)
+    rebuilt = eqx.combine(arrays, static)
+    key = getkey()
+    assert tree_bitwise_equal(
+        es.run(ft.partial(rebuilt, key=key), states, x)[1],
+        es.run(ft.partial(model, key=key), states, x)[1],
+    )
+
+    # `tree_at` swaps a layer for a clone (fresh handles) or changes a field.
+    with es.scope(states) as sc:
+        clone_bn = es.clone(model.bn)
+    assert sc.states is not None
+    swapped = eqx.tree_at(lambda m: m.bn, model, clone_bn)
+    new_states, _ = es.run(ft.partial(swapped, key=key), sc.states, x)
+    assert not tree_bitwise_equal(
+        new_states[clone_bn.running_mean], sc.states[clone_bn.running_mean]
+    )
+    assert tree_bitwise_equal(
+        new_states[model.bn.running_mean], states[model.bn.running_mean]
+    )  # the original layer was not called
+    inference = eqx.tree_at(lambda m: m.bn.inference, model, True)
+    unchanged, _ = es.run(ft.partial(inference, key=key), states, x)
+    assert tree_bitwise_equal(
+        unchanged[model.bn.running_mean], states[model.bn.running_mean]
+    )

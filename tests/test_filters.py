@@ -93,3 +93,10 @@ def test_a_type_that_is_not_a_state_kind_is_refused():
 def test_a_value_that_is_not_a_filter_is_refused(bad):
     with pytest.raises(TypeError, match="is not a filter"):
         to_predicate(bad)
+
+
+def test_an_exact_kind_filter_leaves_out_subclasses(states):
+    assert _selected(OfType(es.LongTermState, exact=True), states) == {"long"}
+    assert _selected(OfType(es.LongTermState), states) == {"param", "long"}
+    assert _selected(OfType(es.State, exact=True), states) == {"plain"}
+    assert OfType(es.State, exact=True) != OfType(es.State)

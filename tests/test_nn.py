@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jax.tree_util as jtu
 import pytest
 
 from .helpers import tree_allclose, tree_bitwise_equal
@@ -320,75 +321,178 @@ def test_dropout_refuses_p_outside_zero_one(p):
 # --- Recurrent cells ------------------------------------------------------------------
 
 
-def _eqx_gru_scan(cell, xs, h0):
-    def step(h, x):
-        h = cell(x, h)
-        return h, h
+def _eqx_scan(cell, xs, carry0):
+    """`eqx.nn` cell over a sequence, the Equinox way: returns the final carry and
+    every hidden state."""
 
-    return jax.lax.scan(step, h0, xs)
+    def step(carry, x):
+        carry = cell(x, carry)
+        h = carry[0] if isinstance(carry, tuple) else carry
+        return carry, h
+
+    return jax.lax.scan(step, carry0, xs)
 
 
-def _as_eqx_gru(cell, values=None):
-    """An `eqx.nn.GRUCell` holding the parameters of an `enn.GRUCell`."""
-    values = es.values_of(cell) if values is None else values
-    ref = eqx.nn.GRUCell(
-        cell.input_size, cell.hidden_size, cell.use_bias, key=jr.key(0)
+def _eqx_pair(kind, input_size, hidden_size, key, **kwargs):
+    """An eqstate cell and the `eqx.nn` cell with the same weights, and the Equinox
+    cell's zero carry."""
+    cell = getattr(enn, kind)(input_size, hidden_size, key=key, **kwargs)
+    ref = getattr(eqx.nn, kind)(
+        input_size, hidden_size, kwargs.get("use_bias", True), key=key
     )
-    names = ["weight_ih", "weight_hh"] + (["bias", "bias_n"] if cell.use_bias else [])
-    return eqx.tree_at(
-        lambda m: [getattr(m, n) for n in names],
-        ref,
-        [values[getattr(cell, n)] for n in names],
+    zeros = jnp.zeros(hidden_size)
+    return cell, ref, (zeros, zeros) if kind == "LSTMCell" else zeros
+
+
+def _eqx_batched(ref, xs, carry0, batch_shape):
+    """`_eqx_scan` over every example of a batch of shape `batch_shape` (`xs` has
+    shape `(time, *batch_shape, input_size)`), with `jax.vmap`."""
+    if not batch_shape:
+        return _eqx_scan(ref, xs, carry0)
+    flat = xs.reshape(xs.shape[0], -1, xs.shape[-1])
+    final, hs = jax.vmap(ft.partial(_eqx_scan, ref), in_axes=(1, None))(flat, carry0)
+    final = jtu.tree_map(lambda c: c.reshape(*batch_shape, -1), final)
+    return final, jnp.moveaxis(hs, 0, 1).reshape(*xs.shape[:-1], -1)
+
+
+def _carry(cell):
+    return tuple(s.value for s in es.states_of(cell, es.ShortTermState))
+
+
+_CELLS_WITH_EQX = ["GRUCell", "LSTMCell"]
+
+
+@pytest.mark.parametrize("kind", _CELLS_WITH_EQX)
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_cells_have_the_weights_of_equinox_for_the_same_key(getkey, kind, use_bias):
+    cell, ref, _ = _eqx_pair(kind, 3, 5, getkey(), use_bias=use_bias)
+    names = ["weight_ih", "weight_hh", "bias"] + (
+        ["bias_n"] if kind == "GRUCell" else []
     )
+    for name in names:
+        state, array = getattr(cell, name), getattr(ref, name)
+        if array is None:
+            assert state is None
+        else:
+            assert tree_bitwise_equal(state.value, array)
+
+
+@pytest.mark.parametrize("kind", _CELLS_WITH_EQX)
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_one_step_is_bitwise_that_of_equinox(getkey, kind, use_bias):
+    cell, ref, zeros = _eqx_pair(kind, 3, 5, getkey(), use_bias=use_bias)
+    x1, x2 = jr.normal(getkey(), (2, 3))
+    expected = ref(x2, ref(x1, zeros))
+    cell(x1)
+    h = cell(x2)
+    assert tree_bitwise_equal(
+        _carry(cell), expected if kind == "LSTMCell" else (expected,)
+    )
+    assert tree_bitwise_equal(h, _carry(cell)[0])
 
 
 @pytest.mark.usefixtures("tracing_mode")
-@pytest.mark.parametrize("use_bias", [True, False])
-def test_gru_cell_matches_equinox_over_a_sequence(getkey, use_bias):
-    key = getkey()
-    cell = enn.GRUCell(3, 5, use_bias=use_bias, key=key)
-    ref = eqx.nn.GRUCell(3, 5, use_bias, key=key)
-    assert tree_bitwise_equal(
-        (cell.weight_ih.value, cell.weight_hh.value), (ref.weight_ih, ref.weight_hh)
-    )
-    if use_bias:
-        assert cell.bias is not None and cell.bias_n is not None
-        assert tree_bitwise_equal(
-            (cell.bias.value, cell.bias_n.value), (ref.bias, ref.bias_n)
-        )
-    xs = jr.normal(getkey(), (12, 3))
+@pytest.mark.parametrize("kind", _CELLS_WITH_EQX)
+@pytest.mark.parametrize("batch_shape", [(), (4,), (2, 3)])
+def test_cells_match_equinox_over_a_sequence(getkey, kind, batch_shape):
+    cell, ref, zeros = _eqx_pair(kind, 3, 5, getkey(), batch_size=batch_shape)
+    xs = jr.normal(getkey(), (12, *batch_shape, 3))
     hs = es.transform.for_loop(cell, xs)
-    h_final, ref_hs = _eqx_gru_scan(ref, xs, jnp.zeros(5))
+    final, ref_hs = _eqx_batched(ref, xs, zeros, batch_shape)
+    assert hs.shape == (12, *batch_shape, 5)
     assert tree_allclose(hs, ref_hs, **_TOL)
-    assert tree_allclose(cell.hidden.value, h_final, **_TOL)
+    final = final if kind == "LSTMCell" else (final,)
+    assert tree_allclose(_carry(cell), final, **_TOL)
 
     # The hidden state carries on into the next sequence until reset.
-    xs2 = jr.normal(getkey(), (4, 3))
-    _, ref_hs2 = _eqx_gru_scan(ref, xs2, h_final)
+    xs2 = jr.normal(getkey(), (4, *batch_shape, 3))
+    flat = xs2.reshape(4, -1, 3)
+    carry = jtu.tree_map(lambda c: c.reshape(-1, 5), final)
+    carry = carry if kind == "LSTMCell" else carry[0]
+    _, ref_hs2 = jax.vmap(ft.partial(_eqx_scan, ref), in_axes=(1, 0))(flat, carry)
+    ref_hs2 = jnp.moveaxis(ref_hs2, 0, 1).reshape(4, *batch_shape, 5)
     assert tree_allclose(es.transform.for_loop(cell, xs2), ref_hs2, **_TOL)
 
 
-def test_gru_cell_with_a_batch_matches_vmapped_equinox(getkey):
-    key = getkey()
-    cell = enn.GRUCell(3, 5, batch_size=4, key=key)
-    ref = eqx.nn.GRUCell(3, 5, key=key)
-    xs = jr.normal(getkey(), (6, 4, 3))
-    hs = es.transform.for_loop(cell, xs)
-    _, ref_hs = jax.vmap(_eqx_gru_scan, in_axes=(None, 1, 0), out_axes=1)(
-        ref, xs, jnp.zeros((4, 5))
-    )
-    assert hs.shape == (6, 4, 5) and tree_allclose(hs, ref_hs, **_TOL)
-
-
-@pytest.mark.parametrize("cls", [enn.GRUCell, enn.RNNCell])
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
 def test_reset_restores_zeros_and_the_first_run(getkey, cls):
     cell = cls(2, 4, key=getkey())
     xs = jr.normal(getkey(), (5, 2))
     first = es.transform.for_loop(cell, xs)
     assert not (cell.hidden.value == 0).all()
     cell.reset()
-    assert tree_bitwise_equal(cell.hidden.value, jnp.zeros(4))
+    assert tree_bitwise_equal(_carry(cell), tuple(jnp.zeros(4) for _ in _carry(cell)))
     assert tree_allclose(es.transform.for_loop(cell, xs), first)
+
+
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
+def test_batch_shape_follows_reset_and_each_example_matches_an_unbatched_run(
+    getkey, cls
+):
+    key = getkey()
+    cell, single = cls(2, 4, key=key), cls(2, 4, key=key)  # built unbatched
+    xs = jr.normal(getkey(), (6, 3, 2))
+    cell.reset(batch_size=3)
+    assert cell.hidden.value.shape == (3, 4)
+    hs = es.transform.for_loop(cell, xs)
+    for b in range(3):
+        single.reset()
+        assert tree_allclose(hs[:, b], es.transform.for_loop(single, xs[:, b]), **_TOL)
+
+    cell.reset()  # keeps the batch shape
+    assert cell.hidden.value.shape == (3, 4) and (cell.hidden.value == 0).all()
+    cell.reset(batch_size=(2, 5))
+    assert es.transform.for_loop(cell, jnp.ones((4, 2, 5, 2))).shape == (4, 2, 5, 4)
+    cell.reset(batch_size=())
+    assert cell(jnp.ones(2)).shape == (4,)
+
+
+@pytest.mark.usefixtures("tracing_mode")
+def test_a_jitted_unroll_retraces_for_a_new_batch(getkey):
+    key = getkey()
+    cell, eager = enn.LSTMCell(2, 3, key=key), enn.LSTMCell(2, 3, key=key)
+    unroll = es.transform.jit(lambda xs: es.transform.for_loop(cell, xs))
+    for batch in (2, 5, 2):
+        xs = jr.normal(getkey(), (4, batch, 2))
+        cell.reset(batch_size=batch)
+        eager.reset(batch_size=batch)
+        assert tree_allclose(unroll(xs), es.transform.for_loop(eager, xs), **_TOL)
+        assert cell.cell.value.shape == (batch, 3)
+
+
+def test_reset_to_a_batch_inside_run_under_filter_jit(getkey):
+    cell, states = es.make_with_states(enn.GRUCell)(2, 4, key=getkey())
+
+    @eqx.filter_jit
+    def unroll(states, xs):
+        def body():
+            cell.reset(batch_size=xs.shape[1])
+            return es.transform.for_loop(cell, xs)
+
+        return es.run(body, states)
+
+    xs = jr.normal(getkey(), (5, 3, 2))
+    new_states, hs = unroll(states, xs)
+    assert hs.shape == (5, 3, 4) and new_states[cell.hidden].shape == (3, 4)
+    assert states[cell.hidden].shape == (4,)  # the input dictionary is unchanged
+    with es.scope(states) as sc:
+        cell.reset(batch_size=3)
+        expected = es.transform.for_loop(cell, xs)
+    assert sc.states is not None and sc.states[cell.hidden].shape == (3, 4)
+    assert tree_allclose(hs, expected, **_TOL)
+
+
+@pytest.mark.usefixtures("tracing_mode")
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
+def test_vmap_over_a_single_example_cell_matches_the_batched_call(getkey, cls):
+    key = getkey()
+    cell, batched = cls(3, 4, key=key), cls(3, 4, key=key)
+    cell.reset(batch_size=5)
+    batched.reset(batch_size=5)
+    step = es.transform.vmap(cell, in_states={0: es.states_of(cell, es.ShortTermState)})
+    for x in jr.normal(getkey(), (3, 5, 3)):
+        assert tree_allclose(step(x), batched(x), **_TOL)
+    assert tree_allclose(_carry(cell), _carry(batched), **_TOL)
 
 
 @pytest.mark.parametrize("batch_size", [None, 3])
@@ -427,7 +531,7 @@ def test_cells_without_a_key_draw_from_the_default_random_state():
 
 
 @pytest.mark.usefixtures("tracing_mode")
-@pytest.mark.parametrize("cls", [enn.GRUCell, enn.RNNCell])
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
 def test_cells_inside_jit_match_eager(getkey, cls):
     key = getkey()
     eager, jitted = cls(3, 4, key=key), cls(3, 4, key=key)
@@ -439,16 +543,15 @@ def test_cells_inside_jit_match_eager(getkey, cls):
 
     xs = jr.normal(getkey(), (7, 3))
     assert tree_allclose(run(xs), es.transform.for_loop(eager, xs), **_TOL)
-    assert tree_allclose(jitted.hidden.value, eager.hidden.value, **_TOL)
+    assert tree_allclose(_carry(jitted), _carry(eager), **_TOL)
     eager.reset()
     assert tree_allclose(run(xs), es.transform.for_loop(eager, xs), **_TOL)
 
 
 @pytest.mark.usefixtures("tracing_mode")
-def test_gru_cell_gradients_match_equinox(getkey):
-    key = getkey()
-    cell = enn.GRUCell(3, 4, key=key)
-    ref = eqx.nn.GRUCell(3, 4, key=key)
+@pytest.mark.parametrize("kind", _CELLS_WITH_EQX)
+def test_cell_gradients_match_equinox(getkey, kind):
+    cell, ref, zeros = _eqx_pair(kind, 3, 4, getkey())
     xs = jr.normal(getkey(), (8, 3))
 
     def loss():
@@ -457,17 +560,28 @@ def test_gru_cell_gradients_match_equinox(getkey):
 
     @eqx.filter_grad
     def ref_grads(model):
-        _, hs = _eqx_gru_scan(model, xs, jnp.zeros(4))
+        _, hs = _eqx_scan(model, xs, zeros)
         return jnp.sum(hs**2)
 
     grads = es.transform.jit(es.transform.grad(loss, grad_states=es.ParamState))()
     expected = ref_grads(ref)
-    assert set(grads) == set(es.states_of(cell, es.ParamState))
-    assert cell.bias is not None and cell.bias_n is not None
+    params = es.states_of(cell, es.ParamState)
+    assert set(grads) == set(params)
     assert tree_allclose(
-        [grads[s] for s in (cell.weight_ih, cell.weight_hh, cell.bias, cell.bias_n)],
-        [expected.weight_ih, expected.weight_hh, expected.bias, expected.bias_n],
+        [grads[s] for s in params],
+        [getattr(expected, s.name) for s in params],
         **_TOL,
+    )
+
+
+def _as_eqx_gru(cell, values):
+    """An `eqx.nn.GRUCell` holding the parameters `values` of an `enn.GRUCell`."""
+    ref = eqx.nn.GRUCell(cell.input_size, cell.hidden_size, key=jr.key(0))
+    names = ["weight_ih", "weight_hh", "bias", "bias_n"]
+    return eqx.tree_at(
+        lambda m: [getattr(m, n) for n in names],
+        ref,
+        [values[getattr(cell, n)] for n in names],
     )
 
 
@@ -489,7 +603,7 @@ def test_gru_cell_ensemble_matches_each_member(getkey):
     values = es.values_of(ensemble)
     for i in range(3):
         member = _as_eqx_gru(ensemble, {s: v[i] for s, v in values.items()})
-        _, ref_hs = _eqx_gru_scan(member, xs, jnp.zeros(4))
+        _, ref_hs = _eqx_scan(member, xs, jnp.zeros(4))
         assert tree_allclose(hs[i], ref_hs, **_TOL)
         assert tree_allclose(ensemble.hidden.value[i], ref_hs[-1], **_TOL)
 
@@ -499,16 +613,17 @@ def test_cell_input_of_the_wrong_shape_names_the_cell_and_both_shapes():
     with pytest.raises(
         ValueError,
         match=r"GRUCell\(input_size=3, hidden_size=5\) takes one time step of shape "
-        r"\(3,\), got shape \(4,\).*batch_size=",
+        r"\(\*batch, 3\), got shape \(4,\).*for_loop",
     ):
         cell(jnp.zeros(4))
-    batched = enn.RNNCell(3, 5, batch_size=2)
+    batched = enn.LSTMCell(3, 5, batch_size=2)
     with pytest.raises(
         ValueError,
-        match=r"RNNCell\(input_size=3, hidden_size=5, batch_size=2\) takes one time "
-        r"step of shape \(2, 3\), got shape \(10, 2, 3\).*for_loop",
+        match=r"LSTMCell\(input_size=3, hidden_size=5\) got an input of shape "
+        r"\(10, 3\) \(batch shape \(10,\)\), but its hidden state has shape \(2, 5\)"
+        r".*reset\(batch_size=10\)",
     ):
-        batched(jnp.zeros((10, 2, 3)))
+        batched(jnp.zeros((10, 3)))
 
 
 def test_cells_refuse_non_positive_sizes():
@@ -516,3 +631,64 @@ def test_cells_refuse_non_positive_sizes():
         enn.GRUCell(3, 0)
     with pytest.raises(ValueError, match="RNNCell needs a positive `batch_size`"):
         enn.RNNCell(3, 2, batch_size=0)
+    with pytest.raises(ValueError, match="LSTMCell needs a positive `batch_size`"):
+        enn.LSTMCell(3, 2).reset(batch_size=(2, 0))
+
+
+# --- Equinox conventions and strict promotion -------------------------------------------
+
+
+def test_layers_compose_in_eqx_sequential_with_and_without_a_key(getkey):
+    key = getkey()
+    model = eqx.nn.Sequential(
+        [
+            enn.BatchNorm(3),
+            enn.Dropout(0.5),
+            eqx.nn.Lambda(jnp.tanh),
+        ]
+    )
+    x = jr.normal(getkey(), (16, 3))
+    y_key = model(x, key=key)
+    # With a key, Dropout uses the key that `Sequential` hands it, as `eqx.nn.Dropout`.
+    bn_out = enn.BatchNorm(3)(x)
+    dropout_key = jr.split(key, 3)[1]
+    expected = jnp.tanh(eqx.nn.Dropout(0.5)(bn_out, key=dropout_key))
+    assert tree_allclose(y_key, expected, **_TOL)
+    # Without a key, the default random state is used and advances.
+    before = es.random.get_key()
+    assert model(x).shape == (16, 3)
+    assert not tree_bitwise_equal(es.random.get_key(), before)
+    assert model(x, key=key).shape == (16, 3)
+    # `eqx.nn.inference_mode` switches every layer; the states are shared.
+    inference = eqx.nn.inference_mode(model)
+    bn = model.layers[0]
+    expected = jnp.tanh(bn(x, inference=True))
+    assert tree_bitwise_equal(inference(x, key=key), expected)
+
+
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
+def test_cells_take_a_key_and_run_in_eqx_sequential(getkey, cls):
+    cell = cls(3, 4, key=getkey())
+    model = eqx.nn.Sequential([eqx.nn.Linear(3, 3, key=getkey()), cell])
+    x = jr.normal(getkey(), (3,))
+    h = model(x, key=getkey())
+    assert tree_bitwise_equal(h, cell.hidden.value) and h.shape == (4,)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_layers_pass_strict_dtype_and_rank_promotion(getkey, state_dtype):
+    bn = enn.BatchNorm(3, dtype=state_dtype)
+    dropout = enn.Dropout(0.3)
+    cells = [
+        cls(3, 4, batch_size=5, key=getkey())
+        for cls in (enn.GRUCell, enn.LSTMCell, enn.RNNCell)
+    ]
+    x = jr.normal(getkey(), (5, 3))
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        y = bn(x)
+        bn(x, inference=True)
+        dropout(x)
+        for cell in cells:
+            assert cell(x).shape == (5, 4)
+    assert y.dtype == jnp.float32  # as with standard promotion
+    assert bn.running_mean.value.dtype == state_dtype

@@ -44,7 +44,9 @@ def test_scope_keeps_nothing_if_the_block_raises():
         with sc:
             s.value = jnp.full(2, 5.0)
             raise RuntimeError("boom")
-    assert sc.states is None and (s.value == 0).all()
+    assert (s.value == 0).all()
+    with pytest.raises(RuntimeError, match="only available once the block has exited"):
+        sc.states
 
 
 def test_scope_takes_a_state_dict():

@@ -58,10 +58,12 @@ def test_handle_is_immutable():
     assert s.name == "w" and s.tag == "t"
 
 
-def test_copy_and_deepcopy_keep_identity():
-    s = es.State(jnp.zeros(2))
+def test_copy_keeps_identity_and_deepcopy_points_to_clone():
+    s = es.State(jnp.zeros(2), name="s")
     assert copy.copy(s) is s
-    assert copy.deepcopy({"s": s})["s"] is s
+    assert copy.copy({"s": s})["s"] is s
+    with pytest.raises(TypeError, match=r"Cannot deep-copy State 's'.*eqstate.clone"):
+        copy.deepcopy({"s": s})
 
 
 def test_pickling_a_handle_is_refused():

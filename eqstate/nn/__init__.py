@@ -3,4 +3,4 @@ states are state handles, so they are plain `eqx.Module`s that need no state arg
 
 from ._batch_norm import BatchNorm as BatchNorm
 from ._dropout import Dropout as Dropout
-from ._rnn import GRUCell as GRUCell, RNNCell as RNNCell
+from ._rnn import GRUCell as GRUCell, LSTMCell as LSTMCell, RNNCell as RNNCell

@@ -5,7 +5,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._state import LongTermState, ParamState
 
@@ -146,13 +146,19 @@ class BatchNorm(eqx.Module):
             )
 
     def __call__(
-        self, x: Float[ArrayLike, "..."], *, inference: bool | None = None
+        self,
+        x: Float[ArrayLike, "..."],
+        *,
+        inference: bool | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "..."]:
         """**Arguments:**
 
         - `x`: an array of shape `(batch, num_features, *spatial)`.
         - `inference`: if `True` or `False`, overrides `self.inference` for this call.
             (Keyword only argument.)
+        - `key`: ignored; accepted so that the layer can be called as an Equinox
+            layer (`eqx.nn.Sequential` passes one). (Keyword only argument.)
 
         **Returns:**
 
@@ -178,18 +184,31 @@ class BatchNorm(eqx.Module):
             var = jnp.mean(jnp.square(x - mean.reshape(shape)), axis=axes)
             # The running statistics are written back, never differentiated.
             batch_mean, batch_var = jax.lax.stop_gradient((mean, var))
-            old_mean = self.running_mean.value
-            old_var = self.running_var.value
-            m = self.momentum
-            self.running_mean.value = (old_mean * m + batch_mean * (1 - m)).astype(
-                old_mean.dtype
-            )
-            self.running_var.value = (old_var * m + batch_var * (1 - m)).astype(
-                old_var.dtype
-            )
-        out = (x - mean.reshape(shape)) / jnp.sqrt(var.reshape(shape) + self.eps)
+            self.running_mean.value = self._updated(self.running_mean.value, batch_mean)
+            self.running_var.value = self._updated(self.running_var.value, batch_var)
+        affine = ()
         if self.weight is not None and self.bias is not None:
-            out = out * self.weight.value.reshape(shape) + self.bias.value.reshape(
-                shape
-            )
+            affine = (self.weight.value, self.bias.value)
+        # States may have another dtype than `x` (bf16 statistics of f32 inputs):
+        # promote explicitly, so that strict dtype promotion accepts the layer.
+        dtype = _promoted_dtype(x, mean, var, *affine)
+        x, mean, var, *affine = (a.astype(dtype) for a in (x, mean, var, *affine))
+        out = (x - mean.reshape(shape)) / jnp.sqrt(var.reshape(shape) + self.eps)
+        if affine:
+            weight, bias = affine
+            out = out * weight.reshape(shape) + bias.reshape(shape)
         return out
+
+    def _updated(self, running: Array, batch: Array) -> Array:
+        """`momentum * running + (1 - momentum) * batch`, in the dtype of `running`."""
+        dtype = _promoted_dtype(running, batch)
+        m = self.momentum
+        new = running.astype(dtype) * m + batch.astype(dtype) * (1 - m)
+        return new.astype(running.dtype)
+
+
+def _promoted_dtype(*arrays: Array) -> Any:
+    """The dtype JAX's standard promotion gives `arrays`, whatever the configured
+    promotion mode."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*arrays)

@@ -1,57 +1,199 @@
-"""Recurrent cells whose hidden state is a `ShortTermState`."""
+"""Recurrent cells whose hidden state is a `ShortTermState`.
+
+Every cell computes one example at a time (`_step`, the same operations as the
+`eqx.nn` cell of that name) and maps it over the batch axes of its input, so the batch
+shape of a call follows the input and the hidden state, never a static field.
+"""
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from .. import random
+from .. import _context, random
 from .._state import ParamState, ShortTermState
 
 
-def _hidden_shape(hidden_size: int, batch_size: int | None) -> tuple[int, ...]:
-    return (hidden_size,) if batch_size is None else (batch_size, hidden_size)
+_Carry = tuple[Array, ...]
+_Params = tuple[Array | None, ...]
+
+
+def _batch_shape(batch_size: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    if batch_size is None:
+        return ()
+    return (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
 
 
 def _check_sizes(
-    layer: str, input_size: int, hidden_size: int, batch_size: int | None
+    layer: str, input_size: int, hidden_size: int, batch_shape: tuple[int, ...]
 ) -> None:
-    for name, size in (
-        ("input_size", input_size),
-        ("hidden_size", hidden_size),
-        ("batch_size", batch_size),
-    ):
-        if size is not None and size < 1:
+    for name, size in (("input_size", input_size), ("hidden_size", hidden_size)):
+        if size < 1:
             raise ValueError(f"{layer} needs a positive `{name}`, got {size}.")
-
-
-def _check_input(cell: "GRUCell | RNNCell", x: Array) -> None:
-    if cell.batch_size is None:
-        expected = (cell.input_size,)
-        fix = "Build the cell with `batch_size=...` to step a batch of sequences."
-        batch = ""
-    else:
-        expected = (cell.batch_size, cell.input_size)
-        fix = "The batch size is fixed when the cell is built."
-        batch = f", batch_size={cell.batch_size}"
-    if x.shape != expected:
+    if any(size < 1 for size in batch_shape):
         raise ValueError(
-            f"{type(cell).__name__}(input_size={cell.input_size}, hidden_size="
-            f"{cell.hidden_size}{batch}) takes one time step of shape {expected}, got "
-            f"shape {x.shape}. {fix} To run a whole sequence, loop over its time axis "
-            "with `eqstate.transform.for_loop(cell, xs)`."
+            f"{layer} needs a positive `batch_size` (or a tuple of them), got "
+            f"{batch_shape if len(batch_shape) != 1 else batch_shape[0]}."
         )
 
 
-def _matmul(w: Array, x: Array) -> Array:
-    # `w @ x` for one input, `x @ w.T` for a batch of them.
-    return w @ x if x.ndim == 1 else x @ w.T
+def _map_over_batch(
+    step: Callable[[_Params, Array, _Carry], _Carry],
+    params: _Params,
+    x: Array,
+    carry: _Carry,
+    batch_shape: tuple[int, ...],
+) -> _Carry:
+    """`step` of one example, applied to every example of a batch of shape
+    `batch_shape` (flattened into one `jax.vmap`, the parameters shared)."""
+    if not batch_shape:
+        return step(params, x, carry)
+
+    def flat(a: Array) -> Array:
+        return a.reshape(-1, a.shape[-1])
+
+    out = jax.vmap(step, in_axes=(None, 0, 0))(
+        params, flat(x), jtu.tree_map(flat, carry)
+    )
+    return jtu.tree_map(lambda a: a.reshape(*batch_shape, a.shape[-1]), out)
 
 
-class GRUCell(eqx.Module):
+class _RecurrentCell(eqx.Module):
+    """What every cell shares: the shape checks, the batch mapping, `reset` and the
+    call convention. Subclasses give their parameters and `_step` for one example."""
+
+    input_size: eqx.AbstractVar[int]
+    hidden_size: eqx.AbstractVar[int]
+
+    def _carry_states(self) -> tuple[ShortTermState, ...]:
+        """The states carried from step to step (the hidden state first)."""
+        raise NotImplementedError
+
+    def _params(self) -> _Params:
+        """The values of the parameters, as `_step` takes them."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _step(params: _Params, x: Array, carry: _Carry) -> _Carry:
+        """One step for one example: `x` of shape `(input_size,)`, each carried value
+        of shape `(hidden_size,)`. Pure: the parameters are passed in, so that it can
+        be mapped over a batch with `jax.vmap`."""
+        raise NotImplementedError
+
+    def _name(self) -> str:
+        return (
+            f"{type(self).__name__}(input_size={self.input_size}, "
+            f"hidden_size={self.hidden_size})"
+        )
+
+    def _check_input(self, x: Array, hidden: Array) -> tuple[int, ...]:
+        """The batch shape of the call, or `ValueError` naming both shapes."""
+        if x.ndim == 0 or x.shape[-1] != self.input_size:
+            raise ValueError(
+                f"{self._name()} takes one time step of shape (*batch, "
+                f"{self.input_size}), got shape {x.shape}. To run a whole sequence, "
+                "loop over its time axis with `eqstate.transform.for_loop(cell, xs)`."
+            )
+        batch, hidden_batch = x.shape[:-1], hidden.shape[:-1]
+        if batch != hidden_batch:
+            raise ValueError(
+                f"{self._name()} got an input of shape {x.shape} (batch shape "
+                f"{batch}), but its hidden state has shape {hidden.shape} here (batch "
+                f"shape {hidden_batch}). Give the hidden state the batch of the input "
+                f"before the sequence, outside transforms: `cell.reset(batch_size="
+                f"{batch if len(batch) != 1 else batch[0]})`. Inside "
+                "`eqstate.transform.vmap`, map the hidden state along with the input: "
+                "`vmap(cell, in_states={0: eqstate.states_of(cell, "
+                "eqstate.ShortTermState)})`."
+            )
+        return batch
+
+    def reset(self, batch_size: int | tuple[int, ...] | None = None) -> None:
+        """Sets the hidden state to zeros, e.g. before a new sequence.
+
+        **Arguments:**
+
+        - `batch_size`: if given, the hidden state takes this batch shape (an int for
+            one batch axis, a tuple for several, `()` for none), so that the next
+            calls take inputs of shape `(*batch, input_size)`. Changing the batch
+            shape gives the state a value of a new shape, which only a context
+            holding values can do: call it in eager code, or inside
+            [`eqstate.scope`][] or [`eqstate.run`][] (also under `jax.jit`), not
+            inside an eqstate transform. By default the batch shape stays as it is,
+            and the reset is an ordinary write that works everywhere.
+        """
+        states = self._carry_states()
+        current = [state.value for state in states]
+        if batch_size is None:
+            for state, value in zip(states, current):
+                state.value = jnp.zeros_like(value)
+            return
+        shape = (*_batch_shape(batch_size), self.hidden_size)
+        _check_sizes(type(self).__name__, self.input_size, self.hidden_size, shape[:-1])
+        zeros = {s: jnp.zeros(shape, v.dtype) for s, v in zip(states, current)}
+        if all(v.shape == shape for v in current):
+            for state, value in zeros.items():
+                state.value = value
+            return
+        frame = _context.current_frame()
+        if not isinstance(frame, (_context.World, _context.DictFrame)):
+            raise ValueError(
+                f"Cannot change the batch shape of the hidden state of {self._name()} "
+                f"from {current[0].shape[:-1]} to {shape[:-1]} inside an eqstate "
+                "transform: a state keeps its shape within a traced function. Call "
+                "`cell.reset(batch_size=...)` before calling the transformed function "
+                "(it retraces for the new shape), or map over the batch with "
+                "`eqstate.transform.vmap` and a hidden state that has the batch axis."
+            )
+        # A new value of another shape, as when the state was created: not a write.
+        frame.commit(zeros)
+
+    def __call__(
+        self, x: Float[ArrayLike, "..."], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "..."]:
+        """**Arguments:**
+
+        - `x`: one time step, of shape `(*batch, input_size)`. The batch shape must
+            be that of the hidden state: `()` for a cell built without `batch_size`;
+            see `reset` to change it.
+        - `key`: ignored; accepted so that the cell can be called as an Equinox layer
+            (`eqx.nn.Sequential` passes one). (Keyword only argument.)
+
+        **Returns:**
+
+        The new hidden state, of shape `(*batch, hidden_size)`, which is also
+        written to `hidden`.
+        """
+        del key
+        x = jnp.asarray(x)
+        states = self._carry_states()
+        carry = tuple(state.value for state in states)
+        batch_shape = self._check_input(x, carry[0])
+        new = _map_over_batch(self._step, self._params(), x, carry, batch_shape)
+        new = tuple(value.astype(old.dtype) for old, value in zip(carry, new))
+        for state, value in zip(states, new):
+            state.value = value
+        return new[0]
+
+
+def _hidden(shape: tuple[int, ...], dtype: Any, name: str) -> ShortTermState:
+    return ShortTermState(jnp.zeros(shape, dtype), name=name)
+
+
+def _param(array: Array | None, name: str) -> ParamState | None:
+    return None if array is None else ParamState(array, name=name)
+
+
+def _value(state: ParamState | None) -> Array | None:
+    return None if state is None else state.value
+
+
+class GRUCell(_RecurrentCell):
     """One step of a Gated Recurrent Unit (GRU), which keeps its hidden state in an
     [`eqstate.ShortTermState`][].
 
@@ -59,7 +201,12 @@ class GRUCell(eqx.Module):
     and initialised as it does (so the same `key` gives the same weights), and a call
     computes the same update. Instead of taking and returning the hidden state, a call
     reads and writes `hidden`; [`eqstate.nn.GRUCell.reset`][] zeroes it between
-    sequences.
+    sequences, and gives it a batch shape.
+
+    The batch shape follows the hidden state: a cell built without `batch_size` takes
+    one example of shape `(input_size,)`; after `cell.reset(batch_size=8)` it takes
+    inputs of shape `(8, input_size)`; and [`eqstate.transform.vmap`][] over a cell
+    whose hidden state has a batch axis maps the single-example cell.
 
     !!! Example
 
@@ -73,8 +220,13 @@ class GRUCell(eqx.Module):
         hs = es.transform.for_loop(cell, xs)  # every hidden state, (10, 4)
         assert (cell.hidden.value == hs[-1]).all()
 
-        cell.reset()
-        assert (cell.hidden.value == 0).all()
+        cell.reset(batch_size=8)  # the batch is chosen here, after building
+        hs = es.transform.for_loop(cell, es.random.normal((10, 8, 2)))
+        assert hs.shape == (10, 8, 4)
+
+        # Or map the single-example cell over the hidden state's batch axis:
+        step = es.transform.vmap(cell, in_states={0: cell.hidden})
+        assert step(es.random.normal((8, 2))).shape == (8, 4)
         ```
     """
 
@@ -86,7 +238,6 @@ class GRUCell(eqx.Module):
     input_size: int = eqx.field(static=True)
     hidden_size: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
-    batch_size: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -94,7 +245,7 @@ class GRUCell(eqx.Module):
         hidden_size: int,
         *,
         use_bias: bool = True,
-        batch_size: int | None = None,
+        batch_size: int | tuple[int, ...] | None = None,
         dtype: Any = jnp.float32,
         key: PRNGKeyArray | None = None,
     ):
@@ -104,74 +255,143 @@ class GRUCell(eqx.Module):
         - `hidden_size`: the size of the hidden state.
         - `use_bias`: whether to add the biases `bias` and `bias_n`. (Keyword only
             argument.)
-        - `batch_size`: if given, the cell steps a batch of sequences: its input has
-            shape `(batch_size, input_size)` and its hidden state
-            `(batch_size, hidden_size)`. (Keyword only argument.)
+        - `batch_size`: the initial batch shape of the hidden state (an int, or a
+            tuple for several batch axes); by default none, for one example at a
+            time. `reset(batch_size=...)` changes it. (Keyword only argument.)
         - `dtype`: the dtype of the parameters and of the hidden state. (Keyword only
             argument.)
         - `key`: the key to initialise the parameters from. By default one is split
             from the default random state, [`eqstate.random.DEFAULT`][]. (Keyword only
             argument.)
         """
-        _check_sizes("GRUCell", input_size, hidden_size, batch_size)
+        batch = _batch_shape(batch_size)
+        _check_sizes("GRUCell", input_size, hidden_size, batch)
         key = random.split_key() if key is None else key
-        cell = eqx.nn.GRUCell(input_size, hidden_size, use_bias, dtype, key=key)
-        self.weight_ih = ParamState(cell.weight_ih, name="weight_ih")
-        self.weight_hh = ParamState(cell.weight_hh, name="weight_hh")
-        if cell.bias is not None and cell.bias_n is not None:
-            self.bias = ParamState(cell.bias, name="bias")
-            self.bias_n = ParamState(cell.bias_n, name="bias_n")
-        else:
-            self.bias = None
-            self.bias_n = None
-        self.hidden = ShortTermState(
-            jnp.zeros(_hidden_shape(hidden_size, batch_size), dtype), name="hidden"
-        )
+        ref = eqx.nn.GRUCell(input_size, hidden_size, use_bias, dtype, key=key)
+        self.weight_ih = ParamState(ref.weight_ih, name="weight_ih")
+        self.weight_hh = ParamState(ref.weight_hh, name="weight_hh")
+        self.bias = _param(ref.bias, "bias")
+        self.bias_n = _param(ref.bias_n, "bias_n")
+        self.hidden = _hidden((*batch, hidden_size), dtype, "hidden")
         self.input_size = input_size
         self.hidden_size = hidden_size
         self.use_bias = use_bias
-        self.batch_size = batch_size
 
-    def reset(self) -> None:
-        """Sets the hidden state to zeros, e.g. before a new sequence."""
-        self.hidden.value = jnp.zeros_like(self.hidden.value)
+    def _carry_states(self) -> tuple[ShortTermState, ...]:
+        return (self.hidden,)
 
-    def __call__(self, x: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
-        """**Arguments:**
+    def _params(self) -> _Params:
+        return (
+            self.weight_ih.value,
+            self.weight_hh.value,
+            _value(self.bias),
+            _value(self.bias_n),
+        )
 
-        - `x`: one time step, of shape `(input_size,)`, or
-            `(batch_size, input_size)` for a cell built with `batch_size`.
-
-        **Returns:**
-
-        The new hidden state, which is also written to `hidden`.
-        """
-        x = jnp.asarray(x)
-        _check_input(self, x)
-        h = self.hidden.value
-        igates = _matmul(self.weight_ih.value, x)
-        hgates = _matmul(self.weight_hh.value, h)
-        bias_n: Array | float = 0.0
-        if self.bias is not None and self.bias_n is not None:
-            igates = igates + self.bias.value
-            bias_n = self.bias_n.value
-        i_r, i_z, i_n = jnp.split(igates, 3, axis=-1)
-        h_r, h_z, h_n = jnp.split(hgates, 3, axis=-1)
+    @staticmethod
+    def _step(params: _Params, x: Array, carry: _Carry) -> _Carry:
+        # The operations of `eqx.nn.GRUCell.__call__`, in its order.
+        weight_ih, weight_hh, bias, bias_n = params
+        assert weight_ih is not None and weight_hh is not None
+        (h,) = carry
+        i_r, i_z, i_n = jnp.split(weight_ih @ x + (0 if bias is None else bias), 3)
+        h_r, h_z, h_n = jnp.split(weight_hh @ h, 3)
+        bias_n = 0 if bias_n is None else bias_n
         reset = jax.nn.sigmoid(i_r + h_r)
         update = jax.nn.sigmoid(i_z + h_z)
         new = jnp.tanh(i_n + reset * (h_n + bias_n))
-        h = (new + update * (h - new)).astype(h.dtype)
-        self.hidden.value = h
-        return h
+        return (new + update * (h - new),)
 
 
-class RNNCell(eqx.Module):
+class LSTMCell(_RecurrentCell):
+    """One step of a Long Short-Term Memory (LSTM) cell, which keeps its hidden state
+    and its cell state in two [`eqstate.ShortTermState`][]s, `hidden` and `cell`.
+
+    The parameters are those of `eqx.nn.LSTMCell`, each in an [`eqstate.ParamState`][]
+    and initialised as it does (so the same `key` gives the same weights), and a call
+    computes the same update of `(hidden, cell)`. A call returns the new hidden state;
+    [`eqstate.nn.LSTMCell.reset`][] zeroes both states and sets their batch shape, as
+    for [`eqstate.nn.GRUCell`][].
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import eqstate.nn as enn
+
+        lstm = enn.LSTMCell(3, 5)
+        lstm.reset(batch_size=4)
+        hs = es.transform.for_loop(lstm, es.random.normal((20, 4, 3)))
+        assert hs.shape == (20, 4, 5) and (lstm.hidden.value == hs[-1]).all()
+        assert lstm.cell.value.shape == (4, 5)
+        ```
+    """
+
+    weight_ih: ParamState
+    weight_hh: ParamState
+    bias: ParamState | None
+    hidden: ShortTermState
+    cell: ShortTermState
+    input_size: int = eqx.field(static=True)
+    hidden_size: int = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        *,
+        use_bias: bool = True,
+        batch_size: int | tuple[int, ...] | None = None,
+        dtype: Any = jnp.float32,
+        key: PRNGKeyArray | None = None,
+    ):
+        """**Arguments:**
+
+        As for [`eqstate.nn.GRUCell.__init__`][]; `use_bias` adds one bias, `bias`.
+        """
+        batch = _batch_shape(batch_size)
+        _check_sizes("LSTMCell", input_size, hidden_size, batch)
+        key = random.split_key() if key is None else key
+        ref = eqx.nn.LSTMCell(input_size, hidden_size, use_bias, dtype, key=key)
+        self.weight_ih = ParamState(ref.weight_ih, name="weight_ih")
+        self.weight_hh = ParamState(ref.weight_hh, name="weight_hh")
+        self.bias = _param(ref.bias, "bias")
+        self.hidden = _hidden((*batch, hidden_size), dtype, "hidden")
+        self.cell = _hidden((*batch, hidden_size), dtype, "cell")
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.use_bias = use_bias
+
+    def _carry_states(self) -> tuple[ShortTermState, ...]:
+        return (self.hidden, self.cell)
+
+    def _params(self) -> _Params:
+        return (self.weight_ih.value, self.weight_hh.value, _value(self.bias))
+
+    @staticmethod
+    def _step(params: _Params, x: Array, carry: _Carry) -> _Carry:
+        # The operations of `eqx.nn.LSTMCell.__call__`, in its order.
+        weight_ih, weight_hh, bias = params
+        assert weight_ih is not None and weight_hh is not None
+        h, c = carry
+        lin = weight_ih @ x + weight_hh @ h
+        if bias is not None:
+            lin = lin + bias
+        i, f, g, o = jnp.split(lin, 4)
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        return (h, c)
+
+
+class RNNCell(_RecurrentCell):
     """One step of an Elman recurrent cell, `h = tanh(W_ih x + W_hh h + b)`, which
     keeps its hidden state in an [`eqstate.ShortTermState`][].
 
     The parameters are [`eqstate.ParamState`][]s initialised uniformly in
     `[-1/sqrt(hidden_size), 1/sqrt(hidden_size)]`, as `eqx.nn.GRUCell` does. A call
-    reads and writes `hidden`; [`eqstate.nn.RNNCell.reset`][] zeroes it.
+    reads and writes `hidden`; [`eqstate.nn.RNNCell.reset`][] zeroes it and sets its
+    batch shape, as for [`eqstate.nn.GRUCell`][].
 
     !!! Example
 
@@ -193,7 +413,6 @@ class RNNCell(eqx.Module):
     input_size: int = eqx.field(static=True)
     hidden_size: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
-    batch_size: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -201,7 +420,7 @@ class RNNCell(eqx.Module):
         hidden_size: int,
         *,
         use_bias: bool = True,
-        batch_size: int | None = None,
+        batch_size: int | tuple[int, ...] | None = None,
         dtype: Any = jnp.float32,
         key: PRNGKeyArray | None = None,
     ):
@@ -209,51 +428,36 @@ class RNNCell(eqx.Module):
 
         As for [`eqstate.nn.GRUCell.__init__`][].
         """
-        _check_sizes("RNNCell", input_size, hidden_size, batch_size)
+        batch = _batch_shape(batch_size)
+        _check_sizes("RNNCell", input_size, hidden_size, batch)
         key = random.split_key() if key is None else key
         ihkey, hhkey, bkey = jax.random.split(key, 3)
         lim = math.sqrt(1 / hidden_size)
 
-        def init(k: PRNGKeyArray, shape: tuple[int, ...]) -> Array:
-            return jax.random.uniform(k, shape, dtype, minval=-lim, maxval=lim)
+        def init(k: PRNGKeyArray, shape: tuple[int, ...], name: str) -> ParamState:
+            value = jax.random.uniform(k, shape, dtype, minval=-lim, maxval=lim)
+            return ParamState(value, name=name)
 
-        self.weight_ih = ParamState(
-            init(ihkey, (hidden_size, input_size)), name="weight_ih"
-        )
-        self.weight_hh = ParamState(
-            init(hhkey, (hidden_size, hidden_size)), name="weight_hh"
-        )
-        self.bias = (
-            ParamState(init(bkey, (hidden_size,)), name="bias") if use_bias else None
-        )
-        self.hidden = ShortTermState(
-            jnp.zeros(_hidden_shape(hidden_size, batch_size), dtype), name="hidden"
-        )
+        self.weight_ih = init(ihkey, (hidden_size, input_size), "weight_ih")
+        self.weight_hh = init(hhkey, (hidden_size, hidden_size), "weight_hh")
+        self.bias = init(bkey, (hidden_size,), "bias") if use_bias else None
+        self.hidden = _hidden((*batch, hidden_size), dtype, "hidden")
         self.input_size = input_size
         self.hidden_size = hidden_size
         self.use_bias = use_bias
-        self.batch_size = batch_size
 
-    def reset(self) -> None:
-        """Sets the hidden state to zeros, e.g. before a new sequence."""
-        self.hidden.value = jnp.zeros_like(self.hidden.value)
+    def _carry_states(self) -> tuple[ShortTermState, ...]:
+        return (self.hidden,)
 
-    def __call__(self, x: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
-        """**Arguments:**
+    def _params(self) -> _Params:
+        return (self.weight_ih.value, self.weight_hh.value, _value(self.bias))
 
-        - `x`: one time step, of shape `(input_size,)`, or
-            `(batch_size, input_size)` for a cell built with `batch_size`.
-
-        **Returns:**
-
-        The new hidden state, which is also written to `hidden`.
-        """
-        x = jnp.asarray(x)
-        _check_input(self, x)
-        h = self.hidden.value
-        pre = _matmul(self.weight_ih.value, x) + _matmul(self.weight_hh.value, h)
-        if self.bias is not None:
-            pre = pre + self.bias.value
-        h = jnp.tanh(pre).astype(h.dtype)
-        self.hidden.value = h
-        return h
+    @staticmethod
+    def _step(params: _Params, x: Array, carry: _Carry) -> _Carry:
+        weight_ih, weight_hh, bias = params
+        assert weight_ih is not None and weight_hh is not None
+        (h,) = carry
+        pre = weight_ih @ x + weight_hh @ h
+        if bias is not None:
+            pre = pre + bias
+        return (jnp.tanh(pre),)

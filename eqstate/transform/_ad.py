@@ -386,41 +386,106 @@ def _jacobian(jax_transform: Callable, name: str, transform_kwargs: tuple[str, .
     return transform
 
 
-jacrev = _jacobian(jax.jacrev, "jacrev", ("holomorphic", "allow_int"))
-jacrev.__name__ = jacrev.__qualname__ = "jacrev"
-jacrev.__doc__ = """Jacobian by reverse-mode autodiff (`jax.jacrev`), with respect to state
-values and arguments. Arguments and outputs are as for [`eqstate.transform.grad`][],
-with Jacobians in place of gradients: `state_grads[s]` has the output's shape followed
-by the state's.
+_jacrev = _jacobian(jax.jacrev, "jacrev", ("holomorphic", "allow_int"))
+_jacfwd = _jacobian(jax.jacfwd, "jacfwd", ("holomorphic",))
 
-!!! Example
 
-    ```python
-    import eqstate as es
-    import jax.numpy as jnp
+def jacrev(
+    fun: Any = MISSING,
+    grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_value: bool = False,
+    *,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    check_states: bool = True,
+) -> Any:
+    """Jacobian by reverse-mode autodiff (`jax.jacrev`), with respect to state
+    values and arguments. Arguments and outputs are as for [`eqstate.transform.grad`][],
+    with Jacobians in place of gradients: `state_grads[s]` has the output's shape
+    followed by the state's.
 
-    w = es.ParamState(jnp.array([1.0, 2.0]))
-    jac = es.transform.jacrev(lambda x: w.value * x, grad_states=[w])(jnp.ones(2))
-    assert jac[w].shape == (2, 2)
-    ```
-"""
+    **Arguments:**
 
-jacfwd = _jacobian(jax.jacfwd, "jacfwd", ("holomorphic",))
-jacfwd.__name__ = jacfwd.__qualname__ = "jacfwd"
-jacfwd.__doc__ = """Jacobian by forward-mode autodiff (`jax.jacfwd`), with respect to state
-values and arguments. Arguments and outputs are as for [`eqstate.transform.jacrev`][].
+    - `fun`, `grad_states`, `argnums`, `has_aux`, `return_value`, `check_states`: as
+        for [`eqstate.transform.grad`][]. If `fun` is omitted, this returns a
+        decorator.
+    - `holomorphic`, `allow_int`: as in `jax.jacrev`. (Keyword only arguments.)
 
-!!! Example
+    **Returns:**
 
-    ```python
-    import eqstate as es
-    import jax.numpy as jnp
+    A function with the signature of `fun` returning the Jacobians, as
+    [`eqstate.transform.grad`][] returns gradients.
 
-    w = es.ParamState(jnp.array([1.0, 2.0]))
-    jac = es.transform.jacfwd(lambda x: w.value * x, grad_states=[w])(jnp.ones(2))
-    assert jac[w].shape == (2, 2)
-    ```
-"""
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array([1.0, 2.0]))
+        jac = es.transform.jacrev(lambda x: w.value * x, grad_states=[w])(jnp.ones(2))
+        assert jac[w].shape == (2, 2)
+        ```
+    """
+    return _jacrev(
+        fun,
+        grad_states,
+        argnums,
+        has_aux,
+        return_value,
+        holomorphic=holomorphic,
+        allow_int=allow_int,
+        check_states=check_states,
+    )
+
+
+def jacfwd(
+    fun: Any = MISSING,
+    grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_value: bool = False,
+    *,
+    holomorphic: bool = False,
+    check_states: bool = True,
+) -> Any:
+    """Jacobian by forward-mode autodiff (`jax.jacfwd`), with respect to state
+    values and arguments. Arguments and outputs are as for
+    [`eqstate.transform.jacrev`][].
+
+    **Arguments:**
+
+    - `fun`, `grad_states`, `argnums`, `has_aux`, `return_value`, `check_states`: as
+        for [`eqstate.transform.grad`][]. If `fun` is omitted, this returns a
+        decorator.
+    - `holomorphic`: as in `jax.jacfwd`. (Keyword only argument.)
+
+    **Returns:**
+
+    A function with the signature of `fun` returning the Jacobians.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array([1.0, 2.0]))
+        jac = es.transform.jacfwd(lambda x: w.value * x, grad_states=[w])(jnp.ones(2))
+        assert jac[w].shape == (2, 2)
+        ```
+    """
+    return _jacfwd(
+        fun,
+        grad_states,
+        argnums,
+        has_aux,
+        return_value,
+        holomorphic=holomorphic,
+        check_states=check_states,
+    )
 
 
 def hessian(

@@ -4,7 +4,7 @@ import inspect
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.extend.core as jex_core
@@ -563,6 +563,16 @@ class StatefulFunction:
                 # thread wrote them): trace again against the values now there.
                 continue
         raise RuntimeError(_KEEPS_CHANGING.format(name=self.name, n=_RETRIES))
+
+    @overload
+    def jaxpr_call(
+        self, state_vals: StateDict, *args: Any, **kwargs: Any
+    ) -> tuple[StateDict, Any]: ...
+
+    @overload
+    def jaxpr_call(
+        self, state_vals: Sequence[PyTree], *args: Any, **kwargs: Any
+    ) -> tuple[tuple[PyTree, ...], Any]: ...
 
     def jaxpr_call(
         self,

@@ -1,0 +1,200 @@
+"""Copies of models holding handles: `clone` and `member`."""
+
+import operator
+from typing import TypeVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from . import _context
+from ._custom_types import Filter
+from ._filters import to_predicate
+from ._pretty_print import state_label, value_summary
+from ._run import states_of
+from ._state import fresh_copy, is_state, NonBatchState, State
+
+
+_T = TypeVar("_T")
+
+
+def _copy(value: PyTree) -> PyTree:
+    # A real copy, not a second reference to the same buffers: donating the original's
+    # values to a jitted call (`donate_states=True`) must leave the clone's intact.
+    return jtu.tree_map(jnp.copy, value)
+
+
+def _replace_handles(tree: _T, new_handles: dict[State, State]) -> _T:
+    return jtu.tree_map(
+        lambda x: new_handles.get(x, x) if is_state(x) else x, tree, is_leaf=is_state
+    )
+
+
+def _register(tree: _T, states: tuple[State, ...], values: list[PyTree]) -> _T:
+    """`tree` with each of `states` replaced by a fresh handle holding the matching
+    value, registered in the innermost context."""
+    frame = _context.current_frame()
+    fresh = {state: fresh_copy(state) for state in states}
+    for state, value in zip(states, values):
+        frame.add_new(fresh[state], value)
+    return _replace_handles(tree, fresh)
+
+
+def clone(tree: _T) -> _T:
+    """A copy of `tree` whose handles are fresh states holding copies of the original
+    values: writing to the copy leaves the original as it was, and the other way round.
+
+    Each handle of `tree` is replaced by a new handle of the same kind, tag and name,
+    registered in the innermost context (the world, an [`eqstate.scope`][], or the
+    trace of a transform) with a copy of the original's value there. A handle found at
+    several places in `tree` becomes one new handle, found at the same places. Leaves
+    that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
+    are: JAX arrays are immutable, so sharing them is safe.
+
+    `copy.deepcopy` of a handle raises instead, since it cannot choose the context
+    to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]
+    holds a copy of its key, so both draw the same numbers until one is reseeded.
+
+    **Arguments:**
+
+    - `tree`: any PyTree, e.g. an `eqx.Module` holding handles.
+
+    **Returns:**
+
+    `tree` with every handle replaced by its clone.
+
+    **Raises:**
+
+    [`eqstate.StateNotFoundError`][] if a state has no value in the innermost context
+    (nothing is registered then).
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import eqstate.nn as enn
+
+        bn = enn.BatchNorm(3)
+        copy = es.clone(bn)
+        copy(es.random.normal((8, 3)))  # updates the copy's running statistics only
+        assert copy.running_mean is not bn.running_mean
+        assert copy.running_mean.name == "running_mean"
+        assert (bn.running_mean.value == 0).all()
+        assert not (copy.running_mean.value == 0).all()
+        ```
+    """
+    states = states_of(tree)
+    if not states:
+        return tree
+    values = _context.current_frame().read_many(states)
+    return _register(tree, states, [_copy(v) for v in values])
+
+
+def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
+    """The size of the leading axis shared by every `(label, value)` of `stacked`."""
+    sizes: dict[str, int] = {}
+    for label, value in stacked:
+        for leaf in jtu.tree_leaves(value):
+            if leaf.ndim == 0:
+                raise ValueError(
+                    f"{label} holds {value_summary(value)}, which has no leading "
+                    "member axis, so it cannot be part of an ensemble member. If "
+                    "every member shares it, pass a filter selecting it as `shared=` "
+                    "(the `state_to_exclude` given to `vmap_new_states`)."
+                )
+            sizes[f"{label} ({value_summary(value)})"] = leaf.shape[0]
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"{label}: {size}" for label, size in sizes.items())
+        raise ValueError(
+            "The states and arrays of this ensemble have leading axes of different "
+            f"sizes ({shown}), so they are not the stacked values of one ensemble. "
+            "States shared by every member must be selected by `shared=` (the "
+            "`state_to_exclude` given to `vmap_new_states`)."
+        )
+    return next(iter(sizes.values()))
+
+
+def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
+    """Member `index` of an ensemble, as a standalone model with its own states.
+
+    An ensemble built by [`eqstate.transform.vmap_new_states`][] (or
+    [`eqstate.transform.vmap2_new_states`][]) is one model whose states hold stacked
+    values, one per member. `member` returns the same model with every handle
+    replaced by a fresh one (same kind, tag and name) holding a copy of slice `index`
+    of the stacked value, so the member's values are bit for bit those of its lane.
+    States shared by every member (not stacked) are copied whole. Arrays of the tree
+    that are not states, such as the weights of an `eqx.nn.Linear` built in each
+    lane, are stacked by `vmap_new_states` too, and are sliced the same way.
+
+    The new states are registered in the innermost context, as by
+    [`eqstate.clone`][]. For an ensemble whose values are in a `StateDict`, run it
+    against the dictionary: `new_states, one = eqstate.run(eqstate.member, states,
+    ensemble, 3)`.
+
+    The member computes what its lane computes, but as another XLA program: a
+    batched matrix product may sum in another order than an unbatched one, so
+    outputs can differ from the lane's in the last bits (a few 1e-7 for float32).
+
+    **Arguments:**
+
+    - `ensemble`: a PyTree holding the ensemble's handles, e.g. the module returned
+        by `vmap_new_states`.
+    - `index`: which member, in `[-K, K)` for an ensemble of K members.
+    - `shared`: a filter selecting the states that are not stacked. By default the
+        [`eqstate.NonBatchState`][]s; pass the `state_to_exclude` given to
+        `vmap_new_states` as well, e.g. `shared=(eqstate.NonBatchState, "hyper")`.
+        (Keyword only argument.)
+
+    **Returns:**
+
+    A standalone copy of member `index`. Writing to it leaves the ensemble as it was.
+
+    **Raises:**
+
+    `IndexError` if `index` is out of range; `ValueError` if a stacked state has no
+    leading axis, or if the stacked states disagree on its size (a shared state that
+    `shared` does not select).
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax.numpy as jnp
+
+        def make():
+            return {"w": es.ParamState(es.random.normal((3,)), name="w")}
+
+        ensemble = es.transform.vmap_new_states(make, axis_size=4)()
+        third = es.member(ensemble, 2)
+        assert third["w"].value.shape == (3,)
+        assert (third["w"].value == ensemble["w"].value[2]).all()
+
+        third["w"].value = jnp.zeros(3)  # the ensemble keeps its own values
+        assert (ensemble["w"].value[2] != 0).all()
+        ```
+    """
+    index = operator.index(index)
+    states = states_of(ensemble)
+    values = _context.current_frame().read_many(states) if states else []
+    is_shared = to_predicate(shared)
+    stacked = [
+        (state_label(s), v) for s, v in zip(states, values) if not is_shared((), s)
+    ]
+    arrays = jtu.tree_leaves_with_path(eqx.filter(ensemble, eqx.is_array))
+    stacked += [(f"the array at {jtu.keystr(path)}", x) for path, x in arrays]
+    if stacked:
+        size = _member_axis_size(stacked)
+        if not -size <= index < size:
+            raise IndexError(
+                f"Member {index} of an ensemble of {size} members does not exist: "
+                f"the index must be in [{-size}, {size})."
+            )
+    ensemble = jtu.tree_map(
+        lambda x: x[index] if eqx.is_array(x) else x, ensemble, is_leaf=is_state
+    )
+    picked = [
+        _copy(v) if is_shared((), s) else jtu.tree_map(lambda x: x[index], v)
+        for s, v in zip(states, values)
+    ]
+    return _register(ensemble, states, picked)

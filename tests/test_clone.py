@@ -1,0 +1,244 @@
+"""`eqstate.clone`, `eqstate.member`, `copy.deepcopy` and Equinox serialisation of
+models holding handles."""
+
+import copy
+import os
+import tempfile
+
+import eqstate as es
+import eqstate.nn as enn
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from equinox._serialisation import TreePathError
+
+from .helpers import tree_bitwise_equal
+
+
+class _Model(eqx.Module):
+    linear: eqx.nn.Linear
+    bn: enn.BatchNorm
+    steps: es.ShortTermState
+    shared: es.ShortTermState  # the same handle as `steps`
+    scale: es.NonBatchState
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(3, 4, key=key)
+        self.bn = enn.BatchNorm(4)
+        self.steps = es.ShortTermState(jnp.array(0), name="steps", tag="counter")
+        self.shared = self.steps
+        self.scale = es.NonBatchState(jnp.array(2.0), name="scale")
+
+    def __call__(self, x):
+        self.steps.value = self.steps.value + 1
+        return self.bn(jax.vmap(self.linear)(x)) * self.scale.value
+
+
+def _values(tree):
+    return [s.value for s in es.states_of(tree)]
+
+
+def test_clone_gives_fresh_handles_with_the_same_kinds_tags_names_and_values(getkey):
+    model = _Model(getkey())
+    model(jr.normal(getkey(), (8, 3)))
+    clone = es.clone(model)
+    old, new = es.states_of(model), es.states_of(clone)
+    assert len(old) == len(new) == 6
+    for a, b in zip(old, new):
+        assert a is not b
+        assert (type(a), a.tag, a.name) == (type(b), b.tag, b.name)
+    assert tree_bitwise_equal(_values(clone), _values(model))
+    assert clone.shared is clone.steps  # sharing inside the tree is kept
+    assert clone.linear.weight is model.linear.weight  # arrays are immutable: kept
+
+
+def test_writes_to_a_clone_and_to_its_original_are_independent(getkey):
+    model = _Model(getkey())
+    clone = es.clone(model)
+    before = _values(model)
+    clone(jr.normal(getkey(), (8, 3)))
+    assert tree_bitwise_equal(_values(model), before)
+    assert clone.steps.value == 1
+    model(jr.normal(getkey(), (8, 3)))
+    model(jr.normal(getkey(), (8, 3)))
+    assert clone.steps.value == 1 and model.steps.value == 2
+
+
+def test_a_clone_keeps_its_values_when_the_original_is_donated(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3,)), name="w")
+    clone = es.clone(w)
+    expected = w.value + 0
+
+    @es.transform.jit(donate_states=True)
+    def bump():
+        w.value = w.value + 1
+
+    bump()
+    assert tree_bitwise_equal(clone.value, expected)
+
+
+def test_clone_inside_a_scope_adds_the_new_states_to_the_scope(getkey):
+    model, states = es.make_with_states(_Model)(getkey())
+    world_before = set(es.world().states)
+    with es.scope(states) as sc:
+        clone = es.clone(model)
+    assert set(es.world().states) == world_before
+    assert sc.states is not None
+    assert set(es.states_of(clone)) <= set(sc.states.states)
+    assert tree_bitwise_equal(
+        [sc.states[s] for s in es.states_of(clone)],
+        [states[s] for s in es.states_of(model)],
+    )
+
+
+def test_clone_inside_a_jitted_function_returns_fresh_handles(getkey):
+    model = _Model(getkey())
+    make = es.transform.jit(lambda: es.clone(model))
+    a, b = make(), make()
+    assert a.bn.running_mean is not b.bn.running_mean
+    assert tree_bitwise_equal(_values(a), _values(model))
+
+
+def test_clone_of_a_tree_without_handles_is_the_tree(getkey):
+    tree = {"x": jnp.ones(2), "n": 3}
+    assert es.clone(tree) is tree
+
+
+def test_clone_of_a_state_without_a_value_raises_and_registers_nothing(getkey):
+    model, _ = es.make_with_states(_Model)(getkey())
+    before = set(es.world().states)
+    with pytest.raises(es.StateNotFoundError, match="has no value in the world"):
+        es.clone(model)
+    assert set(es.world().states) == before
+
+
+def test_deepcopy_of_a_handle_points_to_clone(getkey):
+    model = _Model(getkey())
+    with pytest.raises(TypeError, match=r"Cannot deep-copy .*eqstate.clone\(tree\)"):
+        copy.deepcopy(model)
+    assert copy.copy(model.steps) is model.steps
+
+
+# --- member ----------------------------------------------------------------------------
+
+
+def _member_ctor(key):
+    return _Model(key)
+
+
+def test_member_is_bitwise_its_lane_and_independent_of_the_ensemble(getkey):
+    keys = jr.split(getkey(), 4)
+    ensemble = es.transform.vmap_new_states(_member_ctor, axis_size=4)(keys)
+    x = jr.normal(getkey(), (8, 3))
+    third = es.member(ensemble, 2)
+    for state, original in zip(es.states_of(third), es.states_of(ensemble)):
+        expected = (
+            original.value
+            if isinstance(original, es.NonBatchState)
+            else (original.value[2])
+        )
+        assert tree_bitwise_equal(state.value, expected)
+        assert state is not original and state.name == original.name
+    assert third.bn.running_mean.value.shape == (4,) and third.scale.value.shape == ()
+    assert es.member(ensemble, -2).bn.weight is not None
+    assert tree_bitwise_equal(
+        _values(es.member(ensemble, -2)), _values(es.member(ensemble, 2))
+    )
+
+    before = _values(ensemble)
+    third(x)
+    assert tree_bitwise_equal(_values(ensemble), before)
+
+
+def test_member_matches_the_lane_of_the_vmapped_ensemble(getkey):
+    def make():
+        return enn.GRUCell(3, 5)
+
+    ensemble = es.transform.vmap_new_states(make, axis_size=6)()
+    xs = jr.normal(getkey(), (7, 3))
+    lanes = es.transform.vmap(
+        lambda xs: es.transform.for_loop(ensemble, xs),
+        in_states={0: es.states_of(ensemble)},
+        in_axes=None,
+    )
+    alone = es.member(es.clone(ensemble), 4)
+    lane = lanes(xs)[4]
+    assert jnp.allclose(es.transform.for_loop(alone, xs), lane, rtol=1e-6, atol=1e-6)
+
+
+def test_member_of_an_ensemble_in_a_state_dict_with_run(getkey):
+    keys = jr.split(getkey(), 3)
+    ensemble, states = es.transform.vmap2_new_states(
+        _member_ctor, axis_size=3, in_axes=0
+    )(keys)
+    new_states, first = es.run(es.member, states, ensemble, 0)
+    mine = new_states.filter(es.states_of(first))
+    assert len(mine) == 6
+    assert tree_bitwise_equal(
+        mine[first.bn.weight],
+        states[ensemble.bn.weight][0],  # pyright: ignore
+    )
+
+
+def test_member_with_excluded_states_needs_them_in_shared(getkey):
+    def make():
+        return {
+            "w": es.ParamState(es.random.normal((2,)), name="w"),
+            "lr": es.State(jnp.array([0.1, 0.2, 0.3]), name="lr", tag="hyper"),
+        }
+
+    ensemble = es.transform.vmap_new_states(
+        make, axis_size=4, state_to_exclude="hyper"
+    )()
+    with pytest.raises(ValueError, match=r"different sizes .*State 'lr'.*shared="):
+        es.member(ensemble, 0)
+    one = es.member(ensemble, 3, shared=(es.NonBatchState, "hyper"))
+    assert tree_bitwise_equal(one["lr"].value, ensemble["lr"].value)
+    assert tree_bitwise_equal(one["w"].value, ensemble["w"].value[3])
+
+
+# --- Equinox serialisation ------------------------------------------------------------
+
+
+def test_eqx_serialisation_of_handles_is_refused_with_the_recipe(getkey):
+    model = _Model(getkey())
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "model.eqx")
+        with pytest.raises(TreePathError) as info:
+            eqx.tree_serialise_leaves(path, model)
+        assert isinstance(info.value.__cause__, TreePathError)
+        cause = info.value.__cause__.__cause__
+        assert isinstance(cause, TypeError)
+        assert "eqx.tree_serialise_leaves` met LongTermState 'running_mean'" in str(
+            cause
+        )
+        assert "eqstate.values_of(model)" in str(cause)
+        with pytest.raises(TreePathError) as info:
+            eqx.tree_deserialise_leaves(path, model)
+        assert "eqx.tree_deserialise_leaves` met" in str(info.value.__cause__.__cause__)  # pyright: ignore
+
+
+def test_eqx_serialisation_recipe_round_trips_arrays_and_states_bitwise(getkey):
+    model = _Model(getkey())
+    model(jr.normal(getkey(), (8, 3)))
+    restored = _Model(getkey())
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "model.eqx")
+        eqx.tree_serialise_leaves(
+            path, (eqx.filter(model, eqx.is_array), es.values_of(model))
+        )
+        like = (eqx.filter(restored, eqx.is_array), es.values_of(restored))
+        arrays, values = eqx.tree_deserialise_leaves(path, like)
+    restored = eqx.combine(arrays, restored)
+    es.assign(values)
+    assert tree_bitwise_equal(restored.linear, model.linear)
+    assert tree_bitwise_equal(_values(restored), _values(model))
+
+
+def test_a_handle_is_not_array_like_to_equinox_or_jax(getkey):
+    w = es.ParamState(jnp.zeros(2), name="w")
+    assert not eqx.is_array_like(w) and not hasattr(w, "__jax_array__")
+    arrays, static = eqx.partition({"w": w, "x": jnp.ones(2)}, eqx.is_array_like)
+    assert arrays["w"] is None and static["w"] is w

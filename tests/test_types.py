@@ -1,0 +1,69 @@
+"""What optax and Equinox return goes into eqstate's APIs without casts.
+
+This file is also type-checked by pyright (it is in `[tool.pyright] include`), so each
+test is a check at run time (the values are what the APIs want) and at type-checking
+time (the idioms need no `cast`)."""
+
+import eqstate as es
+import eqstate.nn as enn
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def test_optax_updates_are_state_dicts_that_assign_run_and_merge_take():
+    bn = enn.BatchNorm(3)
+    x = jnp.arange(12.0).reshape(4, 3) ** 2
+    optimiser = optax.adam(1e-2)
+    params, rest = es.values_of(bn).split(es.ParamState)
+    opt_state = optimiser.init(params)
+    grads = es.transform.grad(lambda x: bn(x)[:, 0].sum(), grad_states=es.ParamState)(x)
+    updates, opt_state = optimiser.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    assert isinstance(new_params, es.StateDict)  # declared as a PyTree by optax
+
+    es.assign(new_params)
+    for merged in (
+        new_params | rest,
+        rest | new_params,
+        es.StateDict.merge(new_params, rest),
+        es.StateDict(new_params).update(rest),
+    ):
+        states, y = es.run(bn, merged, x)
+        assert isinstance(states, es.StateDict) and y.shape == (4, 3)
+
+
+def test_equinox_gradients_of_a_state_dict_go_back_into_run():
+    bn, states = es.make_with_states(enn.BatchNorm)(3)
+    params, rest = states.split(es.ParamState)
+    x = jnp.arange(12.0).reshape(4, 3) ** 2
+
+    @eqx.filter_grad
+    def grads_of(params: es.StateDict) -> jax.Array:
+        return jnp.sum((es.run(bn, params | rest, x)[1] - 1.0) ** 2)
+
+    grads = grads_of(params)
+    stepped = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    new_states, _ = es.run(bn, stepped | rest, x)
+    assert all(not (new_states[s] == states[s]).all() for s in params)
+
+
+def test_states_of_is_typed_by_with_paths():
+    bn = enn.BatchNorm(3)
+    names = [state.name for state in es.states_of(bn)]
+    paths = [
+        jax.tree_util.keystr(path) for path, _ in es.states_of(bn, with_paths=True)
+    ]
+    assert names == ["running_mean", "running_var", "weight", "bias"]
+    assert paths == [".running_mean", ".running_var", ".weight", ".bias"]
+
+
+def test_scope_states_and_jaxpr_call_return_state_dicts():
+    w = es.ParamState(jnp.ones(2), name="w")
+    with es.scope(es.values_of(w)) as sc:
+        w.value = w.value * 2
+    assert (sc.states[w] == 2).all()
+    sf = es.transform.StatefulFunction(lambda: w.value.sum())
+    states, out = sf.jaxpr_call(sc.states)
+    assert states[w].shape == (2,) and out == 4
