@@ -7,7 +7,11 @@ makes eqstate slower or its errors less precise, never wrong:
   discover the states it uses in a single trace. Without it, eqstate traces twice: once
   to discover the states, once with their values as inputs.
 - the current trace (`current_trace`, `is_top_level`, `in_trace`) is read through
-  `jax.extend.core` when the private module is missing.
+  `jax.extend.core` (JAX 0.10 on) or `jax.core` (earlier) when the private module is
+  missing.
+
+Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
+looked up here too, by `_from_jax`, and nowhere else.
 """
 
 import contextlib
@@ -17,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend.core as jex_core
 
 
@@ -32,6 +37,21 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX r
     _HAS_NEW_ARG = False
 
 
+def _from_jax(name: str, modules: tuple[Any, ...]) -> Any:
+    """`name` from the first of `modules` that has it, or None."""
+    for module in modules:
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+    return None
+
+
+# Where these live, newest public home first: `jax.extend.core` from JAX 0.10,
+# `jax.core` before, and `jax._src.core` on every release.
+_TRACE_MODULES = (jex_core, jax.core, _core)
+_set_current_trace: Any = _from_jax("set_current_trace", _TRACE_MODULES)
+_find_top_trace: Any = _from_jax("find_top_trace", _TRACE_MODULES)
+
+
 _single_pass = contextvars.ContextVar("eqstate_single_pass", default=_HAS_NEW_ARG)
 
 
@@ -45,14 +65,18 @@ def current_trace() -> Any:
     """The JAX trace that operations are currently recorded into."""
     if _trace_ctx is not None:
         return _trace_ctx.trace
-    return jex_core.find_top_trace(())  # pragma: no cover - depends on the JAX release
+    return _current_trace_public()  # pragma: no cover - depends on the JAX release
+
+
+def _current_trace_public() -> Any:
+    return _find_top_trace(())
 
 
 _EVAL_TRACE = current_trace()
 
 
-def _is_top_level_public() -> bool:  # pragma: no cover - depends on the JAX release
-    return current_trace() is _EVAL_TRACE
+def _is_top_level_public() -> bool:
+    return _current_trace_public() is _EVAL_TRACE
 
 
 # Called on every eager state access, so bound once rather than wrapped.
@@ -65,7 +89,7 @@ is_top_level: "Callable[[], bool]" = (
 @contextlib.contextmanager
 def in_trace(trace: Any) -> Iterator[None]:
     """Records the operations of the `with` block into `trace`."""
-    with jex_core.set_current_trace(trace):
+    with _set_current_trace(trace):
         yield
 
 
