@@ -23,6 +23,13 @@ def world() -> StateDict:
     """An immutable snapshot of the world: every live state created at top level, with
     its current value, in creation order.
 
+    A state stays listed until its handle is garbage collected. A handle caught in a
+    reference cycle outlives the last reference to it until Python's cycle collector
+    runs, so the world may still list states of models the program has dropped. To
+    work with one model's states, take them from the model with
+    [`eqstate.states_of`][] or [`eqstate.values_of`][], not with a world-wide filter
+    such as `world().filter(ParamState)`.
+
     **Returns:**
 
     A [`eqstate.StateDict`][]. Later writes to the world do not change it.
