@@ -7,8 +7,7 @@ makes eqstate slower or its errors less precise, never wrong:
   discover the states it uses in a single trace. Without it, eqstate traces twice: once
   to discover the states, once with their values as inputs.
 - the current trace (`current_trace`, `is_top_level`, `in_trace`) is read through
-  `jax.extend.core` (JAX 0.10 on) or `jax.core` (earlier) when the private module is
-  missing.
+  `jax.extend.core` (JAX 0.10 on) when the private module is missing.
 
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
@@ -21,7 +20,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.core
 import jax.extend.core as jex_core
 
 
@@ -45,9 +43,9 @@ def _from_jax(name: str, modules: tuple[Any, ...]) -> Any:
     return None
 
 
-# Where these live, newest public home first: `jax.extend.core` from JAX 0.10,
-# `jax.core` before, and `jax._src.core` on every release.
-_TRACE_MODULES = (jex_core, jax.core, _core)
+# Their public home is `jax.extend.core` from JAX 0.10 on; `jax.core` had them before
+# (JAX 0.9.2 warns they are deprecated there), `jax._src.core` on every release.
+_TRACE_MODULES = (jex_core, _core)
 _set_current_trace: Any = _from_jax("set_current_trace", _TRACE_MODULES)
 _find_top_trace: Any = _from_jax("find_top_trace", _TRACE_MODULES)
 

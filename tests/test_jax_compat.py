@@ -57,9 +57,9 @@ def test_in_trace_records_into_the_given_trace():
     _in_trace_records_into_the_given_trace()
 
 
-# Each home `set_current_trace` has had: the fallbacks are checked wherever the
-# installed JAX still has them (`jax._src.core` has it on every supported release).
-@pytest.mark.parametrize("home", ["jax.extend.core", "jax.core", "jax._src.core"])
+# Both homes of `set_current_trace` eqstate uses, wherever the installed JAX has them:
+# `jax.extend.core` from JAX 0.10 on, `jax._src.core` on every supported release.
+@pytest.mark.parametrize("home", ["jax.extend.core", "jax._src.core"])
 def test_in_trace_works_with_set_current_trace_from_each_home(home, monkeypatch):
     found = getattr(importlib.import_module(home), "set_current_trace", None)
     if found is None:
