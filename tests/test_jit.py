@@ -167,7 +167,18 @@ def test_donation_in_a_scope():
     assert (kept == 1).all() and (s.value == 1).all()
 
 
-@pytest.mark.parametrize("check", ["error_if", "debug_callback"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        pytest.param(
+            "error_if",
+            marks=pytest.mark.upstream_leak(
+                "eqx.error_if keeps its caller's frames alive"
+            ),
+        ),
+        "debug_callback",
+    ],
+)
 def test_donation_is_refused_for_functions_that_can_fail_at_run_time(check):
     s = es.State(jnp.ones(3), name="s")
 
