@@ -10,6 +10,10 @@ from ._ad import (
     value_and_grad as value_and_grad,
     vjp as vjp,
 )
+from ._checkpointed_loops import (
+    checkpointed_for_loop as checkpointed_for_loop,
+    checkpointed_scan as checkpointed_scan,
+)
 from ._conditions import cond as cond, ifelse as ifelse, switch as switch
 from ._eval_shape import eval_shape as eval_shape
 from ._jit import jit as jit, JittedFunction as JittedFunction
