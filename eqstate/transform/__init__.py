@@ -23,6 +23,7 @@ from ._loops import (
     scan as scan,
     while_loop as while_loop,
 )
+from ._map import map as map
 from ._new_states import (
     vmap2_new_states as vmap2_new_states,
     vmap_new_states as vmap_new_states,
