@@ -8,6 +8,7 @@ from ._ad import (
     jacrev as jacrev,
     jvp as jvp,
     value_and_grad as value_and_grad,
+    vector_grad as vector_grad,
     vjp as vjp,
 )
 from ._checkpointed_loops import (
