@@ -24,8 +24,8 @@ import sys
 import time
 from collections.abc import Callable
 
-import equinox.internal as eqxi
 import eqstate as es
+import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -224,7 +224,11 @@ def section(results: dict) -> str:
             f"{r['grad_rel_diff']:.0e} |"
         )
     table = "\n".join(lines)
-    mode = " (`--quick`: small sizes, one run, not a measurement)" if results["quick"] else ""
+    mode = (
+        " (`--quick`: small sizes, one run, not a measurement)"
+        if results["quick"]
+        else ""
+    )
     return f"""{BEGIN}
 ## 5. Reverse-mode through a long loop: `checkpointed_scan`
 
@@ -247,8 +251,8 @@ JAX rows compute the same gradient with `jax.jit(jax.grad(...))`.
   `equinox.internal.while_loop(..., kind="checkpointed")`, binomial checkpointing,
   on the pure function.
 
-Measured by `python -m benchmarks.checkpointed` on {results['date']}: {results['machine']};
-load average {results['load']} at the end (a shared machine: the times are noisy){mode}.
+Measured by `python -m benchmarks.checkpointed` on {results["date"]}: {results["machine"]};
+load average {results["load"]} at the end (a shared machine: the times are noisy){mode}.
 
 {table}
 

@@ -59,9 +59,7 @@ def test_checkpointed_scan_gradients_equal_scans(getkey, base):
         h1, h.value = h.value, h0
         return out, h1
 
-    checkpointed = grads(
-        lambda *a: es.transform.checkpointed_scan(*a, base=base)
-    )
+    checkpointed = grads(lambda *a: es.transform.checkpointed_scan(*a, base=base))
     plain = grads(es.transform.scan)
     assert tree_allclose(checkpointed, plain, rtol=1e-5, atol=1e-6)
 
@@ -102,18 +100,28 @@ def test_checkpointed_scan_gradient_uses_a_tenth_of_scans_memory():
         h.value = jnp.tanh(w.value @ h.value + x)
         return total + jnp.mean(h.value**2), None
 
-    def temp_bytes(loop):
+    def measure(loop):
         def loss(xs):
             return loop(step, jnp.zeros(()), xs)[0]
 
         grad = es.transform.jit(es.transform.grad(loss, grad_states=[w]))
-        return grad.lower(xs).compile().memory_analysis().temp_size_in_bytes
+        memory = grad.lower(xs).compile().memory_analysis()
+        h0 = h.value
+        value = grad(xs)[w]
+        h.value = h0
+        return memory.temp_size_in_bytes, value
 
-    plain = temp_bytes(es.transform.scan)
+    plain, expected = measure(es.transform.scan)
     assert plain > n * width * 4  # at least one stored value per step
-    assert temp_bytes(es.transform.checkpointed_scan) <= plain / 10
     base_16 = lambda *a: es.transform.checkpointed_scan(*a, base=16)  # noqa: E731
-    assert temp_bytes(base_16) <= plain / 10
+    for loop in (es.transform.checkpointed_scan, base_16):
+        temp, got = measure(loop)
+        assert temp <= plain / 10
+        # Float32 sums of 10,000 terms in another order: `scan` accumulates the
+        # gradient step by step, the segments pairwise (1e-4 here; in float64 the
+        # two agree to 1e-13).
+        error = jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected))
+        assert error <= 1e-3
 
 
 def test_checkpointed_scan_supports_forward_mode(getkey):
@@ -244,6 +252,4 @@ def test_checkpointed_loops_check_their_inputs_like_scan():
     with pytest.raises(ValueError, match="`checkpointed_for_loop` needs operands"):
         es.transform.checkpointed_for_loop(lambda: 1)
     with pytest.raises(TypeError, match="`pbar` must be an"):
-        unchecked(es.transform.checkpointed_for_loop)(
-            lambda x: x, jnp.ones(3), pbar=10
-        )
+        unchecked(es.transform.checkpointed_for_loop)(lambda x: x, jnp.ones(3), pbar=10)

@@ -184,7 +184,9 @@ def test_jitted_function_validates_its_states():
     step()
     assert step.validate_states()
     with es.scope(es.StateDict({h: jnp.zeros(4)})):
-        with pytest.raises(ValueError, match="'h': traced with f32.3., now f32.4."):
+        with pytest.raises(
+            ValueError, match=r"'h': traced with f32\[3\], now f32\[4\]"
+        ):
             step.validate_states()
 
 

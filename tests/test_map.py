@@ -87,33 +87,33 @@ def test_batched_map_allows_a_state_written_then_read():
 
 def test_batched_map_draws_different_numbers_per_element():
     es.random.seed(0)
-    draws = es.transform.map(lambda x: es.random.normal(()) + x, jnp.zeros(6), batch_size=4)
+    draws = es.transform.map(
+        lambda x: es.random.normal(()) + x, jnp.zeros(6), batch_size=4
+    )
     assert len(np.unique(np.asarray(draws))) == 6
-    again = es.transform.map(lambda x: es.random.normal(()) + x, jnp.zeros(6), batch_size=4)
+    again = es.transform.map(
+        lambda x: es.random.normal(()) + x, jnp.zeros(6), batch_size=4
+    )
     assert not (again == draws).any()  # the key advanced
 
 
-def test_map_under_jit_and_grad_matches_lax(getkey):
+@pytest.mark.parametrize("batch_size", (None, 3))
+def test_map_under_jit_and_grad_matches_lax(getkey, batch_size):
     w = es.ParamState(jr.normal(getkey(), (3,)), name="w")
     xs = jr.normal(getkey(), (7, 3))
 
-    def loss(w_value, batch_size):
-        return jnp.sum(
-            jax.lax.map(lambda x: jnp.tanh(w_value @ x), xs, batch_size=batch_size)
-        )
+    def loss(w_value):
+        ys = jax.lax.map(lambda x: jnp.tanh(w_value @ x), xs, batch_size=batch_size)
+        return jnp.sum(ys)
 
-    for batch_size in (None, 3):
-        f = es.transform.jit(
-            es.transform.grad(
-                lambda: jnp.sum(
-                    es.transform.map(
-                        lambda x: jnp.tanh(w.value @ x), xs, batch_size=batch_size
-                    )
-                ),
-                grad_states=[w],
-            )
+    def stateful_loss():
+        ys = es.transform.map(
+            lambda x: jnp.tanh(w.value @ x), xs, batch_size=batch_size
         )
-        assert tree_allclose(f()[w], jax.grad(loss)(w.value, batch_size), rtol=1e-5)
+        return jnp.sum(ys)
+
+    grads = es.transform.jit(es.transform.grad(stateful_loss, grad_states=[w]))()
+    assert tree_allclose(grads[w], jax.grad(loss)(w.value), rtol=1e-5)
 
 
 def test_map_may_not_create_states():

@@ -80,5 +80,5 @@ def test_vector_grad_under_jit_and_vmap_matches_jax(getkey):
 
 def test_vector_grad_refuses_an_unused_grad_state():
     w, unused = es.ParamState(jnp.ones(2)), es.ParamState(jnp.ones(2), name="unused")
-    with pytest.raises(ValueError, match="ParamState 'unused'.* does not use"):
+    with pytest.raises(ValueError, match=r"ParamState 'unused'.* does not use"):
         es.transform.vector_grad(lambda: w.value * 2, grad_states=[w, unused])()
