@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
-from ._loops import _check_pbar, _scan
+from ._loops import _check_pbar, _lax_scan, _scan
 from ._progress_bar import ProgressBar
 
 
@@ -112,9 +112,7 @@ def _checkpointed(
     inner_base = base if base is not None else size
     if n <= count or size <= 1:
         # Too short to split: a plain scan, whose memory is that of `count` steps.
-        return jax.lax.scan(
-            _ticking(step, pbar, n), init, _indexed(xs, n, pbar), length=n
-        )
+        return _lax_scan(step, init, xs, n, False, 1, pbar)
     count, left = divmod(n, size)
 
     def segment(carry, i):
@@ -139,22 +137,6 @@ def _checkpointed(
         if pbar is not None:
             pbar.tick(n - 1, n, stride=left)
     return carry, _stack(ys, rest)
-
-
-def _ticking(step: Callable, pbar: ProgressBar | None, n: int) -> Callable:
-    if pbar is None:
-        return step
-
-    def body(carry, x):
-        x, index = x
-        pbar.tick(index, n)
-        return step(carry, x)
-
-    return body
-
-
-def _indexed(xs: Any, n: int, pbar: ProgressBar | None) -> Any:
-    return xs if pbar is None else (xs, jnp.arange(n))
 
 
 def _loop(base: int | None) -> Callable:
@@ -238,9 +220,7 @@ def checkpointed_scan(
     """
     _check_pbar(pbar)
     base = _check_base(base)
-    return _scan(
-        f, init, xs, length, False, 1, pbar, _CHECKPOINTED_SCAN, _loop(base)
-    )
+    return _scan(f, init, xs, length, False, 1, pbar, _CHECKPOINTED_SCAN, _loop(base))
 
 
 def checkpointed_for_loop(
