@@ -34,6 +34,7 @@ from ._state import (
     State as State,
 )
 from ._state_dict import StateDict as StateDict
+from ._training import apply_updates as apply_updates, trainable as trainable
 
 
 __version__ = importlib.metadata.version("eqstate")

@@ -226,9 +226,15 @@ class World(Frame):
 
     def snapshot(self) -> list[tuple[Any, Any]]:
         """The live `(state, value)` pairs, in creation order."""
+        pairs = []
         with self.lock:
-            pairs = [(ref(), self._values[key]) for key, ref in self._refs.items()]
-        return [(s, v) for s, v in pairs if s is not None]
+            # A copy: the garbage collector may drop entries (`_drop_entry`) while
+            # this loop allocates, and the lock is re-entrant.
+            for key, ref in list(self._refs.items()):
+                state = ref()
+                if state is not None:
+                    pairs.append((state, self._values[key]))
+        return pairs
 
     def read(self, state):
         if not compat.is_top_level() and not compat.evaluates_at_once():

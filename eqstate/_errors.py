@@ -56,22 +56,6 @@ EXPIRED_STATE = (
     "then gives the caller fresh states holding their values."
 )
 
-STATE_AS_ARGUMENT = (
-    "{where} received {label} as (part of) argument {arg}. Handles are not passed "
-    "into eqstate transforms: the states a function uses are found by tracing it. Close "
-    "over the handle or the module holding it instead, e.g. "
-    "`jit(lambda x: model(x))(x)`, or pass its value, or use "
-    "`eqx.filter_jit` with `eqstate.run(fn, states, *args)` to pass a module and an "
-    "explicit StateDict."
-)
-
-STATE_AS_OUTPUT = (
-    "{where} returned {label}, which existed before the call. A transformed function "
-    "may return states it creates (the caller gets fresh handles), but not pre-existing "
-    "ones: the caller already holds those. Return its value instead, or drop it from "
-    "the outputs."
-)
-
 
 class UnknownCacheKeyError(KeyError):
     """A StatefulFunction was asked for a compilation it does not have."""

@@ -7,7 +7,10 @@ makes eqstate slower or its errors less precise, never wrong:
   discover the states it uses in a single trace. Without it, eqstate traces twice: once
   to discover the states, once with their values as inputs.
 - the current trace (`current_trace`, `is_top_level`, `in_trace`) is read through
-  `jax.extend.core` when the private module is missing.
+  `jax.extend.core` (JAX 0.10 on) when the private module is missing.
+
+Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
+looked up here too, by `_from_jax`, and nowhere else.
 """
 
 import contextlib
@@ -31,6 +34,21 @@ try:  # JAX 0.10: the internals that make single-pass tracing possible.
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
     _core = _source_info_util = _traceback_util = _pe = _trace_ctx = None
     _HAS_NEW_ARG = False
+
+
+def _from_jax(name: str, modules: tuple[Any, ...]) -> Any:
+    """`name` from the first of `modules` that has it, or None."""
+    for module in modules:
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+    return None
+
+
+# Their public home is `jax.extend.core` from JAX 0.10 on; `jax.core` had them before
+# (JAX 0.9.2 warns they are deprecated there), `jax._src.core` on every release.
+_TRACE_MODULES = (jex_core, _core)
+_set_current_trace: Any = _from_jax("set_current_trace", _TRACE_MODULES)
+_find_top_trace: Any = _from_jax("find_top_trace", _TRACE_MODULES)
 
 
 try:  # JAX 0.10: the traces of transforms that evaluate at once when called eagerly.
@@ -58,14 +76,18 @@ def current_trace() -> Any:
     """The JAX trace that operations are currently recorded into."""
     if _trace_ctx is not None:
         return _trace_ctx.trace
-    return jex_core.find_top_trace(())  # pragma: no cover - depends on the JAX release
+    return _current_trace_public()  # pragma: no cover - depends on the JAX release
+
+
+def _current_trace_public() -> Any:
+    return _find_top_trace(())
 
 
 _EVAL_TRACE = current_trace()
 
 
-def _is_top_level_public() -> bool:  # pragma: no cover - depends on the JAX release
-    return current_trace() is _EVAL_TRACE
+def _is_top_level_public() -> bool:
+    return _current_trace_public() is _EVAL_TRACE
 
 
 # Called on every eager state access, so bound once rather than wrapped.
@@ -122,7 +144,7 @@ def is_dead_tracer(x: Any) -> bool:
 @contextlib.contextmanager
 def in_trace(trace: Any) -> Iterator[None]:
     """Records the operations of the `with` block into `trace`."""
-    with jex_core.set_current_trace(trace):
+    with _set_current_trace(trace):
         yield
 
 

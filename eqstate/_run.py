@@ -32,9 +32,12 @@ def world() -> StateDict:
     A snapshot taken outside a transform and closed over is a plain value, like any
     array.
 
-    The world holds a state for as long as its handle is alive; a handle that is
-    unreachable but not yet garbage collected is still listed. Filter the states of
-    a model with [`eqstate.values_of`][] rather than the whole world.
+    A state stays listed until its handle is garbage collected. A handle caught in a
+    reference cycle outlives the last reference to it until Python's cycle collector
+    runs, so the world may still list states of models the program has dropped. To
+    work with one model's states, take them from the model with
+    [`eqstate.states_of`][] or [`eqstate.values_of`][], not with a world-wide filter
+    such as `world().filter(ParamState)`.
 
     **Returns:**
 

@@ -30,8 +30,11 @@ settings.register_profile(
 settings.load_profile("default")
 
 
-if os.environ.get("EQSTATE_TEST_TWO_PASS"):
-    # Runs the whole suite on the public-API fallback: every thread starts in it.
+# `EQSTATE_TEST_TWO_PASS=1` runs the tests on the public-API fallback: every thread
+# starts in it. Tests taking `tracing_mode` already run in both modes in the normal
+# suite, so this run leaves them out (see `pytest_collection_modifyitems`).
+_TWO_PASS_ONLY = bool(os.environ.get("EQSTATE_TEST_TWO_PASS"))
+if _TWO_PASS_ONLY:
     _jax_compat._single_pass = contextvars.ContextVar(
         "eqstate_single_pass", default=False
     )
@@ -71,6 +74,15 @@ if os.environ.get("EQSTATE_TEST_CHECK_LEAKS"):
         gc.freeze()
         with jax.checking_leaks():
             yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _TWO_PASS_ONLY:
+        return
+    both_modes = [item for item in items if "tracing_mode" in item.fixturenames]
+    if both_modes:
+        config.hook.pytest_deselected(items=both_modes)
+        items[:] = [item for item in items if "tracing_mode" not in item.fixturenames]
 
 
 def pytest_configure(config):

@@ -59,3 +59,11 @@ def unchecked_new(cls, *args, **kwargs):
     obj = cls.__new__(cls)
     unchecked(cls.__init__)(obj, *args, **kwargs)
     return obj
+
+
+def traces_per_key() -> int:
+    """How many times a StatefulFunction runs its function to trace one cache key:
+    once, or twice on the two-pass fallback (`EQSTATE_TEST_TWO_PASS=1`)."""
+    from eqstate import _jax_compat
+
+    return 1 if _jax_compat.single_pass_enabled() else 2

@@ -122,16 +122,15 @@ def escaped_handle():
     return lambda: escaped[0].value, []
 
 
-@case("a handle passed as an argument", TypeError, "received ParamState 'w'")
-def handle_as_argument():
+@case(
+    "`jit(donate_argnums=...)` called with a model holding handles",
+    NotImplementedError,
+    "refer to positions of arguments",
+)
+def positional_options_with_handles():
     w = _w()
-    return lambda: es.transform.jit(lambda s: s.value)(w), [w]
-
-
-@case("a pre-existing handle returned", TypeError, "returned ParamState 'w'")
-def handle_as_output():
-    w = _w()
-    return lambda: es.transform.StatefulFunction(lambda: w)(), [w]
+    step = es.transform.jit(lambda model, x: model["w"].value * x, donate_argnums=1)
+    return lambda: step({"w": w}, jnp.ones(3)), [w]
 
 
 @case("an unhashable static argument", TypeError, "unhashable static argument 1")

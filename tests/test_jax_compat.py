@@ -1,5 +1,9 @@
+import importlib
+import types
+
 import jax
 import jax.numpy as jnp
+import pytest
 from eqstate import _jax_compat as compat
 
 from .helpers import leak_a_tracer
@@ -26,7 +30,16 @@ def test_current_trace_differs_inside_a_transform_and_is_stable_within_it():
     assert seen[0] is seen[1] and seen[0] is not outside
 
 
-def test_in_trace_records_into_the_given_trace():
+def test_from_jax_takes_the_name_from_the_first_module_that_has_it():
+    newest = types.SimpleNamespace()
+    older = types.SimpleNamespace(f="older")
+    private = types.SimpleNamespace(f="private")
+    assert compat._from_jax("f", (newest, older, private)) == "older"
+    assert compat._from_jax("f", (None, newest, private)) == "private"
+    assert compat._from_jax("f", (newest,)) is None
+
+
+def _in_trace_records_into_the_given_trace():
     def f(x):
         outer = compat.current_trace()
 
@@ -34,6 +47,7 @@ def test_in_trace_records_into_the_given_trace():
             with compat.in_trace(outer):
                 assert compat.current_trace() is outer
                 z = x * 2
+            assert z._trace is outer
             return y + z
 
         return jax.vmap(inner)(jnp.ones(3))
@@ -41,6 +55,38 @@ def test_in_trace_records_into_the_given_trace():
     assert (jax.jit(f)(1.0) == 3).all()
 
 
+def test_in_trace_records_into_the_given_trace():
+    _in_trace_records_into_the_given_trace()
+
+
+# Both homes of `set_current_trace` eqstate uses, wherever the installed JAX has them:
+# `jax.extend.core` from JAX 0.10 on, `jax._src.core` on every supported release.
+@pytest.mark.parametrize("home", ["jax.extend.core", "jax._src.core"])
+def test_in_trace_works_with_set_current_trace_from_each_home(home, monkeypatch):
+    found = getattr(importlib.import_module(home), "set_current_trace", None)
+    if found is None:
+        pytest.skip(f"this JAX has no {home}.set_current_trace")
+    monkeypatch.setattr(compat, "_set_current_trace", found)
+    _in_trace_records_into_the_given_trace()
+
+
+def test_the_public_fallbacks_agree_with_the_private_trace_context():
+    assert compat._current_trace_public() is compat.current_trace()
+    assert compat._is_top_level_public()
+    seen = []
+
+    def f(x):
+        seen.append(compat._current_trace_public() is compat.current_trace())
+        seen.append(compat._is_top_level_public())
+        return x
+
+    jax.jit(f)(1.0)
+    jax.vmap(f)(jnp.ones(2))
+    assert seen == [True, False, True, False]
+
+
+# The tests of the single-pass hook ask for it: `EQSTATE_TEST_TWO_PASS=1` turns it off.
+@compat.use_single_pass(True)
 def test_new_input_adds_a_jaxpr_input_mid_trace():
     def f(x):
         trace = compat.current_trace()
@@ -54,6 +100,7 @@ def test_new_input_adds_a_jaxpr_input_mid_trace():
     assert (out[0] == 3).all()
 
 
+@compat.use_single_pass(True)
 def test_single_pass_can_be_switched_off_for_a_block():
     assert compat.single_pass_enabled()
     with compat.use_single_pass(False):

@@ -237,9 +237,11 @@ def test_decorator_form_and_methods():
 
     assert times(3, 2.0) == 6.0
     c = Counter()
-    # `self` holds handles, which are not passed into eqstate transforms.
-    with pytest.raises(TypeError, match=r"tick received unnamed State .*\.n\. "):
-        c.tick(2)
+    # `self` holds a handle: a static leaf, whose state is read and written.
+    assert c.tick(2) == 2 and c.tick(3) == 5
+    assert c.n.value == 5
+    other = Counter()
+    assert other.tick(1) == 1 and c.n.value == 5  # another module: its own state
 
 
 def test_lower_and_eval_shape(rnn):

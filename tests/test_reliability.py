@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqstate import _context
+from eqstate import _context, _jax_compat
 
 
 def test_threads_with_their_own_scopes_share_one_stateful_function():
@@ -50,7 +50,8 @@ def test_threads_with_their_own_scopes_share_one_stateful_function():
     assert errors == []
     for i in range(8):
         assert results[i][count] == 1000 and results[i][total] == 1000.0 * i
-    assert len(traces) == 1  # one key: compiled once across the 8 threads
+    # One key: compiled once across the 8 threads (in two passes on the fallback).
+    assert len(traces) == (1 if _jax_compat.single_pass_enabled() else 2)
     assert count.value == 0 and total.value == 0.0
 
 

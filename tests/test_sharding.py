@@ -3,6 +3,7 @@ suite runs with 8 virtual CPU devices (tests/conftest.py)."""
 
 import importlib.util
 import pathlib
+import unittest.mock
 
 import eqstate as es
 import jax
@@ -145,9 +146,19 @@ def test_shard_map_refuses_a_replicated_state_written_per_device():
 
 
 def _load(name):
+    """Imports an example. It sets `jax_num_cpu_devices` to the 8 the suite already has;
+    JAX before 0.10 refuses any new setting once arrays exist, even an unchanged one,
+    so a setting that changes nothing is skipped here."""
+    update = jax.config.update
+
+    def update_if_changed(option, value):
+        if getattr(jax.config, option) != value:
+            update(option, value)
+
     spec = importlib.util.spec_from_file_location(name, _EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with unittest.mock.patch.object(jax.config, "update", update_if_changed):
+        spec.loader.exec_module(module)
     return module
 
 

@@ -7,9 +7,11 @@ arguments in `argnums`), and writes back the states the function wrote.
 
 import functools as ft
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -18,9 +20,10 @@ import numpy as np
 from .. import _jax_compat as compat
 from .._custom_types import MISSING
 from .._pretty_print import state_label
-from .._state import State
+from .._state import is_state, State
 from .._state_dict import StateDict
 from ._common import partition, select_states, Traced
+from ._compiled import dynamic_mask
 from ._stateful_function import StatefulFunction
 
 
@@ -66,6 +69,87 @@ def _positions(
         f"{got}.{hint} To differentiate with respect to states instead, pass "
         "`grad_states=...`."
     )
+
+
+def _is_differentiable(x: Any, allow_int: bool) -> bool:
+    dtype = jnp.result_type(x)
+    return jnp.issubdtype(dtype, jnp.inexact) or (
+        allow_int and (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_)
+    )
+
+
+def split_differentiable(tree: Any, allow_int: bool = False) -> tuple[Any, Any]:
+    """`(differentiable, rest)`: two trees shaped like `tree`. The first holds the
+    leaves JAX differentiates (traced floating-point arrays and Python floats, and
+    integers with `allow_int`), the second every other leaf (state handles, integer
+    arrays, a module's static fields), each with `None` in the other's places:
+    Equinox's convention, so a gradient has `None` where nothing is differentiated.
+    `combine` joins them back."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    chosen = [
+        traced and _is_differentiable(x, allow_int)
+        for x, traced in zip(leaves, dynamic_mask(tree))
+    ]
+    differentiable = [x if c else None for x, c in zip(leaves, chosen)]
+    rest = [None if c else x for x, c in zip(leaves, chosen)]
+    return jtu.tree_unflatten(treedef, differentiable), jtu.tree_unflatten(
+        treedef, rest
+    )
+
+
+def _tangent_like(tangent: Any, primal: Any) -> Any:
+    """The part of `tangent` for the differentiable part of `primal`, where it has
+    `primal`'s structure (e.g. a model's handles in both); else `tangent`."""
+    if jtu.tree_structure(tangent) != jtu.tree_structure(primal):
+        return tangent
+    leaves = jtu.tree_leaves(tangent)
+    chosen = jtu.tree_leaves(split_differentiable(primal)[0], is_leaf=_is_none)
+    return jtu.tree_unflatten(
+        jtu.tree_structure(primal),
+        [t if c is not None else None for t, c in zip(leaves, chosen)],
+    )
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def combine(differentiable: Any, rest: Any) -> Any:
+    """Undoes `split_differentiable`."""
+    return eqx.combine(differentiable, rest)
+
+
+def _closed_over(fun: Any) -> list[Any]:
+    """The objects `fun` closes over: its closure cells, and `self` of a method."""
+    found = [getattr(fun, "__self__", None)]
+    for cell in getattr(fun, "__closure__", None) or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return [x for x in found if x is not None]
+
+
+def _warn_if_arrays_closed_over(fun: Any, name: str) -> None:
+    """Warns if `fun` closes over a module holding both handles and floating-point
+    arrays: with only `grad_states`, those arrays get no gradient and stay untrained,
+    silently."""
+    for obj in _closed_over(fun):
+        if not isinstance(obj, eqx.Module):
+            continue
+        leaves = jtu.tree_leaves(obj)
+        if any(is_state(x) for x in leaves) and any(
+            eqx.is_inexact_array(x) for x in leaves
+        ):
+            warnings.warn(
+                f"{name} closes over a {type(obj).__name__} holding both states and "
+                "floating-point arrays (e.g. the weights of `eqx.nn` layers), and is "
+                "differentiated with respect to `grad_states` only: the arrays get no "
+                "gradient and stay as they are. To train them too, pass the model as "
+                "an argument and add `argnums=0` (see `eqstate.trainable`).",
+                stacklevel=3,
+            )
+            return
 
 
 def _split_aux(out: Any, name: str) -> tuple[Any, Any]:
@@ -179,30 +263,43 @@ class _GradientTransform:
         self._check_states = check_states
         self._transform_kwargs = transform_kwargs
         self._sf = StatefulFunction(fun, state_returns="write", name=name)
+        self._warned = False
         ft.update_wrapper(self, fun, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._grad_states is not None and not self._argnums and not self._warned:
+            self._warned = True
+            _warn_if_arrays_closed_over(self.fun, self._sf.name)
         traced = Traced(self.fun, args, kwargs, sf=self._sf)
         diff = _Differentiable(traced, self._grad_states, self._check_states)
         pure = diff.pure(kwargs, self._has_aux)
 
-        def with_value(grad_values, *args):
-            main, extras = pure(grad_values, *args)
-            return main, (main, extras)
-
         positions = _positions(
             self._argnums, self._argnums_spec, len(args), kwargs, self._sf.name
         )
-        argnums = (0, *(i + 1 for i in positions))
+        allow_int = self._transform_kwargs.get("allow_int", False)
+        parts = [split_differentiable(args[i], allow_int) for i in positions]
+
+        def with_value(grad_values, *differentiated):
+            full = list(args)
+            for i, part, (_, rest) in zip(positions, differentiated, parts):
+                full[i] = combine(part, rest)
+            main, extras = pure(grad_values, *full)
+            return main, (main, extras)
+
         transformed = self._jax_transform(
-            with_value, argnums=argnums, has_aux=True, **self._transform_kwargs
+            with_value,
+            argnums=tuple(range(len(positions) + 1)),
+            has_aux=True,
+            **self._transform_kwargs,
         )
         grad_values = diff.grad_values()
-        grads, (value, extras) = transformed(grad_values, *args)
+        differentiated = [part for part, _ in parts]
+        grads, (value, extras) = transformed(grad_values, *differentiated)
         aux = diff.finish(extras)
         # Jacobians come output-first (each output leaf holds one entry per input);
         # eqstate returns them input-first: `(state_grads, *arg_grads)`.
-        inputs = (grad_values, *(args[i] for i in positions))
+        inputs = (grad_values, *differentiated)
         if self._output_first:
             grads = jtu.tree_transpose(
                 jtu.tree_structure(value), jtu.tree_structure(inputs), grads
@@ -671,8 +768,17 @@ def vjp(
     """
     traced = Traced(fun, primals, name=getattr(fun, "__name__", "vjp"))
     diff = _Differentiable(traced, grad_states, check_states)
+    pure, parts = diff.pure({}, has_aux), [split_differentiable(p) for p in primals]
+
+    def differentiated(grad_values, *differentiable):
+        full = [combine(d, rest) for d, (_, rest) in zip(differentiable, parts)]
+        return pure(grad_values, *full)
+
     out, vjp_fn, extras = jax.vjp(
-        diff.pure({}, has_aux), diff.grad_values(), *primals, has_aux=True
+        differentiated,
+        diff.grad_values(),
+        *(d for d, _ in parts),
+        has_aux=True,
     )
     aux = diff.finish(extras)
 
@@ -732,10 +838,16 @@ def jvp(
             for s, v in grad_values.items()
         }
     )
+    pure, parts = diff.pure({}, has_aux), [split_differentiable(p) for p in primals]
+
+    def differentiated(grad_values, *differentiable):
+        full = [combine(d, rest) for d, (_, rest) in zip(differentiable, parts)]
+        return pure(grad_values, *full)
+
     out, tangent_out, extras = jax.jvp(
-        diff.pure({}, has_aux),
-        (grad_values, *primals),
-        (state_tangent_values, *tangents),
+        differentiated,
+        (grad_values, *(d for d, _ in parts)),
+        (state_tangent_values, *map(_tangent_like, tangents, primals)),
         has_aux=True,
     )
     aux = diff.finish(extras)

@@ -14,7 +14,7 @@ from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._state import fresh_copy, is_state, State
 from .._state_dict import StateDict
-from ._compiled import Compiled, is_dynamic, StaleTrace
+from ._compiled import Compiled, dynamic_mask, in_module, is_dynamic, StaleTrace
 from ._stateful_function import StatefulFunction
 
 
@@ -31,6 +31,48 @@ def abstract(tree: Any) -> Any:
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
     return jtu.tree_map(to_struct, tree)
+
+
+class _Static:
+    """A leaf that is not traced (a state handle, a string, a module's `bool`
+    field), held as a PyTree node with no children, so that it rides through JAX's
+    transforms in the tree structure: `hide_static` / `show_static`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Static({self.value!r})"
+
+
+jtu.register_pytree_node(
+    _Static, lambda s: ((), s.value), lambda value, _: _Static(value)
+)
+
+
+def _is_static(x: Any) -> bool:
+    return isinstance(x, _Static)
+
+
+def hide_static(tree: Any) -> Any:
+    """`tree` with every leaf that is not traced (see `is_traced`) wrapped so that JAX
+    transforms (`jax.lax.scan` carries, `jax.lax.cond` operands, ...) take the tree as
+    it is: only its arrays are leaves. `show_static` undoes it."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    if all(is_dynamic(x) for x in leaves) and not any(in_module(tree)):
+        return tree
+    mask = dynamic_mask(tree)
+    hidden = [x if traced else _Static(x) for x, traced in zip(leaves, mask)]
+    return jtu.tree_unflatten(treedef, hidden)
+
+
+def show_static(tree: Any) -> Any:
+    """Undoes `hide_static`."""
+    return jtu.tree_map(
+        lambda x: x.value if _is_static(x) else x, tree, is_leaf=_is_static
+    )
 
 
 def strong(tree: Any) -> Any:

@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.extend.core as jex_core
 import jax.tree_util as jtu
@@ -11,7 +12,6 @@ from jax.core import Tracer
 
 from .. import _context
 from .._custom_types import PyTreeDef
-from .._errors import STATE_AS_OUTPUT
 from .._state import is_state, State
 
 
@@ -19,7 +19,7 @@ _SCALAR_TYPES = (bool, int, float, complex, np.generic)
 # The concrete array class, for a fast path in `signature`. Found without making an
 # array: that would start JAX's backend on import, and `jax.distributed.initialize()`
 # must run before. (If it is not found, `signature` takes its general path.)
-_ArrayImpl = next(
+ArrayImpl = next(
     (c for c in jax.Array.__subclasses__() if c.__name__ == "ArrayImpl"), None
 )
 
@@ -30,9 +30,43 @@ def is_dynamic(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, *_SCALAR_TYPES))
 
 
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _is_module(x: Any) -> bool:
+    return isinstance(x, eqx.Module)
+
+
+def in_module(tree: Any) -> list[bool]:
+    """Whether each leaf of `tree` (in `jax.tree_util` order) is inside an
+    `eqx.Module`. It depends only on the tree's structure."""
+    found = []
+    for item in jtu.tree_leaves(tree, is_leaf=_is_module):
+        if _is_module(item):
+            found.extend(True for _ in jtu.tree_leaves(item))
+        else:
+            found.append(False)
+    return found
+
+
+def is_traced(x: Any, module_field: bool) -> bool:
+    """Whether an argument or output leaf is traced. Arrays are; so are Python
+    scalars, as in `jax.jit`, except the fields of an `eqx.Module` (a layer's
+    `inference: bool`, a rate), which are static as in `eqx.filter_jit`. Everything
+    else (state handles, strings, functions) is static."""
+    return _is_array(x) if module_field else is_dynamic(x)
+
+
+def dynamic_mask(tree: Any) -> list[bool]:
+    """`is_traced` of each leaf of `tree`."""
+    leaves = jtu.tree_leaves(tree)
+    return [is_traced(x, m) for x, m in zip(leaves, in_module(tree))]
+
+
 def signature(x: Any) -> tuple:
     """`(shape, dtype, weak_type)` of an array, tracer, scalar or ShapeDtypeStruct."""
-    if type(x) is _ArrayImpl:
+    if type(x) is ArrayImpl:
         return (x.shape, x.dtype, x.weak_type)
     if isinstance(x, jax.ShapeDtypeStruct):
         return (x.shape, x.dtype, x.weak_type)
@@ -212,16 +246,12 @@ class TraceRecord:
         """The flat outputs of the pure form; records how to rebuild `out`."""
         new_index = {s: i for i, s in enumerate(frame.new_states)}
         leaves, self.out_def = jtu.tree_flatten(out)
+        mask = dynamic_mask(out)
         self.template, self.out_index, dynamic = [], [], []
-        for i, leaf in enumerate(leaves):
-            if is_state(leaf):
-                if leaf not in new_index:
-                    label = _context.describe(leaf)
-                    raise TypeError(
-                        STATE_AS_OUTPUT.format(where=self.name, label=label)
-                    )
+        for i, (leaf, traced) in enumerate(zip(leaves, mask)):
+            if is_state(leaf) and leaf in new_index:
                 self.template.append(NewStateRef(new_index[leaf]))
-            elif is_dynamic(leaf):
+            elif traced:
                 self.template.append(None)
                 self.out_index.append(i)
                 dynamic.append(leaf)

@@ -15,7 +15,7 @@ from jaxtyping import ArrayLike, Bool, Integer, Real
 
 from .. import _jax_compat as compat
 from .._state import State
-from ._common import strong, Traced
+from ._common import hide_static, show_static, strong, Traced
 from ._eager import guarded, is_concrete, jit_disabled
 
 
@@ -84,8 +84,10 @@ def switch(
         def branch(written_values, *ops):
             current = dict(zip(written, written_values))
             state_values = [current.get(s, values[s]) for s in t.states]
-            out, updates, _ = t.call(state_values, ops)
-            return out, strong([updates.get(s, current[s]) for s in written])
+            out, updates, _ = t.call(state_values, show_static(ops))
+            return hide_static(out), strong(
+                [updates.get(s, current[s]) for s in written]
+            )
 
         return branch
 
@@ -93,10 +95,10 @@ def switch(
         index,
         [make_branch(t) for t in traced],
         strong([values[s] for s in written]),
-        *operands,
+        *hide_static(operands),
     )
     traced[0].commit(dict(zip(written, new_values)))
-    return out
+    return show_static(out)
 
 
 def _check_index(index: Any) -> None:

@@ -9,6 +9,7 @@ plan's states (else `_PlanMismatch`, and the call takes the slow path once to pi
 another plan), and evaluates it.
 """
 
+import functools as ft
 import sys
 import threading
 import warnings
@@ -23,8 +24,9 @@ from .._context import WORLD
 from .._jax_compat import is_top_level
 from .._state import State
 from .._state_dict import sharding_rule
-from ._compiled import Compiled, StaleTrace
+from ._compiled import CallArgs, Compiled, StaleTrace
 from ._one_sharding import OneShardingJit
+from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch
 
 
 if TYPE_CHECKING:
@@ -53,7 +55,9 @@ class _Plan:
         "kept_keys",
         "kept_states",
         "out_constraints",
+        "simple_out",
         "single_leaf",
+        "split",
         "states",
         "undonated",
         "updated_states",
@@ -72,7 +76,11 @@ class _Plan:
     in_constraints: dict[State, Any]
     out_constraints: dict[State, Any]
 
-    def __init__(self, entry: Compiled):
+    def __init__(self, entry: Compiled, split: bool):
+        # Calls pass their arguments split (see `_split_args`): they hold leaves that
+        # `jax.jit` does not take (handles, strings), or the output does.
+        self.split = split
+        self.simple_out = entry.simple_out
         self.states = entry.states
         self.updated_states = entry.updated_states
         updated = set(entry.updated_states)
@@ -96,7 +104,7 @@ class _Plan:
             entry.states == self.states
             and entry.updated_states == self.updated_states
             and not entry.new_states
-            and entry.simple_out
+            and entry.simple_out == self.simple_out
         )
 
 
@@ -170,10 +178,52 @@ def _sub_jaxprs(params: dict) -> list:
     return found
 
 
-def can_plan(call_all_dynamic: bool, entry: Compiled) -> bool:
-    """Whether calls like this one can take the plan path: arguments that `jax.jit`
-    accepts as they are, no new states, and an output made only of arrays."""
-    return call_all_dynamic and not entry.new_states and entry.simple_out
+def can_plan(entry: Compiled) -> bool:
+    """Whether calls of `entry` can take the plan path: it creates no states."""
+    return not entry.new_states
+
+
+def _needs_split(call_all_dynamic: bool, entry: Compiled) -> bool:
+    return not (call_all_dynamic and entry.simple_out)
+
+
+def _run_split(
+    plan: _Plan,
+    jitted: "_PerKey",
+    written: list,
+    kept: list,
+    split: tuple[int, list],
+    splitter: ArgSplitter,
+) -> tuple[Any, list]:
+    key, dynamic = split
+    fn = jitted.get(key)
+    if fn is None:
+        fn = jitted.make(key)
+    out, updated = fn(written, kept, dynamic)
+    if not plan.simple_out:
+        out = splitter.output(key, out)
+    return out, updated
+
+
+class _PerKey(dict):
+    """The jitted functions of a plan whose calls are split: one `jax.jit` per key
+    (see `_split_args`), which is cheaper to call than one with a static argument."""
+
+    def __init__(self, body: Callable, options: dict[str, Any]):
+        super().__init__()
+        self._body = body
+        self._options = options
+
+    def make(self, key: int) -> Callable:
+        """The jitted function for `key`, made on first use."""
+        fn = self.get(key)
+        if fn is None:
+            fn = self[key] = jax.jit(ft.partial(self._body, key), **self._options)
+        return fn
+
+
+# `jax.jit` options that refer to positions of arguments or outputs.
+_POSITIONAL_OPTIONS = ("donate_argnums", "in_shardings", "out_shardings")
 
 
 class JitDispatch:
@@ -197,11 +247,18 @@ class JitDispatch:
         self._current: _Plan | None = None
         self._lock = threading.Lock()
         self._warned = False
+        self._splitter = ArgSplitter(sf.static_positions, sf.static_argnames)
+        # Plans of split calls, by the splitter's key of their arguments.
+        self._plans_by_key: dict[int, _Plan] = {}
 
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+            self._plans_by_key.clear()
             self._current = None
+            self._splitter = ArgSplitter(
+                self._sf.static_positions, self._sf.static_argnames
+            )
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """Calls through the current plan. On a mismatch, or on arguments `jax.jit`
@@ -211,13 +268,25 @@ class JitDispatch:
         if plan is not None:
             frame = _context.current_frame()
             try:
+                split = None
+                if plan.split:
+                    # Each argument structure (a model's handles) has its own plan.
+                    split = self._splitter.split(args, kwargs)
+                    plan = self._plans_by_key.get(split[0])
+                    if plan is None:
+                        raise _PlanMismatch
                 if frame is WORLD and is_top_level():
                     # The hot path: no per-state work but one dict lookup each way.
                     values = WORLD.by_id
                     written = [values[k] for k in plan.written_keys]
                     kept = [values[k] for k in plan.kept_keys]
                     jitted = plan.function_for(written)
-                    out, updated = jitted(written, kept, *args, **kwargs)
+                    if split is not None:
+                        out, updated = _run_split(
+                            plan, jitted, written, kept, split, self._splitter
+                        )
+                    else:
+                        out, updated = jitted(written, kept, *args, **kwargs)
                     if len(updated) > 1:
                         with WORLD.lock:
                             for key, value in zip(plan.written_keys, updated):
@@ -225,11 +294,13 @@ class JitDispatch:
                     elif updated:
                         values[plan.written_keys[0]] = updated[0]
                     return out
-                out, updated = self._call_plan(plan, frame, args, kwargs)
+                out, updated = self._call_plan(plan, frame, args, kwargs, split)
             except _PlanMismatch:
                 pass
             except KeyError:
                 pass  # A state missing from the world: the slow path names it.
+            except OutputMismatch:
+                pass
             except (TypeError, ValueError) as exc:
                 if getattr(exc, "_eqstate_from_trace", False):
                     raise
@@ -240,13 +311,26 @@ class JitDispatch:
                 return out
         return self._sf._call_auto_slow(args, kwargs)
 
-    @staticmethod
     def _call_plan(
-        plan: _Plan, frame: _context.Frame, args: tuple, kwargs: dict
+        self,
+        plan: _Plan,
+        frame: _context.Frame,
+        args: tuple,
+        kwargs: dict,
+        split: tuple[int, list] | None = None,
     ) -> tuple[Any, list]:
         written = frame.read_many(plan.updated_states)
         kept = frame.read_many(plan.kept_states)
-        return plan.function_for(written)(written, kept, *args, **kwargs)
+        jitted = plan.function_for(written)
+        if not plan.split:
+            return jitted(written, kept, *args, **kwargs)
+        if split is None:
+            split = self._splitter.split(args, kwargs)
+        result = _run_split(plan, jitted, written, kept, split, self._splitter)
+        if len(self._plans_by_key) >= KEYS_KEPT:
+            self._plans_by_key.clear()
+        self._plans_by_key[split[0]] = plan
+        return result
 
     def _raise_if_planned(self, exc: Exception, args: tuple, kwargs: dict) -> None:
         """Re-raises `exc` if the call fits the current plan: then the error came from
@@ -258,18 +342,28 @@ class JitDispatch:
         call = sf.parse_args(args, kwargs)
         entry = sf.compile(call, _context.current_frame())
         plan = self._current
-        if plan is not None and can_plan(call.all_dynamic, entry) and plan.fits(entry):
+        if (
+            plan is not None
+            and can_plan(entry)
+            and plan.split == _needs_split(call.all_dynamic, entry)
+            and plan.fits(entry)
+        ):
             raise exc
 
     def call_planned(
-        self, entry: Compiled, frame: _context.Frame, args: tuple, kwargs: dict
+        self,
+        call: CallArgs,
+        entry: Compiled,
+        frame: _context.Frame,
+        args: tuple,
+        kwargs: dict,
     ) -> tuple[bool, Any]:
         """Calls through the plan for `entry` and makes it current. Returns
         `(False, None)` if the call turns out not to fit it."""
-        plan = self._plan_for(entry, frame)
+        plan = self._plan_for(entry, frame, _needs_split(call.all_dynamic, entry))
         try:
             out, updated = self._call_plan(plan, frame, args, kwargs)
-        except _PlanMismatch:
+        except (_PlanMismatch, OutputMismatch):
             return False, None
         self._current = plan
         if updated:
@@ -277,20 +371,30 @@ class JitDispatch:
         return True, out
 
     def lower(
-        self, entry: Compiled, frame: _context.Frame, args: tuple, kwargs: dict
+        self,
+        call: CallArgs,
+        entry: Compiled,
+        frame: _context.Frame,
+        args: tuple,
+        kwargs: dict,
     ) -> Any:
         """`jax.jit(...).lower` of the plan for `entry`."""
-        plan = self._plan_for(entry, frame)
+        plan = self._plan_for(entry, frame, _needs_split(call.all_dynamic, entry))
         written = frame.read_many(plan.updated_states)
         kept = frame.read_many(plan.kept_states)
+        if plan.split:
+            key, dynamic = self._splitter.split(args, kwargs)
+            return plan.jitted.make(key).lower(written, kept, dynamic)
         return plan.jitted.lower(written, kept, *args, **kwargs)
 
-    def _plan_for(self, entry: Compiled, frame: _context.Frame) -> _Plan:
-        key = (entry.states, entry.updated_states)
+    def _plan_for(self, entry: Compiled, frame: _context.Frame, split: bool) -> _Plan:
+        key = (entry.states, entry.updated_states, split, entry.simple_out)
         with self._lock:
             plan = self._plans.get(key)
             if plan is None:
-                plan = self._plans[key] = _Plan(entry)
+                if split:
+                    self._refuse_positional_options()
+                plan = self._plans[key] = _Plan(entry, split)
                 self._constrain(plan, frame)
                 donate = self._donate and bool(entry.updated_states)
                 if donate and may_fail_at_run_time(entry.jaxpr.jaxpr):
@@ -331,7 +435,7 @@ class JitDispatch:
                 if placed is not None:
                     plan.out_constraints[state] = placed
 
-    def _make_jitted(self, plan: _Plan, donate: bool) -> Callable:
+    def _make_jitted(self, plan: _Plan, donate: bool) -> Any:
         sf = self._sf
         order = {s: i for i, s in enumerate(plan.states)}
         positions = [order[s] for s in (*plan.updated_states, *plan.kept_states)]
@@ -339,7 +443,18 @@ class JitDispatch:
         states = plan.states
         updated_states = plan.updated_states
 
+        splitter = self._splitter
+
         def body(written, kept, *args, **kwargs):
+            return run(written, kept, args, kwargs)
+
+        def split_body(key, written, kept, dynamic):
+            out, updated = run(written, kept, *splitter.rebuild(key, dynamic))
+            if not plan.simple_out:
+                out = splitter.record_output(key, out)
+            return out, updated
+
+        def run(written, kept, args, kwargs):
             values: list[Any] = [None] * len(positions)
             for i, v in zip(positions, [*written, *kept]):
                 values[i] = v
@@ -371,6 +486,8 @@ class JitDispatch:
             ]
             return entry.build_output(out, ()), updated
 
+        if plan.split:
+            return _PerKey(split_body, self._split_options(donate))
         options = self._jit_options(donate)
         if isinstance(options.get("in_shardings"), jax.sharding.Sharding):
             sharding = options.pop("in_shardings")
@@ -382,7 +499,7 @@ class JitDispatch:
         creates states or returns non-array leaves): its arguments are flattened, so
         options that refer to argument positions or to states cannot apply, and are
         refused rather than ignored."""
-        positional = {"donate_argnums", "in_shardings", "out_shardings"}
+        positional = _POSITIONAL_OPTIONS
         used = sorted(k for k in positional if self._jit_kwargs.get(k))
         used += ["donate_states"] if self._donate else []
         used += ["state_shardings"] if self._state_shardings is not None else []
@@ -394,6 +511,28 @@ class JitDispatch:
                 "states in one jitted function, compute in another)."
             )
         return {k: v for k, v in self._jit_kwargs.items() if k not in positional}
+
+    def _refuse_positional_options(self) -> None:
+        used = [k for k in _POSITIONAL_OPTIONS if self._jit_kwargs.get(k)]
+        if used:
+            name = self._sf.name
+            raise NotImplementedError(
+                f"`jit({name}, {', '.join(f'{k}=...' for k in used)})`: these options "
+                "refer to positions of arguments and outputs that `jax.jit` takes as "
+                f"they are, but this call of {name} passes (or returns) leaves it "
+                "does not take: state handles (e.g. a model holding states), strings "
+                "or other static values. Pass only arrays to use these options, e.g. "
+                "close over the model."
+            )
+
+    def _split_options(self, donate_states: bool) -> dict[str, Any]:
+        # A jitted body takes `(written, kept, dynamic_leaves)` (see `_PerKey`).
+        options = {
+            k: v for k, v in self._jit_kwargs.items() if k not in _POSITIONAL_OPTIONS
+        }
+        if donate_states:
+            options["donate_argnums"] = (0,)
+        return options
 
     def _jit_options(self, donate_states: bool) -> dict[str, Any]:
         # The jitted body takes `(written, kept, *args, **kwargs)`: the user's

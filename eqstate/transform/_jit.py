@@ -48,8 +48,8 @@ class JittedFunction:
         frame = _context.current_frame()
         call = sf.parse_args(args, kwargs)
         entry = sf.compile(call, frame)
-        if can_plan(call.all_dynamic, entry):
-            return self._dispatch.lower(entry, frame, args, kwargs)
+        if can_plan(entry):
+            return self._dispatch.lower(call, entry, frame, args, kwargs)
         values = frame.read_many(entry.states)
         options = self._dispatch.flat_options(sf.name)
         return jitted(entry, options).lower(call.leaves, values)

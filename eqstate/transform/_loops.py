@@ -10,7 +10,6 @@ iteration, as `jax.lax.scan` and `jax.lax.while_loop` do there: `print` and
 whole loop succeeds.
 """
 
-import functools as ft
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +21,7 @@ import jax.tree_util as jtu
 from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._state import State
-from ._common import abstract, strong, Traced
+from ._common import abstract, hide_static, show_static, strong, Traced
 from ._conditions import cond
 from ._eager import guarded, jit_disabled
 from ._progress_bar import ProgressBar
@@ -88,7 +87,8 @@ def _check_pbar(pbar: Any) -> None:
 
 
 def _slice(xs: Any) -> Any:
-    """What the body sees of `xs`: one slice along the leading axis, abstractly."""
+    """What the body sees of `xs` (with its static leaves hidden): one slice along
+    the leading axis, abstractly."""
     return jtu.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, weak_type=x.weak_type),
         abstract(xs),
@@ -188,11 +188,13 @@ def _scan_eagerly(
         if pbar is not None:
             x, index = x
             pbar.tick(index, n)
-        return _check_pair(f(carry, x), loop)
+        carry, y = _check_pair(f(show_static(carry), show_static(x)), loop)
+        return hide_static(carry), hide_static(y)
 
     scanned = xs if pbar is None else (xs, jnp.arange(n))
     with guarded(f"the body of {loop}"):
-        return jax.lax.scan(body, init, scanned, length=n, reverse=reverse)
+        final, ys = jax.lax.scan(body, init, scanned, length=n, reverse=reverse)
+    return show_static(final), show_static(ys)
 
 
 def _lax_scan(
@@ -229,26 +231,35 @@ def _scan(
 ) -> tuple[Any, Any]:
     """`scan` of `f`: traces it, carries the states it writes, and runs `loop` (with
     the signature of `_lax_scan`) on the pure step."""
+    # Leaves JAX does not take (the handles of a model in the carry or in `xs`) ride
+    # in the tree structure: they are the same at every iteration.
+    init, xs = hide_static(init), hide_static(xs)
     n = _loop_length(xs, length, what)
     if jit_disabled():
         return _scan_eagerly(f, init, xs, n, reverse, pbar, what[0])
-    traced = Traced(f, (init, _slice(xs)), name=getattr(f, "__name__", "scan body"))
+    traced = Traced(
+        f,
+        (show_static(init), show_static(_slice(xs))),
+        name=getattr(f, "__name__", "scan body"),
+    )
     traced.refuse_new_states(f"the body of {what[0]}")
     carried = _Carried(traced)
 
     def step(carry, x):
         user_carry, state_values = carry
         out, updates, _ = traced.call(
-            carried.values_for(traced, state_values), (user_carry, x)
+            carried.values_for(traced, state_values),
+            (show_static(user_carry), show_static(x)),
         )
         new_carry, y = _check_pair(out, what[0])
+        new_carry, y = hide_static(new_carry), hide_static(y)
         return (new_carry, carried.carry_out(updates, state_values)), y
 
     (final, state_values), ys = loop(
         step, (init, carried.initial()), xs, n, reverse, unroll, pbar
     )
     traced.commit(dict(zip(carried.written, state_values)))
-    return final, ys
+    return show_static(final), show_static(ys)
 
 
 def for_loop(
@@ -335,6 +346,7 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
             return _while_eagerly(cond_fun, body_fun, init_val, "while_loop")
         except jax.errors.ConcretizationTypeError:
             pass  # A transform around the loop needs it compiled, as in JAX.
+    hidden = hide_static(init_val)
     traced_cond = Traced(
         cond_fun, (init_val,), name=getattr(cond_fun, "__name__", "cond_fun")
     )
@@ -354,22 +366,22 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     def loop_cond(carry):
         val, state_values = carry
         out, _, _ = traced_cond.call(
-            carried.values_for(traced_cond, state_values), (val,)
+            carried.values_for(traced_cond, state_values), (show_static(val),)
         )
         return out
 
     def loop_body(carry):
         val, state_values = carry
         out, updates, _ = traced_body.call(
-            carried.values_for(traced_body, state_values), (val,)
+            carried.values_for(traced_body, state_values), (show_static(val),)
         )
-        return out, carried.carry_out(updates, state_values)
+        return hide_static(out), carried.carry_out(updates, state_values)
 
     final, state_values = jax.lax.while_loop(
-        loop_cond, loop_body, (init_val, carried.initial())
+        loop_cond, loop_body, (hidden, carried.initial())
     )
     traced_body.commit(dict(zip(carried.written, state_values)))
-    return final
+    return show_static(final)
 
 
 def _condition(cond_fun: Callable, val: Any, loop: str) -> Any:
@@ -383,7 +395,10 @@ def _while_eagerly(
 ) -> Any:
     """`while_loop` under `jax.disable_jit()`: both functions run directly, as
     `jax.lax.while_loop` runs them there."""
-    as_arrays = ft.partial(jtu.tree_map, jnp.asarray)
+
+    def as_arrays(val: Any) -> Any:
+        return show_static(jtu.tree_map(jnp.asarray, hide_static(val)))
+
     with guarded(f"`body_fun` of `{loop}`"):
         val = as_arrays(init_val)
         while _condition(cond_fun, val, loop):

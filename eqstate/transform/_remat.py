@@ -8,7 +8,7 @@ import jax
 
 from .. import _jax_compat as compat
 from .._custom_types import MISSING
-from ._common import partition, Traced
+from ._common import hide_static, partition, show_static, Traced
 from ._stateful_function import StatefulFunction
 
 
@@ -70,7 +70,7 @@ def checkpoint(
         box: dict[str, Any] = {}
 
         def pure(values, *args):
-            out, updates, new = traced.call(values, args, kwargs)
+            out, updates, new = traced.call(values, show_static(args), kwargs)
             leaves, box["rebuild"] = partition(out)
             box["updated"], box["new"] = list(updates), [s for s, _ in new]
             return leaves, list(updates.values()), [v for _, v in new]
@@ -79,7 +79,12 @@ def checkpoint(
         remat = jax.checkpoint(
             pure, prevent_cse=prevent_cse, policy=policy, static_argnums=shifted
         )
-        leaves, updated, new_values = remat(traced.values, *args)
+        static = set(statics)
+        hidden = tuple(
+            a if i in static or i - len(args) in static else hide_static(a)
+            for i, a in enumerate(args)
+        )
+        leaves, updated, new_values = remat(traced.values, *hidden)
         traced.commit(
             dict(zip(box["updated"], updated)), list(zip(box["new"], new_values))
         )

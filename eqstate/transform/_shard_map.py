@@ -15,7 +15,7 @@ from .._run import run
 from .._sharding import check_divisible, spec_rule
 from .._state import State
 from .._state_dict import StateDict
-from ._common import abstract, Traced
+from ._common import abstract, hide_static, show_static, Traced
 from ._stateful_function import StatefulFunction
 from ._vmap import placeholder
 
@@ -153,6 +153,7 @@ def shard_map(
     @ft.wraps(fun)
     def sharded(*args: Any) -> Any:
         frame = _context.current_frame()
+        args = hide_static(args)  # a model's handles ride in the tree structure
         specs = tuple(in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
         local_args = tuple(
             jtu.tree_map(
@@ -165,7 +166,7 @@ def shard_map(
         )
         traced = Traced(
             fun,
-            local_args,
+            show_static(local_args),
             sf=sf,
             discover_in=_ShardView(frame, spec_of, mesh),
         )
@@ -184,7 +185,7 @@ def shard_map(
             # types every value as varying or not across devices, and only tracing
             # under it inserts the conversions that typing needs.
             states_in = StateDict._wrap(dict(zip(states, state_values)))
-            states_out, out = run(fun, states_in, *args)
+            states_out, out = run(fun, states_in, *show_static(args))
             new = [states_out[s] for s in written]
             for state, value in zip(written, new):
                 kept_apart = _axes_of(state_spec[state])
@@ -199,7 +200,7 @@ def shard_map(
                         f"{state_spec[state]} keeps one copy there. Reduce it first (e.g. "
                         "`jax.lax.pmean(value, axis)`), or split it with `state_specs`."
                     )
-            return out, new
+            return hide_static(out), new
 
         out, new_values = jax.shard_map(
             body,
@@ -209,6 +210,6 @@ def shard_map(
             check_vma=check_vma,
         )(values, *args)
         traced.commit(dict(zip(written, new_values)))
-        return out
+        return show_static(out)
 
     return sharded

@@ -13,16 +13,16 @@ from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING, PyTreeDef
-from .._errors import STATE_AS_ARGUMENT, StateValueError, UnknownCacheKeyError
+from .._errors import StateValueError, UnknownCacheKeyError
 from .._pretty_print import state_label, state_name, table, value_summary
 from .._run import run
-from .._state import fresh_copy, is_state, State
+from .._state import fresh_copy, State
 from .._state_dict import StateDict
 from ._cache_stats import CacheStats
 from ._compiled import (
     CallArgs,
     Compiled,
-    is_dynamic,
+    dynamic_mask,
     jitted,
     signature,
     StaleTrace,
@@ -181,23 +181,17 @@ class StatefulFunction:
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static_index)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         leaves, treedef = jtu.tree_flatten((dyn_args, dyn_kwargs))
+        mask = dynamic_mask((dyn_args, dyn_kwargs))
         sigs, dynamic_index, dynamic, template = [], [], [], []
-        for i, leaf in enumerate(leaves):
-            if is_dynamic(leaf):
+        for i, (leaf, traced) in enumerate(zip(leaves, mask)):
+            if traced:
                 sigs.append(signature(leaf))
                 dynamic_index.append(i)
                 dynamic.append(leaf)
                 template.append(None)
             else:
-                if is_state(leaf):
-                    path = _argument_name(
-                        _leaf_path((dyn_args, dyn_kwargs), i), static_index
-                    )
-                    raise TypeError(
-                        STATE_AS_ARGUMENT.format(
-                            where=self.name, label=_context.describe(leaf), arg=path
-                        )
-                    )
+                # Handles are static leaves too, hashed by identity: the states they
+                # name are read and written as if closed over.
                 sigs.append(("static", _hashable(leaf, "an argument leaf", self.name)))
                 template.append(leaf)
         key = (tuple(static), static_kw, treedef, tuple(sigs))
@@ -897,8 +891,10 @@ class StatefulFunction:
         call = self.parse_args(args, kwargs)
         if self._dispatch is not None:
             entry = self.compile(call, frame)
-            if can_plan(call.all_dynamic, entry):
-                done, out = self._dispatch.call_planned(entry, frame, args, kwargs)
+            if can_plan(entry):
+                done, out = self._dispatch.call_planned(
+                    call, entry, frame, args, kwargs
+                )
                 if done:
                     return out
 

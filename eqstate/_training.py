@@ -1,0 +1,145 @@
+"""What an optimiser updates in a model: its parameter states and its own arrays."""
+
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from ._context import current_frame
+from ._custom_types import Filter
+from ._run import assign, values_of
+from ._state import ParamState
+from ._state_dict import StateDict
+
+
+_Model = TypeVar("_Model")
+
+
+def _is_inexact_leaf(x: Any) -> bool:
+    return eqx.is_inexact_array(x)
+
+
+def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
+    """The values an optimiser updates in a model: those of its states matching
+    `filters` ([`eqstate.ParamState`][]s by default), and its own floating-point
+    arrays (the weights of `eqx.nn` layers).
+
+    The pair has the structure of the gradients that
+    `eqstate.transform.grad(loss, grad_states=es.ParamState, argnums=0)(model, ...)`
+    returns, so one optax optimiser serves both.
+
+    **Arguments:**
+
+    - `model`: a PyTree, typically an `eqx.Module` holding arrays and handles.
+    - `*filters`: the states to include (see [`eqstate.filters`][]).
+
+    **Returns:**
+
+    `(state_values, arrays)`: a [`eqstate.StateDict`][], and `model` with `None`
+    in place of every leaf that is not a floating-point array (as
+    `eqx.filter(model, eqx.is_inexact_array)`).
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+
+        class Model(eqx.Module):
+            linear: eqx.nn.Linear
+            scale: es.ParamState
+
+            def __init__(self, key):
+                self.linear = eqx.nn.Linear(2, 2, key=key)
+                self.scale = es.ParamState(jnp.ones(2))
+
+        model = Model(jax.random.key(0))
+        states, arrays = es.trainable(model)
+        assert states.states == (model.scale,)
+        assert arrays.linear.weight is model.linear.weight and arrays.scale is None
+        ```
+    """
+    states = values_of(model, *(filters or (ParamState,)))
+    return states, eqx.filter(model, _is_inexact_leaf)
+
+
+def apply_updates(model: _Model, updates: PyTree) -> _Model:
+    """Applies optimiser updates shaped like [`eqstate.trainable`][]`(model)`: writes
+    each state's value plus its update (as [`eqstate.assign`][], all at once), and
+    returns `model` with its arrays updated (as `eqx.apply_updates`).
+
+    **Arguments:**
+
+    - `model`: the model the updates are for.
+    - `updates`: `(state_updates, array_updates)`, e.g. from `optimizer.update`.
+
+    **Returns:**
+
+    The updated model. (The states are updated in the innermost context.)
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        class Model(eqx.Module):
+            linear: eqx.nn.Linear
+            scale: es.ParamState
+
+            def __init__(self, key):
+                self.linear = eqx.nn.Linear(2, 1, key=key)
+                self.scale = es.ParamState(jnp.ones(1))
+
+            def __call__(self, x):
+                return self.linear(x) * self.scale.value
+
+        def loss(model, x, y):
+            return jnp.sum((model(x) - y) ** 2)
+
+        model = Model(jax.random.key(0))
+        optimizer = optax.sgd(0.1)
+        opt_state = es.LongTermState(optimizer.init(es.trainable(model)))
+
+        @es.transform.jit
+        def train_step(model, x, y):
+            grad = es.transform.grad(loss, grad_states=es.ParamState, argnums=0)
+            grads = grad(model, x, y)
+            params = es.trainable(model)
+            updates, opt_state.value = optimizer.update(grads, opt_state.value, params)
+            return es.apply_updates(model, updates)
+
+        x, y = jnp.ones(2), jnp.zeros(1)
+        before = loss(model, x, y)
+        for _ in range(5):
+            model = train_step(model, x, y)
+        assert loss(model, x, y) < before
+        ```
+    """
+    state_updates, array_updates = updates
+    if not isinstance(state_updates, StateDict):
+        raise TypeError(
+            "`eqstate.apply_updates` takes updates shaped like "
+            "`eqstate.trainable(model)`: a pair `(StateDict, arrays)`, got a "
+            f"{type(state_updates).__name__} first. Pass what `optimizer.update` "
+            "returned for `eqstate.trainable(model)`."
+        )
+    states = state_updates.states
+    current = current_frame().read_many(states) if states else []
+    assign(
+        {
+            s: jtu.tree_map(_add, value, state_updates[s])
+            for s, value in zip(states, current)
+        }
+    )
+    return eqx.apply_updates(model, array_updates)
+
+
+def _add(value: Any, update: Any) -> Any:
+    return value if update is None else (value + update).astype(value.dtype)

@@ -1,0 +1,231 @@
+"""Calls to `jax.jit` with arguments and outputs it does not take as they are.
+
+`jax.jit` takes PyTrees of arrays. A call whose arguments hold other leaves (the state
+handles of a model, strings, static arguments) is passed *split*: a small integer
+*key* standing for the tree structure and those static leaves (a static argument of the
+jitted function, so cheap for JAX to hash), and the list of dynamic leaves. An output
+holding such leaves comes back as its dynamic leaves and is rebuilt from what the trace
+recorded under the key.
+
+Splitting flattens every argument, which costs Python time for an `eqx.Module` (its
+flattening runs in Python). A positional argument that is the very object of the
+previous call, and whose tree holds no mutable container (only tuples, `None` and
+Modules, which are frozen), cannot have changed: its split is reused.
+"""
+
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax.tree_util as jtu
+
+from .._custom_types import PyTreeDef
+from ._compiled import ArrayImpl, dynamic_mask, in_module, is_traced
+
+
+# Distinct argument structures remembered per jitted function; the least recently
+# made is forgotten first (its key is never reused, so JAX's cache entry for it just
+# goes unused).
+KEYS_KEPT = 256
+_ids = itertools.count()
+# The part of a bare array argument.
+_ARRAY = -1
+
+
+class OutputMismatch(Exception):
+    """Two traces for one key built outputs of different structures (the structure
+    depends on the arguments' shapes): such calls cannot be rebuilt from the key."""
+
+
+class _Static:
+    """A static argument (`static_argnums`): hashed and compared by value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self.value == other.value
+
+
+class ArgSplitter:
+    """Splits calls into `(key, dynamic leaves)` and rebuilds them; see the module
+    documentation."""
+
+    def __init__(self, static_positions: Sequence[int], static_names: Sequence[str]):
+        self._static_positions = tuple(static_positions)
+        self._static_names = tuple(static_names)
+        self._last: dict[int, tuple[Any, int, list]] = {}  # position -> reusable split
+        # One argument's structure, and a call's (the numbers of its arguments').
+        self._parts = _Numbering(on_forget=self._last.clear)
+        self._keys = _Numbering()
+        self._outputs: dict[int, tuple] = {}
+        self._frozen: dict[PyTreeDef, bool] = {}
+        self._fields: dict[PyTreeDef, list[bool]] = {}  # see `in_module`
+        self._lock = threading.Lock()
+
+    def split(self, args: tuple, kwargs: dict) -> tuple[int, list]:
+        """`(key, dynamic leaves)` of a call."""
+        n = len(args)
+        static = {i % n for i in self._static_positions if -n <= i < n}
+        parts: list[int] = []
+        dynamic: list[Any] = []
+        for i, arg in enumerate(args):
+            if type(arg) is ArrayImpl:
+                parts.append(_ARRAY)
+                dynamic.append(arg)
+                continue
+            last = self._last.get(i)
+            if last is not None and last[0] is arg:
+                parts.append(last[1])
+                dynamic.extend(last[2])
+                continue
+            part, leaves = self._split_one(i, arg, i in static)
+            parts.append(part)
+            dynamic.extend(leaves)
+        if kwargs:
+            marked = _Kwargs(
+                (k, _Static(v) if k in self._static_names else v)
+                for k, v in sorted(kwargs.items())
+            )
+            part, leaves = self._split_tree(marked)
+            parts.append(part)
+            dynamic.extend(leaves)
+        return self._keys.number(tuple(parts)), dynamic
+
+    def _split_one(self, position: int, arg: Any, static: bool) -> tuple[int, list]:
+        if static:
+            return self._parts.number(("static", _Static(arg))), []
+        part, leaves = self._split_tree(arg)
+        treedef = self._parts.value(part)[0]
+        frozen = self._frozen.get(treedef)
+        if frozen is None:
+            frozen = self._frozen[treedef] = _is_frozen(treedef)
+        if frozen:
+            self._last[position] = (arg, part, leaves)
+        return part, leaves
+
+    def _split_tree(self, tree: Any) -> tuple[int, list]:
+        leaves, treedef = jtu.tree_flatten(tree)
+        fields = self._fields.get(treedef)
+        if fields is None:
+            fields = self._fields[treedef] = in_module(tree)
+        mask = [is_traced(x, f) for x, f in zip(leaves, fields)]
+        static = tuple(i for i, traced in enumerate(mask) if not traced)
+        dynamic = [x for x, traced in zip(leaves, mask) if traced]
+        part = (treedef, static, tuple(leaves[i] for i in static))
+        return self._parts.number(part), dynamic
+
+    def rebuild(self, key: int, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
+        """The `(args, kwargs)` of a call split with `key`, with `dynamic` as its
+        dynamic leaves (tracers, while tracing)."""
+        rest = iter(dynamic)
+        trees = []
+        for part in self._keys.value(key):
+            if part == _ARRAY:
+                trees.append(next(rest))
+                continue
+            spec = self._parts.value(part)
+            if spec[0] == "static":
+                trees.append(spec[1].value)
+                continue
+            treedef, static, static_leaves = spec
+            full = [next(rest) for _ in range(treedef.num_leaves - len(static))]
+            for i, leaf in zip(static, static_leaves):
+                full.insert(i, leaf)
+            trees.append(jtu.tree_unflatten(treedef, full))
+        if trees and isinstance(trees[-1], _Kwargs):
+            kwargs = {
+                k: v.value if isinstance(v, _Static) else v
+                for k, v in trees.pop().items()
+            }
+            return tuple(trees), kwargs
+        return tuple(trees), {}
+
+    def record_output(self, key: int, out: Any) -> list:
+        """The dynamic leaves of `out` (while tracing), keeping how to rebuild it under
+        `key`. Raises `OutputMismatch` if another trace for `key` built an output of
+        another structure."""
+        leaves, treedef = jtu.tree_flatten(out)
+        mask = dynamic_mask(out)
+        record = (
+            treedef,
+            tuple(i for i, traced in enumerate(mask) if traced),
+            tuple(
+                (i, x) for i, (x, traced) in enumerate(zip(leaves, mask)) if not traced
+            ),
+        )
+        with self._lock:
+            known = self._outputs.setdefault(key, record)
+        if known is not record and known != record:
+            raise OutputMismatch
+        return [x for x, traced in zip(leaves, mask) if traced]
+
+    def output(self, key: int, dynamic: Sequence[Any]) -> Any:
+        """The output of a call split with `key`, from its dynamic leaves."""
+        treedef, dynamic_index, static = self._outputs[key]
+        full: list[Any] = [None] * treedef.num_leaves
+        for i, leaf in static:
+            full[i] = leaf
+        for i, leaf in zip(dynamic_index, dynamic):
+            full[i] = leaf
+        return jtu.tree_unflatten(treedef, full)
+
+
+class _Kwargs(dict):
+    """The keyword arguments of a call, told apart from a positional dict."""
+
+
+jtu.register_pytree_node(
+    _Kwargs,
+    lambda d: (tuple(d.values()), tuple(d)),
+    lambda keys, values: _Kwargs(zip(keys, values)),
+)
+
+
+class _Numbering:
+    """Numbers hashable values: the same value, the same number, for the last
+    `KEYS_KEPT` values."""
+
+    def __init__(self, on_forget: Any = None):
+        self._numbers: OrderedDict[Any, int] = OrderedDict()
+        self._values: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._on_forget = on_forget
+
+    def number(self, value: Any) -> int:
+        number = self._numbers.get(value)
+        if number is None:
+            with self._lock:
+                number = self._numbers.get(value)
+                if number is None:
+                    while len(self._numbers) >= KEYS_KEPT:
+                        _, old = self._numbers.popitem(last=False)
+                        del self._values[old]
+                        if self._on_forget is not None:
+                            self._on_forget()
+                    number = self._numbers[value] = next(_ids)
+                    self._values[number] = value
+        return number
+
+    def value(self, number: int) -> Any:
+        return self._values[number]
+
+
+def _is_frozen(treedef: PyTreeDef) -> bool:
+    """Whether a tree of this structure cannot change while its root object stays
+    the same: its nodes are tuples, `None` and `eqx.Module`s (frozen)."""
+    data = treedef.node_data()
+    if data is None:
+        return True  # a leaf
+    kind = data[0]
+    if not (kind is tuple or kind is type(None) or issubclass(kind, eqx.Module)):
+        return False
+    return all(_is_frozen(child) for child in treedef.children())

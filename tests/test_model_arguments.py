@@ -1,0 +1,321 @@
+"""Models holding handles passed into every transform: a handle in an argument is a
+static leaf, and its state is read and written exactly as if closed over."""
+
+import warnings
+
+import eqstate as es
+import eqstate.nn as enn
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from .helpers import traces_per_key, tree_allclose
+
+
+class Mixed(eqx.Module):
+    """An `eqx.nn.Linear`, a parameter state, a counter and a static flag."""
+
+    linear: eqx.nn.Linear
+    scale: es.ParamState
+    calls: es.ShortTermState
+    double: bool
+
+    def __init__(self, key, double: bool = False):
+        self.linear = eqx.nn.Linear(3, 3, key=key)
+        self.scale = es.ParamState(jnp.arange(1.0, 4.0), name="scale")
+        self.calls = es.ShortTermState(jnp.array(0), name="calls")
+        self.double = double
+
+    def __call__(self, x):
+        self.calls.value = self.calls.value + 1
+        y = self.linear(x) * self.scale.value
+        return 2 * y if self.double else y
+
+
+def _pure(weight, bias, scale, x):
+    return (weight @ x + bias) * scale
+
+
+def _loss(model, x):
+    return jnp.sum(model(x) ** 2)
+
+
+def _pure_loss(weight, bias, scale, x):
+    return jnp.sum(_pure(weight, bias, scale, x) ** 2)
+
+
+def test_jit_with_a_model_argument_equals_the_closed_over_model(getkey):
+    model = Mixed(getkey())
+    x = jr.normal(getkey(), (3,))
+    by_argument = es.transform.jit(_loss)
+    closed_over = es.transform.jit(lambda x: _loss(model, x))
+    assert tree_allclose(by_argument(model, x), closed_over(x))
+    assert by_argument(model, x) == closed_over(x)
+    assert model.calls.value == 4
+
+
+def test_jit_with_another_model_of_the_same_structure_is_right(getkey):
+    traces = []
+    step = es.transform.jit(lambda m, x: traces.append(1) or _loss(m, x))
+    a, b = Mixed(getkey()), Mixed(getkey())
+    x = jnp.ones(3)
+    for _ in range(3):
+        for m in (a, b):
+            expected = _pure_loss(m.linear.weight, m.linear.bias, m.scale.value, x)
+            assert tree_allclose(step(m, x), expected, rtol=1e-5)
+    assert a.calls.value == 3 and b.calls.value == 3
+    # One trace per model: their handles differ.
+    assert len(traces) == 2 * traces_per_key()
+
+
+def test_jit_sees_a_static_flag_of_the_model(getkey):
+    model = Mixed(getkey())
+    x = jnp.ones(3)
+    step = es.transform.jit(lambda m, x: m(x))
+    doubled = eqx.tree_at(lambda m: m.double, model, True)
+    assert tree_allclose(step(doubled, x), 2 * step(model, x))
+
+
+def test_jit_sees_changes_to_a_mutable_container_in_the_model(getkey):
+    class Bag(eqx.Module):
+        items: list
+
+    scale = es.ParamState(jnp.array(2.0))
+    bag = Bag([scale, jnp.array(1.0)])
+    step = es.transform.jit(
+        lambda b: sum(x.value if es.is_state(x) else x for x in b.items)
+    )
+    assert step(bag) == 3.0
+    bag.items[1] = jnp.array(5.0)  # the same object, other contents
+    assert step(bag) == 7.0
+    bag.items.append(jnp.array(1.0))
+    assert step(bag) == 8.0
+
+
+def test_jit_returns_a_model_with_its_handles(getkey):
+    model = Mixed(getkey())
+
+    @es.transform.jit
+    def step(m, x):
+        m(x)
+        return eqx.tree_at(lambda m: m.linear.bias, m, m.linear.bias + 1)
+
+    new = step(model, jnp.ones(3))
+    assert new.scale is model.scale and new.calls is model.calls
+    assert new.double is False  # a static flag stays a Python bool
+    assert (new.linear.bias == model.linear.bias + 1).all()
+    again = step(new, jnp.ones(3))
+    assert (again.linear.bias == model.linear.bias + 2).all()
+    assert model.calls.value == 2
+
+
+def test_jit_with_a_model_argument_keeps_the_fast_path(getkey):
+    model = Mixed(getkey())
+    step = es.transform.jit(_loss)
+    step(model, jnp.ones(3))
+    traced = []
+    step.stateful_function.fun = lambda *a: traced.append(1) or _loss(*a)
+    for _ in range(5):
+        step(model, jnp.ones(3) * 2)
+    assert traced == []  # no Python trace per call, and no retrace
+    assert model.calls.value == 6
+
+
+def test_stateful_function_with_a_model_argument(getkey):
+    model = Mixed(getkey())
+    sf = es.transform.StatefulFunction(_loss).make_jaxpr(model, jnp.ones(3))
+    assert set(sf.get_read_states()) == {model.scale}
+    assert sf.get_write_states() == (model.calls,)
+    states, out = sf.jaxpr_call(es.values_of(model), model, jnp.ones(3))
+    assert states[model.calls] == 1 and model.calls.value == 0
+    assert out == _loss(model, jnp.ones(3))
+
+
+@pytest.mark.parametrize("transform", ["grad", "value_and_grad"])
+def test_grad_of_a_model_gives_array_and_state_gradients_like_filter_grad(
+    getkey, transform
+):
+    model = Mixed(getkey())
+    x = jr.normal(getkey(), (3,))
+    fn = getattr(es.transform, transform)(_loss, grad_states=es.ParamState, argnums=0)
+    result = fn(model, x)
+    state_grads, model_grads = result if transform == "grad" else result[1]
+    ref_w, ref_b, ref_s = jax.grad(_pure_loss, argnums=(0, 1, 2))(
+        model.linear.weight, model.linear.bias, model.scale.value, x
+    )
+    assert tree_allclose(model_grads.linear.weight, ref_w)
+    assert tree_allclose(model_grads.linear.bias, ref_b)
+    assert tree_allclose(state_grads[model.scale], ref_s)
+    # Equinox's convention: `None` where nothing is differentiated.
+    assert model_grads.scale is None and model_grads.calls is None
+    assert model_grads.double is None
+    assert model.calls.value == 1
+
+
+def test_grad_of_a_model_matches_eqx_filter_grad(getkey):
+    model = Mixed(getkey())
+    x = jnp.ones(3)
+    grads = es.transform.grad(_loss)(model, x)
+    values = es.values_of(model)
+    reference = eqx.filter_grad(lambda m, x: es.run(_loss, values, m, x)[1])(model, x)
+    assert tree_allclose(grads, reference)
+
+
+def test_vjp_and_jvp_of_a_model(getkey):
+    model = Mixed(getkey())
+    x = jnp.ones(3)
+    out, vjp_fn = es.transform.vjp(lambda m: m(x), model)
+    (ct,) = vjp_fn(jnp.ones(3))
+    ref_w = jax.grad(
+        lambda w: jnp.sum(_pure(w, model.linear.bias, model.scale.value, x))
+    )(model.linear.weight)
+    assert tree_allclose(ct.linear.weight, ref_w) and ct.scale is None
+    tangent = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_array))
+    tangent = eqx.combine(tangent, eqx.filter(model, eqx.is_array, inverse=True))
+    _, t_out = es.transform.jvp(lambda m: m(x), (model,), (tangent,))
+    ref = jax.jvp(
+        lambda w, b: _pure(w, b, model.scale.value, x),
+        (model.linear.weight, model.linear.bias),
+        (jnp.ones((3, 3)), jnp.ones(3)),
+    )[1]
+    assert tree_allclose(t_out, ref)
+
+
+def test_vmap_with_a_model_argument(getkey):
+    model = Mixed(getkey())
+    xs = jr.normal(getkey(), (4, 3))
+    ys = es.transform.vmap(lambda m, x: m.linear(x) * m.scale.value, in_axes=(None, 0))(
+        model, xs
+    )
+    ref = jax.vmap(
+        lambda x: _pure(model.linear.weight, model.linear.bias, model.scale.value, x)
+    )(xs)
+    assert tree_allclose(ys, ref)
+
+
+def test_scan_with_a_model_in_the_carry_and_in_xs(getkey):
+    model = Mixed(getkey())
+    xs = jr.normal(getkey(), (5, 3))
+
+    def body(m, x):
+        return m, _loss(m, x)
+
+    final, losses = es.transform.scan(body, model, xs)
+    assert final.scale is model.scale and model.calls.value == 5
+    ref = jax.vmap(
+        lambda x: _pure_loss(
+            model.linear.weight, model.linear.bias, model.scale.value, x
+        )
+    )(xs)
+    assert tree_allclose(losses, ref, rtol=1e-5)
+    # A handle in `xs` is not sliced: every iteration sees it.
+    total, _ = es.transform.scan(
+        lambda c, x: (c + x[1].value.sum() * x[0], None),
+        0.0,
+        (jnp.ones(4), model.scale),
+    )
+    assert total == 4 * model.scale.value.sum()
+
+
+def test_loops_and_conditionals_take_a_model_operand(getkey):
+    model = Mixed(getkey())
+    x = jnp.ones(3)
+    expected = _pure_loss(model.linear.weight, model.linear.bias, model.scale.value, x)
+    assert es.transform.cond(True, _loss, lambda m, x: 0.0, model, x) == expected
+    assert es.transform.switch(0, [_loss, lambda m, x: 0.0], model, x) == expected
+    m, n = es.transform.while_loop(
+        lambda c: c[1] < 3, lambda c: (c[0], c[1] + 1 + 0 * _loss(c[0], x)), (model, 0)
+    )
+    assert m.scale is model.scale and n == 3
+    assert es.transform.checkpoint(_loss)(model, x) == expected
+    assert es.transform.eval_shape(_loss, model, x).shape == ()
+
+
+def test_vmap_new_states_and_shard_map_take_a_model_argument(getkey):
+    model = Mixed(getkey())
+    ensemble = es.transform.vmap_new_states(
+        lambda m: es.ParamState(m.scale.value * es.random.normal(())),
+        axis_size=3,
+        in_axes=None,
+    )(model)
+    assert ensemble.value.shape == (3, 3)
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",), axis_types=(AxisType.Auto,))
+    out = es.transform.shard_map(
+        lambda m, x: m.linear(x) * m.scale.value,
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )(model, jnp.ones(3))
+    assert tree_allclose(
+        out,
+        _pure(model.linear.weight, model.linear.bias, model.scale.value, jnp.ones(3)),
+    )
+
+
+def test_one_optimiser_trains_arrays_and_parameter_states(getkey):
+    model = Mixed(getkey())
+    x, y = jr.normal(getkey(), (3,)), jr.normal(getkey(), (3,))
+    optimizer = optax.adam(0.1)
+    opt_state = es.LongTermState(optimizer.init(es.trainable(model)))
+
+    def loss(m, x, y):
+        return jnp.sum((m(x) - y) ** 2)
+
+    @es.transform.jit
+    def train_step(m, x, y):
+        grads, value = es.transform.grad(
+            loss, grad_states=es.ParamState, argnums=0, return_value=True
+        )(m, x, y)
+        updates, opt_state.value = optimizer.update(
+            grads, opt_state.value, es.trainable(m)
+        )
+        return es.apply_updates(m, updates), value
+
+    # The same update by hand, in pure JAX.
+    params = (model.linear.weight, model.linear.bias, model.scale.value)
+    ref_state = optimizer.init(params)
+
+    def pure_loss(p):
+        return jnp.sum((_pure(*p, x) - y) ** 2)
+
+    first = None
+    for _ in range(20):
+        model, value = train_step(model, x, y)
+        grads = jax.grad(pure_loss)(params)
+        updates, ref_state = optimizer.update(grads, ref_state, params)
+        params = optax.apply_updates(params, updates)
+        first = value if first is None else first
+    assert value < first
+    assert tree_allclose(model.linear.weight, params[0], rtol=1e-4, atol=1e-5)
+    assert tree_allclose(model.scale.value, params[2], rtol=1e-4, atol=1e-5)
+
+
+def test_grad_warns_when_a_mixed_model_is_closed_over(getkey):
+    model = Mixed(getkey())
+
+    class Holder(eqx.Module):
+        model: Mixed
+
+        def loss(self, x):
+            return _loss(self.model, x)
+
+    with pytest.warns(UserWarning, match="arrays get no gradient"):
+        es.transform.grad(Holder(model).loss, grad_states=es.ParamState)(jnp.ones(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Passed as an argument, or differentiated with `argnums`: no warning.
+        es.transform.grad(_loss, grad_states=es.ParamState, argnums=0)(
+            model, jnp.ones(3)
+        )
+
+
+def test_a_batch_norm_model_passes_through_eqx_and_eqstate_transforms(getkey):
+    model = eqx.nn.Sequential([enn.BatchNorm(3), eqx.nn.Lambda(jnp.tanh)])
+    xs = jr.normal(getkey(), (8, 3))
+    step = es.transform.jit(lambda m, xs: jnp.mean(m(xs)))
+    step(model, xs)
+    assert not (model.layers[0].running_mean.value == 0).all()
