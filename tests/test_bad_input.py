@@ -916,6 +916,116 @@ def cell_reset_batch_in_transform():
     )
 
 
+@case(
+    "`checkpointed_scan` with a `base` below 2", ValueError, "`base` must be at least 2"
+)
+def checkpointed_scan_small_base():
+    h = es.State(jnp.zeros(()), name="h")
+
+    def body(c, x):
+        h.value = h.value + x
+        return c, x
+
+    return lambda: es.transform.checkpointed_scan(body, 0, jnp.ones(3), base=1), [h]
+
+
+@case(
+    "`checkpointed_for_loop` with a `base` that is not an integer",
+    TypeError,
+    "`base` must be an integer",
+)
+def checkpointed_for_loop_float_base():
+    loop = unchecked(es.transform.checkpointed_for_loop)
+    return lambda: loop(lambda x: x, jnp.ones(3), base=2.5), []
+
+
+@case(
+    "a state created in a `checkpointed_scan` body",
+    ValueError,
+    "body of `checkpointed_scan` creates states",
+)
+def checkpointed_scan_creates_state():
+    body = lambda c, x: (es.State(x).name and c, x)  # noqa: E731
+    return lambda: es.transform.checkpointed_scan(body, 0, jnp.arange(30.0)), []
+
+
+@case("`map` with a `batch_size` of 0", ValueError, "positive integer, got 0")
+def map_zero_batch_size():
+    return lambda: es.transform.map(lambda x: x, jnp.ones(3), batch_size=0), []
+
+
+@case(
+    "`map` with a `batch_size` that is not an integer",
+    TypeError,
+    "`batch_size` must be a positive integer or None",
+)
+def map_float_batch_size():
+    batched = unchecked(es.transform.map)
+    return lambda: batched(lambda x: x, jnp.ones(3), batch_size=1.5), []
+
+
+@case(
+    "a batched `map` whose elements depend on each other through a state",
+    ValueError,
+    "State 'count' carries a value from one element to the next",
+)
+def map_batched_carried_state():
+    count = es.State(jnp.array(0), name="count")
+
+    def f(x):
+        count.value = count.value + 1
+        return x
+
+    return lambda: es.transform.map(f, jnp.ones(4), batch_size=2), [count]
+
+
+@case("`map` without arrays", ValueError, "`map` needs arrays to map over")
+def map_no_arrays():
+    return lambda: es.transform.map(lambda: 1), []
+
+
+@case(
+    "`validate_states` after a state changed shape",
+    es.StateValueError,
+    r"ShortTermState 'h': traced with f32\[3\], now f32\[4\]",
+)
+def validate_states_changed():
+    h = es.ShortTermState(jnp.zeros(3), name="h")
+    sf = es.transform.StatefulFunction(lambda: h.value * 2)
+    sf.make_jaxpr()
+
+    def trigger():
+        with es.scope(es.StateDict({h: jnp.zeros(4)})):
+            sf.validate_states()
+
+    return trigger, [h]
+
+
+@case("`debug_call` with the wrong number of values", ValueError, "touches 1 state")
+def debug_call_count():
+    n = es.State(jnp.array(0), name="n")
+    sf = es.transform.StatefulFunction(lambda: n.value + 1)
+    return lambda: sf.debug_call([jnp.array(1), jnp.array(2)]), [n]
+
+
+@case("`debug_call` with a dict of values", TypeError, "Wrap it: `eqstate.StateDict")
+def debug_call_dict():
+    n = es.State(jnp.array(0), name="n")
+    sf = es.transform.StatefulFunction(lambda: n.value + 1)
+    return lambda: unchecked(sf.debug_call)({n: jnp.array(1)}), [n]
+
+
+@case(
+    "`vector_grad` with `has_aux` of an output that is not a pair",
+    TypeError,
+    "must return a pair",
+)
+def vector_grad_aux_not_pair():
+    w = _w()
+    f = es.transform.vector_grad(lambda: w.value * 2, grad_states=[w], has_aux=True)
+    return f, [w]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_gets_a_clear_error_and_changes_nothing(name):
     error, match = globals()[name].expected

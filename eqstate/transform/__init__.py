@@ -8,7 +8,12 @@ from ._ad import (
     jacrev as jacrev,
     jvp as jvp,
     value_and_grad as value_and_grad,
+    vector_grad as vector_grad,
     vjp as vjp,
+)
+from ._checkpointed_loops import (
+    checkpointed_for_loop as checkpointed_for_loop,
+    checkpointed_scan as checkpointed_scan,
 )
 from ._conditions import cond as cond, ifelse as ifelse, switch as switch
 from ._eval_shape import eval_shape as eval_shape
@@ -19,6 +24,7 @@ from ._loops import (
     scan as scan,
     while_loop as while_loop,
 )
+from ._map import map as map
 from ._new_states import (
     vmap2_new_states as vmap2_new_states,
     vmap_new_states as vmap_new_states,

@@ -1,4 +1,4 @@
-"""Autodiff: grad, value_and_grad, vjp, jvp, jacrev, jacfwd, hessian.
+"""Autodiff: grad, value_and_grad, vector_grad, vjp, jvp, jacrev, jacfwd, hessian.
 
 Each traces the function to find its states, differentiates its pure form with the
 JAX transform of the same name (with respect to the values of `grad_states` and the
@@ -245,8 +245,12 @@ class _GradientTransform:
         check_states: bool,
         transform_kwargs: dict[str, Any],
         name: str,
+        output_first: bool = True,
     ):
         self.fun = fun
+        # Whether the JAX transform returns one entry per output leaf (a Jacobian),
+        # each holding the derivatives with respect to every input.
+        self._output_first = output_first
         self._jax_transform = jax_transform
         self._grad_states = grad_states
         # The user's `argnums`, for messages (None: the default 0).
@@ -296,9 +300,10 @@ class _GradientTransform:
         # Jacobians come output-first (each output leaf holds one entry per input);
         # eqstate returns them input-first: `(state_grads, *arg_grads)`.
         inputs = (grad_values, *differentiated)
-        grads = jtu.tree_transpose(
-            jtu.tree_structure(value), jtu.tree_structure(inputs), grads
-        )
+        if self._output_first:
+            grads = jtu.tree_transpose(
+                jtu.tree_structure(value), jtu.tree_structure(inputs), grads
+            )
         state_grads, arg_grads = grads[0], grads[1:]
         if self._single_arg:
             arg_grads = arg_grads[0]
@@ -450,6 +455,105 @@ def value_and_grad(
         return value_and_grad_fn
 
     return _decorator_or_transform(fun, make)
+
+
+def _ones_like(value: Any) -> Any:
+    """A cotangent of ones for a PyTree of arrays (`float0` zeros for integer and
+    boolean leaves, which have no derivative)."""
+
+    def ones(x: Any) -> Any:
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jnp.ones_like(x)
+        return np.zeros(x.shape, jax.dtypes.float0)
+
+    return jtu.tree_map(ones, value)
+
+
+def _jax_vector_grad(
+    fun: Callable, argnums: tuple[int, ...], has_aux: bool
+) -> Callable:
+    """`jax.grad`'s calling convention for the vector-Jacobian product of `fun`
+    (returning `(value, aux)`) with a cotangent of ones."""
+    assert has_aux
+
+    def transformed(*args: Any) -> tuple[tuple, Any]:
+        def of_differentiated(*diff_args: Any) -> Any:
+            full = list(args)
+            for i, arg in zip(argnums, diff_args):
+                full[i] = arg
+            return fun(*full)
+
+        value, vjp_fn, aux = jax.vjp(
+            of_differentiated, *(args[i] for i in argnums), has_aux=True
+        )
+        return vjp_fn(_ones_like(value)), aux
+
+    return transformed
+
+
+def vector_grad(
+    fun: Any = MISSING,
+    grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_value: bool = False,
+    *,
+    check_states: bool = True,
+) -> Any:
+    """Gradient of a vector-valued function: the vector-Jacobian product with a
+    cotangent of ones, that is the gradient of the sum of its outputs, computed in
+    one reverse pass without forming the Jacobian. For elementwise functions (a
+    neuron model's update, a surrogate spike function) it is the elementwise
+    derivative.
+
+    **Arguments:**
+
+    - `fun`: a function returning an array or a PyTree of arrays (or `(out, aux)`
+        with `has_aux`). If omitted, `vector_grad` returns a decorator.
+    - `grad_states`, `argnums`, `has_aux`, `return_value`, `check_states`: as for
+        [`eqstate.transform.grad`][]; the value returned with `return_value` is the
+        vector output.
+
+    **Returns:**
+
+    A function returning the gradients as [`eqstate.transform.grad`][] does (with
+    `grad_states`, a `StateDict` of them), each shaped like what it differentiates.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array([1.0, 2.0]))
+
+        def f(x):
+            return w.value * x**2  # a vector
+
+        x = jnp.array([3.0, 4.0])
+        grads, value = es.transform.vector_grad(f, argnums=0, return_value=True)(x)
+        assert (grads == 2 * w.value * x).all() and (value == f(x)).all()
+        state_grads = es.transform.vector_grad(f, grad_states=[w])(x)
+        assert (state_grads[w] == jax.grad(lambda w: jnp.sum(w * x**2))(w.value)).all()
+        ```
+    """
+    return _decorator_or_transform(
+        fun,
+        lambda f: _GradientTransform(
+            f,
+            _jax_vector_grad,
+            grad_states=grad_states,
+            argnums=argnums,
+            has_aux=has_aux,
+            return_value=return_value,
+            check_states=check_states,
+            transform_kwargs={},
+            name=getattr(f, "__name__", "fun"),
+            output_first=False,
+        ),
+    )
 
 
 def _jacobian(jax_transform: Callable, name: str, transform_kwargs: tuple[str, ...]):

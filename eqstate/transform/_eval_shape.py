@@ -3,14 +3,44 @@
 from collections.abc import Callable
 from typing import Any
 
+import jax.tree_util as jtu
+
 from .. import _context, _jax_compat as compat
+from .._state_dict import StateDict
+from ._compiled import Compiled, struct
 from ._stateful_function import StatefulFunction
 
 
 compat.hide_from_tracebacks(__file__)
 
 
-def eval_shape(fun: Callable, *args: Any, **kwargs: Any) -> Any:
+def _state_shapes(entry: Compiled) -> StateDict:
+    """The shapes and dtypes of every state a compilation touches or creates, as
+    they are after the call."""
+    outvars = entry.jaxpr.jaxpr.outvars
+    structs = [struct((v.aval.shape, v.aval.dtype, v.aval.weak_type)) for v in outvars]
+    start = entry.n_out
+    after = {}
+    for state, treedef in (
+        *zip(entry.returned_states, entry.returned_defs),
+        *zip(entry.new_states, entry.new_defs),
+    ):
+        stop = start + treedef.num_leaves
+        after[state] = jtu.tree_unflatten(treedef, structs[start:stop])
+        start = stop
+    shapes, start = {}, 0
+    for state, treedef in zip(entry.states, entry.state_defs):
+        stop = start + treedef.num_leaves
+        before = [struct(sig) for sig in entry.state_signatures[start:stop]]
+        shapes[state] = after.get(state, jtu.tree_unflatten(treedef, before))
+        start = stop
+    shapes.update((s, after[s]) for s in entry.new_states)
+    return StateDict._wrap(shapes)
+
+
+def eval_shape(
+    fun: Callable, *args: Any, return_state_shapes: bool = False, **kwargs: Any
+) -> Any:
     """Like `jax.eval_shape`, for a function that uses states: traces `fun` abstractly
     and returns its output's shapes and dtypes. No value is computed, and no state is
     read (beyond its shape and dtype) or written.
@@ -19,11 +49,16 @@ def eval_shape(fun: Callable, *args: Any, **kwargs: Any) -> Any:
 
     - `fun`: the function.
     - `*args`, `**kwargs`: its arguments: arrays, or `jax.ShapeDtypeStruct`s.
+    - `return_state_shapes`: also return the shapes of the states `fun` reads,
+        writes or creates. (Keyword only argument.)
 
     **Returns:**
 
     The output with every array replaced by a `jax.ShapeDtypeStruct` (handles of
-    states `fun` would create stay in place).
+    states `fun` would create stay in place). With `return_state_shapes`, the pair
+    `(state_shapes, out)`: `state_shapes` is a [`eqstate.StateDict`][] mapping every
+    state `fun` touches, then every state it creates (under the handles found in
+    `out`), to `jax.ShapeDtypeStruct`s of its value after the call.
 
     !!! Example
 
@@ -41,11 +76,15 @@ def eval_shape(fun: Callable, *args: Any, **kwargs: Any) -> Any:
 
         out = es.transform.eval_shape(f, jax.ShapeDtypeStruct((2, 3), jnp.float32))
         assert out.shape == (2, 4) and count.value == 0
+
+        shapes, out = es.transform.eval_shape(f, jnp.ones((2, 3)), return_state_shapes=True)
+        assert shapes[w].shape == (3, 4) and shapes[count].dtype == jnp.int32
         ```
     """
     sf = StatefulFunction(
         fun, state_returns="write", name=getattr(fun, "__name__", None)
     )
     call = sf.parse_args(args, kwargs)
-    sf.compile(call, _context.current_frame())
-    return sf.get_out_shapes(call.key)[0]
+    entry = sf.compile(call, _context.current_frame())
+    out = sf.get_out_shapes(call.key)[0]
+    return (_state_shapes(entry), out) if return_state_shapes else out

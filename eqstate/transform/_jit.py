@@ -2,7 +2,7 @@
 
 import functools as ft
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, overload, ParamSpec, TypeVar
 
 import jax
@@ -64,6 +64,45 @@ class JittedFunction:
     def clear_cache(self) -> None:
         """Drops every trace and compiled executable."""
         self.stateful_function.clear_cache()
+
+    def get_cache_stats(self) -> dict[str, Any]:
+        """Statistics of the trace cache, as
+        [`eqstate.transform.StatefulFunction.get_cache_stats`][] gives them. Its
+        lookups happen only when JAX traces the function (a first call, new shapes
+        or static arguments): steady-state calls are not counted."""
+        return self.stateful_function.get_cache_stats()
+
+    def validate_states(self, cache_key: Hashable = ()) -> bool:
+        """As [`eqstate.transform.StatefulFunction.validate_states`][]: checks the
+        states' current shapes against a compilation, naming each that changed."""
+        return self.stateful_function.validate_states(cache_key)
+
+    def debug_call(self, state_vals: Any, *args: Any, **kwargs: Any) -> Any:
+        """As [`eqstate.transform.StatefulFunction.debug_call`][]: runs the Python
+        function itself under `jax.disable_jit()` against `state_vals`, so that
+        `print` and `breakpoint()` work inside it, and returns
+        `(new_state_vals, out)` without writing anything.
+
+        !!! Example
+
+            ```python
+            import eqstate as es
+            import jax.numpy as jnp
+
+            count = es.State(jnp.array(0), name="count")
+
+            @es.transform.jit
+            def step(x):
+                count.value = count.value + 1
+                print("x is", float(x))  # concrete under debug_call
+                return x * 2
+
+            assert isinstance(step, es.transform.JittedFunction)
+            new, out = step.debug_call(es.StateDict({count: jnp.array(1)}), 3.0)
+            assert new[count] == 2 and out == 6.0 and count.value == 0
+            ```
+        """
+        return self.stateful_function.debug_call(state_vals, *args, **kwargs)
 
 
 def _check_like_jax(fun: Any, options: dict[str, Any]) -> None:

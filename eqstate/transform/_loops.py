@@ -164,16 +164,22 @@ def scan(
     return _scan(f, init, xs, length, reverse, unroll, pbar, _SCAN)
 
 
-def _check_pair(out: Any) -> tuple[Any, Any]:
+def _check_pair(out: Any, loop: str = "`scan`") -> tuple[Any, Any]:
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
-            f"The body of `scan` must return a pair `(carry, y)`, got {out!r}."
+            f"The body of {loop} must return a pair `(carry, y)`, got {out!r}."
         )
     return out
 
 
 def _scan_eagerly(
-    f: Callable, init: Any, xs: Any, n: int, reverse: bool, pbar: ProgressBar | None
+    f: Callable,
+    init: Any,
+    xs: Any,
+    n: int,
+    reverse: bool,
+    pbar: ProgressBar | None,
+    loop: str = "`scan`",
 ) -> tuple[Any, Any]:
     """`scan` under `jax.disable_jit()`: the body runs directly, iteration by
     iteration, as `jax.lax.scan` runs it there."""
@@ -182,13 +188,34 @@ def _scan_eagerly(
         if pbar is not None:
             x, index = x
             pbar.tick(index, n)
-        carry, y = _check_pair(f(show_static(carry), show_static(x)))
+        carry, y = _check_pair(f(show_static(carry), show_static(x)), loop)
         return hide_static(carry), hide_static(y)
 
     scanned = xs if pbar is None else (xs, jnp.arange(n))
-    with guarded("the body of `scan`"):
+    with guarded(f"the body of {loop}"):
         final, ys = jax.lax.scan(body, init, scanned, length=n, reverse=reverse)
     return show_static(final), show_static(ys)
+
+
+def _lax_scan(
+    step: Callable,
+    init: Any,
+    xs: Any,
+    n: int,
+    reverse: bool,
+    unroll: int | bool,
+    pbar: ProgressBar | None,
+) -> tuple[Any, Any]:
+    """`jax.lax.scan` of a pure `step`, ticking `pbar` every iteration."""
+
+    def body(carry, x):
+        if pbar is not None:
+            x, index = x
+            pbar.tick(index, n)
+        return step(carry, x)
+
+    scanned = xs if pbar is None else (xs, jnp.arange(n))
+    return jax.lax.scan(body, init, scanned, length=n, reverse=reverse, unroll=unroll)
 
 
 def _scan(
@@ -200,42 +227,36 @@ def _scan(
     unroll: int | bool,
     pbar: ProgressBar | None,
     what: tuple[str, str, str],
+    loop: Callable = _lax_scan,
 ) -> tuple[Any, Any]:
+    """`scan` of `f`: traces it, carries the states it writes, and runs `loop` (with
+    the signature of `_lax_scan`) on the pure step."""
     # Leaves JAX does not take (the handles of a model in the carry or in `xs`) ride
     # in the tree structure: they are the same at every iteration.
     init, xs = hide_static(init), hide_static(xs)
     n = _loop_length(xs, length, what)
     if jit_disabled():
-        return _scan_eagerly(f, init, xs, n, reverse, pbar)
+        return _scan_eagerly(f, init, xs, n, reverse, pbar, what[0])
     traced = Traced(
         f,
         (show_static(init), show_static(_slice(xs))),
         name=getattr(f, "__name__", "scan body"),
     )
-    traced.refuse_new_states("the body of `scan`")
+    traced.refuse_new_states(f"the body of {what[0]}")
     carried = _Carried(traced)
 
-    def body(carry, x):
-        if pbar is not None:
-            x, index = x
-            pbar.tick(index, n)
+    def step(carry, x):
         user_carry, state_values = carry
         out, updates, _ = traced.call(
             carried.values_for(traced, state_values),
             (show_static(user_carry), show_static(x)),
         )
-        new_carry, y = _check_pair(out)
+        new_carry, y = _check_pair(out, what[0])
         new_carry, y = hide_static(new_carry), hide_static(y)
         return (new_carry, carried.carry_out(updates, state_values)), y
 
-    scanned = xs if pbar is None else (xs, jnp.arange(n))
-    (final, state_values), ys = jax.lax.scan(
-        body,
-        (init, carried.initial()),
-        scanned,
-        length=n,
-        reverse=reverse,
-        unroll=unroll,
+    (final, state_values), ys = loop(
+        step, (init, carried.initial()), xs, n, reverse, unroll, pbar
     )
     traced.commit(dict(zip(carried.written, state_values)))
     return show_static(final), show_static(ys)

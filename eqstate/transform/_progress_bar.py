@@ -62,8 +62,10 @@ class ProgressBar:
             out = self.file if self.file is not None else sys.stderr
             print(f"{self.desc}: {done}/{total} [{bar}]", end=end, file=out, flush=True)
 
-    def tick(self, index: jax.Array, total: int) -> None:
-        """Called in the loop body with the iteration `index` (0-based)."""
+    def tick(self, index: jax.Array | int, total: int, stride: int = 1) -> None:
+        """Called in the loop body with the iteration `index` (0-based), `stride`
+        iterations after the previous call; prints if a multiple of `freq` was
+        reached since then."""
         freq = self.freq or max(total // 20, 1)
         done = index + 1
 
@@ -71,7 +73,7 @@ class ProgressBar:
             jax.debug.callback(ft.partial(self._print, total=total), done, ordered=True)
 
         jax.lax.cond(
-            (done % freq == 0) | (done == total),
+            (done // freq > (done - stride) // freq) | (done == total),
             report,
             lambda done: None,
             jnp.asarray(done),

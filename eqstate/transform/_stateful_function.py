@@ -13,10 +13,12 @@ from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING, PyTreeDef
-from .._errors import UnknownCacheKeyError
+from .._errors import StateValueError, UnknownCacheKeyError
 from .._pretty_print import state_label, state_name, table, value_summary
+from .._run import run
 from .._state import fresh_copy, State
 from .._state_dict import StateDict
+from ._cache_stats import CacheStats
 from ._compiled import (
     CallArgs,
     Compiled,
@@ -149,6 +151,7 @@ class StatefulFunction:
         self._lock = threading.Lock()
         self._last_key: Hashable = MISSING
         self._dispatch = JitDispatch(self) if cache_type == "jit" else None
+        self._stats = CacheStats()
 
     def __repr__(self) -> str:
         return f"StatefulFunction({self.name})"
@@ -270,6 +273,7 @@ class StatefulFunction:
             if found is not None:
                 return found
             frame = parent() if callable(parent) else parent
+            self._stats.miss()
             try:
                 entry = self._trace(call, frame)
             finally:
@@ -290,6 +294,7 @@ class StatefulFunction:
             values = values_of(entry)
             if values is not None and entry.stale_state(values) is None:
                 self._touch(key, entry)
+                self._stats.hit()
                 return entry, values
         return None
 
@@ -304,22 +309,26 @@ class StatefulFunction:
             self._last_key = key
 
     def _store(self, key: Hashable, entry: Compiled) -> None:
+        self._stats.traced()
         with self._lock:
             self._last_key = key
             if not entry.cacheable:
                 return
             variants = self._cache.setdefault(key, [])
             variants.insert(0, entry)
+            self._stats.evicted(len(variants[VARIANTS:]))
             del variants[VARIANTS:]
             self._cache.move_to_end(key)
             while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+                self._stats.evicted(len(self._cache.popitem(last=False)[1]))
 
     def clear_cache(self) -> None:
-        """Drops every cached trace and compiled executable."""
+        """Drops every cached trace and compiled executable, and resets the counts of
+        [`eqstate.transform.StatefulFunction.get_cache_stats`][]."""
         with self._lock:
             self._cache.clear()
             self._last_key = MISSING
+        self._stats.reset()
         if self._dispatch is not None:
             self._dispatch.clear()
 
@@ -529,6 +538,219 @@ class StatefulFunction:
         states = self.compiled(cache_key).states
         values = _context.current_frame().read_many(states) if states else []
         return StateDict._wrap(dict(zip(states, values)))
+
+    # -------------------------------------------------------------- introspection
+
+    def get_cache_stats(self) -> dict[str, Any]:
+        """Statistics of the trace cache, to see why a function retraces.
+
+        **Returns:**
+
+        A dict with:
+
+        - `keys`: the argument cache keys held (at most `maxsize`);
+        - `entries`: the compilations held: up to `variants_per_key` per key, for
+            states whose shapes differ between calls (e.g. in other threads);
+        - `hits`: lookups answered by a held compilation;
+        - `misses`: lookups that found none, so traced the function;
+        - `traces`: traces that completed;
+        - `evictions`: compilations dropped to make room;
+        - `maxsize`, `variants_per_key`: the limits;
+        - `compilation_cache`: `{'size', 'maxsize', 'hits', 'misses', 'hit_rate'}`
+            (the hit rate in percent), the layout of brainstate's `get_cache_stats`.
+
+        [`eqstate.transform.StatefulFunction.clear_cache`][] resets the counts. A
+        function compiled by [`eqstate.transform.jit`][] looks up its trace only when
+        JAX traces it (a first call, new shapes): its steady-state calls go straight
+        to the compiled executable and are not counted.
+
+        !!! Example
+
+            ```python
+            import eqstate as es
+            import jax.numpy as jnp
+
+            sf = es.transform.StatefulFunction(lambda x: x * 2)
+            sf(jnp.ones(3))
+            sf(jnp.zeros(3))  # same shapes: a hit
+            sf(jnp.ones(4))  # new shapes: a miss and a trace
+            stats = sf.get_cache_stats()
+            assert (stats["hits"], stats["misses"], stats["traces"]) == (1, 2, 2)
+            assert stats["keys"] == stats["entries"] == 2
+            ```
+        """
+        with self._lock:
+            keys = len(self._cache)
+            entries = sum(len(v) for v in self._cache.values())
+        counts = self._stats.counts()
+        looked_up = counts["hits"] + counts["misses"]
+        return {
+            "keys": keys,
+            "entries": entries,
+            **counts,
+            "maxsize": CACHE_SIZE,
+            "variants_per_key": VARIANTS,
+            "compilation_cache": {
+                "size": keys,
+                "maxsize": CACHE_SIZE,
+                "hits": counts["hits"],
+                "misses": counts["misses"],
+                "hit_rate": 100.0 * counts["hits"] / looked_up if looked_up else 0.0,
+            },
+        }
+
+    def validate_states(self, cache_key: Hashable = ()) -> bool:
+        """Checks the current values of the states of a compilation against the
+        structures, shapes and dtypes it was traced with (a state that changed would
+        make the next call retrace).
+
+        **Arguments:**
+
+        - `cache_key`: as for [`eqstate.transform.StatefulFunction.get_jaxpr`][];
+            `()` for the most recent compilation.
+
+        **Returns:**
+
+        `True` if every state still fits.
+
+        **Raises:**
+
+        [`eqstate.StateValueError`][] naming each state that changed, with its traced
+        and current shapes, and each state the innermost context has no value for;
+        `KeyError` (an [`eqstate.UnknownCacheKeyError`][]) for an unknown key.
+
+        !!! Example
+
+            ```python
+            import eqstate as es
+            import jax.numpy as jnp
+            import pytest
+
+            h = es.ShortTermState(jnp.zeros(3), name="h")
+            sf = es.transform.StatefulFunction(lambda x: h.value + x)
+            sf.make_jaxpr(1.0)
+            assert sf.validate_states()
+            with es.scope(es.StateDict({h: jnp.zeros(5)})):  # e.g. a new batch size
+                with pytest.raises(ValueError, match="'h': traced with f32.3., now f32.5."):
+                    sf.validate_states()
+            ```
+        """
+        entry = self.compiled(cache_key)
+        frame = _context.current_frame()
+        problems, start = [], 0
+        for state, treedef in zip(entry.states, entry.state_defs):
+            sigs = list(entry.state_signatures[start : start + treedef.num_leaves])
+            start += treedef.num_leaves
+            value = frame.peek(state)
+            if value is MISSING:
+                problems.append(f"{state_label(state)}: has no value here")
+                continue
+            leaves, actual = jtu.tree_flatten(value)
+            if actual == treedef and [signature(x) for x in leaves] == sigs:
+                continue
+            traced = value_summary(
+                jtu.tree_unflatten(treedef, [struct(x) for x in sigs])
+            )
+            now = value_summary(value)
+            if traced == now:  # only a weak type differs
+                traced += " (strongly typed)" if not sigs[0][2] else " (weakly typed)"
+            problems.append(f"{state_label(state)}: traced with {traced}, now {now}")
+        if problems:
+            listed = "\n".join(f"- {p}" for p in problems)
+            raise StateValueError(
+                f"The states of {self.name} no longer fit the compilation for this "
+                f"cache key:\n{listed}\nThe next call will trace the function again "
+                "for the new shapes; if they should not have changed, look for the "
+                "writes that changed them."
+            )
+        return True
+
+    @overload
+    def debug_call(
+        self, state_vals: StateDict, *args: Any, **kwargs: Any
+    ) -> tuple[StateDict, Any]: ...
+
+    @overload
+    def debug_call(
+        self, state_vals: Sequence[PyTree], *args: Any, **kwargs: Any
+    ) -> tuple[tuple[PyTree, ...], Any]: ...
+
+    def debug_call(
+        self,
+        state_vals: StateDict | Sequence[PyTree],
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[StateDict | tuple[PyTree, ...], Any]:
+        """Like [`eqstate.transform.StatefulFunction.jaxpr_call`][], but runs the
+        Python function itself, operation by operation, under `jax.disable_jit()`, so
+        that `print`, `breakpoint()` and `float(x)` work inside it (and inside the
+        eqstate loops and conditionals it calls). Nothing is written to any context.
+
+        **Arguments:**
+
+        - `state_vals`: a [`eqstate.StateDict`][] holding (at least) the states the
+            function touches; or a sequence of values aligned with
+            [`eqstate.transform.StatefulFunction.get_states`][], for which the
+            function is traced first if it has not been (to know the order of its
+            states): a function that cannot be traced yet (it calls `float(x)`)
+            takes a `StateDict`.
+        - `*args`, `**kwargs`: the function's arguments.
+
+        **Returns:**
+
+        `(new_state_vals, out)`, as `jaxpr_call` returns them.
+
+        **Raises:**
+
+        As `jaxpr_call`, and whatever the function raises.
+
+        !!! Example
+
+            ```python
+            import eqstate as es
+            import jax.numpy as jnp
+
+            count = es.State(jnp.array(0), name="count")
+
+            def f(x):
+                count.value = count.value + 1
+                print("count is", int(count.value))  # a concrete value here
+                return x * 2
+
+            sf = es.transform.StatefulFunction(f)
+            new, out = sf.debug_call(es.StateDict({count: jnp.array(41)}), 1.0)
+            assert new[count] == 42 and out == 2.0 and count.value == 0
+            ```
+        """
+        if isinstance(state_vals, Mapping) and not isinstance(state_vals, StateDict):
+            raise TypeError(
+                f"`debug_call` takes a StateDict or a sequence of values, got a "
+                f"{type(state_vals).__name__}. Wrap it: `eqstate.StateDict(values)`."
+            )
+        if isinstance(state_vals, StateDict):
+            with jax.disable_jit():
+                return run(self.fun, state_vals, *args, **kwargs)
+        values = tuple(state_vals)
+        call = self.parse_args(args, kwargs)
+        found = self._find(
+            call.key, lambda e: list(values) if len(values) == len(e.states) else None
+        )
+        entry = found[0] if found else self.compile(call, _context.current_frame())
+        if entry.new_states:
+            labels = ", ".join(state_label(s) for s in entry.new_states)
+            raise ValueError(
+                f"{self.name} creates states ({labels}), and a sequence of values has "
+                "no place for them. Pass a StateDict to `debug_call` instead."
+            )
+        _check_sequence(self.name, entry, values)
+        with jax.disable_jit():
+            new, out = run(
+                self.fun,
+                StateDict._wrap(dict(zip(entry.states, values))),
+                *args,
+                **kwargs,
+            )
+        return tuple(new[s] for s in entry.states), out
 
     # ---------------------------------------------------------------------- calls
 
@@ -797,17 +1019,23 @@ def make_jaxpr(
     static_argnames: str | Sequence[str] = (),
     axis_env: Sequence[tuple[Hashable, int]] | None = None,
     state_returns: str | Sequence[str] = ("read", "write"),
-) -> Callable[..., tuple[jex_core.ClosedJaxpr, tuple[State, ...]]]:
+    return_shape: bool = False,
+) -> Callable[..., tuple]:
     """Like `jax.make_jaxpr`, for a function that uses states.
 
     **Arguments:**
 
-    As for [`eqstate.transform.StatefulFunction`][].
+    - `fun`, `static_argnums`, `static_argnames`, `axis_env`, `state_returns`: as
+        for [`eqstate.transform.StatefulFunction`][].
+    - `return_shape`: also return the output's shapes, as `jax.make_jaxpr` does.
 
     **Returns:**
 
     A function taking `fun`'s arguments and returning `(jaxpr, states)`: the
-    `ClosedJaxpr` of the pure form and the states it takes as trailing inputs.
+    `ClosedJaxpr` of the pure form and the states it takes as trailing inputs. With
+    `return_shape`, `(jaxpr, states, out_shapes)`, where `out_shapes` is the output
+    with `jax.ShapeDtypeStruct`s in place of arrays (see
+    [`eqstate.transform.eval_shape`][] for the states' shapes).
 
     !!! Example
 
@@ -818,12 +1046,14 @@ def make_jaxpr(
         w = es.ParamState(jnp.ones(2))
         jaxpr, states = es.transform.make_jaxpr(lambda x: w.value * x)(jnp.ones(2))
         assert states == (w,) and len(jaxpr.jaxpr.invars) == 2
+
+        make = es.transform.make_jaxpr(lambda x: w.value * x, return_shape=True)
+        jaxpr, states, out = make(jnp.ones(2))
+        assert out.shape == (2,)
         ```
     """
 
-    def make(
-        *args: Any, **kwargs: Any
-    ) -> tuple[jex_core.ClosedJaxpr, tuple[State, ...]]:
+    def make(*args: Any, **kwargs: Any) -> tuple:
         sf = StatefulFunction(
             fun,
             static_argnums=static_argnums,
@@ -831,6 +1061,8 @@ def make_jaxpr(
             axis_env=axis_env,
             state_returns=state_returns,
         ).make_jaxpr(*args, **kwargs)
+        if return_shape:
+            return sf.get_jaxpr(), sf.get_states(), sf.get_out_shapes()[0]
         return sf.get_jaxpr(), sf.get_states()
 
     make.__name__ = make.__qualname__ = f"make_jaxpr({getattr(fun, '__name__', fun)})"

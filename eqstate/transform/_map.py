@@ -1,0 +1,203 @@
+"""map: `jax.lax.map` for functions that use states, sequential or in vmapped
+chunks."""
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _jax_compat as compat
+from .._pretty_print import state_label
+from .._state import RandomState, split_and_advance, State
+from ._common import strong, Traced
+from ._compiled import Compiled
+from ._loops import _loop_length, _scan, _slice
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+_MAP = (
+    "`map`",
+    "xs",
+    "`map` needs arrays to map over: `map(f, xs)` calls `f(x)` for each slice `x` of "
+    "`xs` along its leading axis.",
+)
+
+_CARRIED_OVER = (
+    "`map` with `batch_size` runs the elements of a chunk at once, so an element "
+    "cannot see what the element before it wrote; but {label} carries a value from "
+    "one element to the next (the function uses its value from before the call to "
+    "compute what it returns or writes). Map sequentially (`batch_size=None`), or "
+    "use `eqstate.transform.for_loop`."
+)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    try:
+        size = operator.index(batch_size)
+    except TypeError:
+        raise TypeError(
+            f"`batch_size` must be a positive integer or None, got {batch_size!r}."
+        ) from None
+    if size <= 0:
+        raise ValueError(f"`batch_size` must be a positive integer, got {size}.")
+    return size
+
+
+def _uses_old_value(entry: Compiled, states: Sequence[State]) -> list[State]:
+    """Those of `states` whose value before the call reaches an output of the
+    function (its return value or a written value): data flow through its jaxpr."""
+    jaxpr = entry.jaxpr.jaxpr
+    n_states = sum(d.num_leaves for d in entry.state_defs)
+    first = len(jaxpr.invars) - n_states
+    found = []
+    start = first
+    for state, treedef in zip(entry.states, entry.state_defs):
+        stop = start + treedef.num_leaves
+        if state in states and _reaches_outputs(jaxpr, jaxpr.invars[start:stop]):
+            found.append(state)
+        start = stop
+    return found
+
+
+def _reaches_outputs(jaxpr: jex_core.Jaxpr, inputs: Sequence[Any]) -> bool:
+    reached = set(inputs)
+    for eqn in jaxpr.eqns:
+        if any(
+            not isinstance(v, jex_core.Literal) and v in reached for v in eqn.invars
+        ):
+            reached.update(eqn.outvars)
+    return any(
+        not isinstance(v, jex_core.Literal) and v in reached for v in jaxpr.outvars
+    )
+
+
+def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
+    """`map` with `batch_size=size`: a scan over chunks of `size` elements, each
+    vmapped, then the remaining elements, vmapped."""
+    traced = Traced(f, tuple(_slice(x) for x in xs), name=getattr(f, "__name__", None))
+    traced.refuse_new_states("`map`")
+    values = dict(zip(traced.states, traced.values))
+    randoms = [
+        s
+        for s in traced.states
+        if isinstance(s, RandomState) and jnp.ndim(values[s]) == 0
+    ]
+    written = [s for s in traced.written if s not in randoms]
+    carried_over = _uses_old_value(traced.entry, written)
+    if carried_over:
+        raise ValueError(_CARRIED_OVER.format(label=state_label(carried_over[0])))
+    carried = [*written, *randoms]
+
+    def chunk(carried_values: list, chunk_xs: tuple, count: int) -> tuple[list, Any]:
+        current = dict(values)
+        current.update(zip(carried, carried_values))
+        # As in `vmap`: every element draws from its own key, and the key advances
+        # once per chunk.
+        advanced, keys = [], []
+        for s in randoms:
+            outer, lane_keys = split_and_advance(current[s], count)
+            advanced.append(outer)
+            keys.append(lane_keys)
+
+        def element(element_keys: list, x: tuple) -> tuple[Any, list]:
+            here = dict(current)
+            here.update(zip(randoms, element_keys))
+            out, updates, _ = traced.call([here[s] for s in traced.states], x)
+            return out, [updates[s] for s in written]
+
+        ys, new_values = jax.vmap(element)(keys, chunk_xs)
+        # The value the chunk's last element wrote, as in a sequential map.
+        last = [jtu.tree_map(lambda v: v[-1], v) for v in new_values]
+        return strong([*last, *advanced]), ys
+
+    main, rest = divmod(n, size)
+    state_values = strong([values[s] for s in carried])
+    parts = []
+    if main:
+        batched = jtu.tree_map(
+            lambda a: a[: main * size].reshape(main, size, *a.shape[1:]), xs
+        )
+        state_values, ys = jax.lax.scan(
+            lambda c, x: chunk(c, x, size), state_values, batched
+        )
+        parts.append(jtu.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), ys))
+    if rest:
+        tail = jtu.tree_map(lambda a: a[main * size :], xs)
+        state_values, ys = chunk(state_values, tail, rest)
+        parts.append(ys)
+    traced.commit(dict(zip(carried, state_values)))
+    if len(parts) == 1:
+        return parts[0]
+    return jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), *parts)
+
+
+def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
+    """Like `jax.lax.map`, for a function that reads and writes states: calls
+    `f(*x)` for each slice `x` of `xs` along their leading axis, and stacks the
+    outputs.
+
+    Without `batch_size` the elements are mapped one after the other, as in
+    [`eqstate.transform.for_loop`][]: each element sees what the one before it
+    wrote, and the states end with the last element's writes.
+
+    With `batch_size`, chunks of that many elements run at once under `jax.vmap`, one
+    chunk after the other, and the remaining elements in a last, smaller chunk (as
+    `jax.lax.map` does): more parallel than the sequential map, with less memory than
+    one `vmap` over everything. The elements of a chunk cannot see each other's
+    writes, so a state whose old value the function uses (a counter, a recurrent
+    state) raises `ValueError`; a state the function only overwrites ends with the
+    last element's write, as in the sequential map. Random states read inside are
+    split per element (every element draws different numbers), and advance once per
+    chunk.
+
+    States cannot be created inside `f`.
+
+    **Arguments:**
+
+    - `f`: called with one slice of each of `xs`. It may read and write states.
+    - `*xs`: arrays (or PyTrees of arrays) with a common leading axis; at least one.
+    - `batch_size`: the number of elements per vmapped chunk, a positive integer;
+        `None` to map sequentially. (Keyword only argument.)
+
+    **Returns:**
+
+    The outputs of `f`, stacked along a new leading axis.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import jax
+        import jax.numpy as jnp
+
+        w = es.ParamState(jnp.array([1.0, 2.0]))
+        last = es.State(jnp.zeros(2))
+
+        def f(x):
+            last.value = w.value * x
+            return jnp.sum(last.value)
+
+        xs = jnp.arange(5.0)
+        ys = es.transform.map(f, xs, batch_size=2)
+        assert (ys == jax.lax.map(lambda x: 3.0 * x, xs, batch_size=2)).all()
+        assert (last.value == jnp.array([4.0, 8.0])).all()
+        ```
+    """
+    if batch_size is None:
+
+        def body(carry, x):
+            return carry, f(*x)
+
+        _, ys = _scan(body, None, xs, None, False, 1, None, _MAP)
+        return ys
+    size = _check_batch_size(batch_size)
+    n = _loop_length(xs, None, _MAP)
+    if n == 0:
+        return map(f, *xs)  # No chunk: the sequential map gives the stacked shapes.
+    return _in_chunks(f, xs, n, size)
