@@ -146,3 +146,23 @@ def test_map_needs_arrays_of_one_length():
         es.transform.map(lambda: 1)
     with pytest.raises(ValueError, match=r"`xs\[0\]` has 2, `xs\[1\]` has 3"):
         es.transform.map(lambda x, y: x, jnp.ones(2), jnp.ones(3), batch_size=2)
+
+
+@pytest.mark.parametrize("batch_size", (None, 2, 5))
+def test_map_over_a_stacked_model_holding_handles(getkey, batch_size):
+    import equinox as eqx
+
+    class Member(eqx.Module):
+        linear: eqx.nn.Linear
+        scale: es.ParamState
+
+        def __call__(self, x):
+            return self.linear(x) * self.scale.value
+
+    keys = jr.split(getkey(), 5)
+    linears = eqx.filter_vmap(lambda k: eqx.nn.Linear(2, 3, key=k))(keys)
+    stacked = Member(linears, es.ParamState(jnp.array(2.0), name="scale"))
+    x = jr.normal(getkey(), (2,))
+    got = es.transform.map(lambda member: member(x), stacked, batch_size=batch_size)
+    expected = jax.lax.map(lambda lin: lin(x) * 2.0, linears, batch_size=batch_size)
+    assert tree_allclose(got, expected, rtol=1e-6)

@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._state import RandomState, split_and_advance, State
-from ._common import strong, Traced
+from ._common import hide_static, show_static, strong, Traced
 from ._compiled import Compiled
 from ._loops import _loop_length, _scan, _slice
 
@@ -80,7 +80,7 @@ def _reaches_outputs(jaxpr: jex_core.Jaxpr, inputs: Sequence[Any]) -> bool:
 def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     """`map` with `batch_size=size`: a scan over chunks of `size` elements, each
     vmapped, then the remaining elements, vmapped."""
-    traced = Traced(f, tuple(_slice(x) for x in xs), name=getattr(f, "__name__", None))
+    traced = Traced(f, show_static(_slice(xs)), name=getattr(f, "__name__", None))
     traced.refuse_new_states("`map`")
     values = dict(zip(traced.states, traced.values))
     randoms = [
@@ -108,8 +108,10 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
         def element(element_keys: list, x: tuple) -> tuple[Any, list]:
             here = dict(current)
             here.update(zip(randoms, element_keys))
-            out, updates, _ = traced.call([here[s] for s in traced.states], x)
-            return out, [updates[s] for s in written]
+            out, updates, _ = traced.call(
+                [here[s] for s in traced.states], show_static(x)
+            )
+            return hide_static(out), [updates[s] for s in written]
 
         ys, new_values = jax.vmap(element)(keys, chunk_xs)
         # The value the chunk's last element wrote, as in a sequential map.
@@ -133,8 +135,8 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
         parts.append(ys)
     traced.commit(dict(zip(carried, state_values)))
     if len(parts) == 1:
-        return parts[0]
-    return jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), *parts)
+        return show_static(parts[0])
+    return show_static(jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), *parts))
 
 
 def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
@@ -162,6 +164,8 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
 
     - `f`: called with one slice of each of `xs`. It may read and write states.
     - `*xs`: arrays (or PyTrees of arrays) with a common leading axis; at least one.
+        Handles in them (a stacked model's states) are static: every element sees
+        the same ones.
     - `batch_size`: the number of elements per vmapped chunk, a positive integer;
         `None` to map sequentially. (Keyword only argument.)
 
@@ -197,6 +201,9 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
         _, ys = _scan(body, None, xs, None, False, 1, None, _MAP)
         return ys
     size = _check_batch_size(batch_size)
+    # Leaves JAX does not take (the handles of a model in `xs`) ride in the tree
+    # structure: every element sees the same ones.
+    xs = hide_static(xs)
     n = _loop_length(xs, None, _MAP)
     if n == 0:
         return map(f, *xs)  # No chunk: the sequential map gives the stacked shapes.
