@@ -8,6 +8,9 @@ median per-call time (and min-max over the rounds) of:
 - `jaxpr_call`: `sf.jaxpr_call(states, x)` inside that `jax.jit`;
 - `sf(jit)`: `StatefulFunction(f, cache_type='jit')(x)`, the world holding the states;
 - `transform.jit`: `eqstate.transform.jit(f)(x)`, the world holding the states;
+- `jit(closed)` and `jit(model, x)`: an `eqx.Module` holding the N states and an
+  array, closed over by the step or passed to it as an argument (the handles are
+  static leaves, the array is traced);
 
 with each system's ratio to the floor, all measured side by side in one run. It also
 prints the first trace of `f` (eqstate) against `jax.make_jaxpr` of the pure function,
@@ -16,6 +19,7 @@ to show that tracing cost grows linearly with N.
 
 import argparse
 
+import equinox as eqx
 import eqstate as es
 import jax
 import jax.numpy as jnp
@@ -62,7 +66,22 @@ def _systems(n: int) -> dict:
     if hasattr(es.transform, "jit"):
         jitted = es.transform.jit(step)
         systems["transform.jit"] = lambda: jitted(x)
+        model = _Model(states, jnp.full(4, 0.5))
+        closed = es.transform.jit(lambda x: model(x))
+        passed = es.transform.jit(lambda model, x: model(x))
+        systems["jit(closed)"] = lambda: closed(x)
+        systems["jit(model, x)"] = lambda: passed(model, x)
     return systems
+
+
+class _Model(eqx.Module):
+    states: list
+    decay: jax.Array
+
+    def __call__(self, x):
+        for s in self.states:
+            s.value = s.value * self.decay + x
+        return x.sum()
 
 
 def _trace_times(n: int) -> tuple[float, float]:
