@@ -233,3 +233,19 @@ def test_jit_with_one_sharding_refuses_keyword_arguments_as_jax_jit():
         jitted(jnp.ones(N), y=jnp.ones(N))
     with pytest.raises(ValueError, match="kwargs when in_shardings is specified"):
         jax.jit(lambda x, y: x + y, in_shardings=split)(jnp.ones(N), y=jnp.ones(N))
+
+
+def test_shard_map_reads_a_weakly_typed_state_in_both_tracing_modes(tracing_mode):
+    seen = es.State(jnp.array(0.0), name="seen")  # a Python float: weakly typed
+    assert seen.value.weak_type
+
+    @es.transform.shard_map(
+        mesh=_mesh("data"), in_specs=(P("data"),), out_specs=P("data")
+    )
+    def double(x):
+        seen.value = seen.value + jax.lax.psum(x.sum(), "data")
+        return 2 * x
+
+    x = jnp.arange(2.0 * N)
+    assert (double(x) == 2 * x).all()
+    assert seen.value == x.sum()

@@ -186,13 +186,20 @@ def _lane_of(state: State, x: Any, axis: int) -> Any:
 
 
 def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
-    """An array of type `struct` (zeros, or keys made from zeros)."""
+    """An array of type `struct`, weak type included (zeros, or keys made from
+    zeros)."""
     if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
         impl = jax.random.key_impl(jax.random.key(0, impl=None))
         data_shape = jax.random.key_data(jax.random.key(0)).shape
         return jax.random.wrap_key_data(
             jnp.zeros(struct.shape + data_shape, jnp.uint32), impl=impl
         )
+    if struct.weak_type:
+        # A weak type comes only from a Python scalar: broadcasting one keeps it.
+        for zero in (0.0, 0, 0j):
+            weak = jnp.asarray(zero)
+            if weak.dtype == struct.dtype:
+                return jnp.broadcast_to(weak, struct.shape)
     return jnp.zeros(struct.shape, struct.dtype)
 
 
