@@ -335,9 +335,8 @@ def test_vmap_maps_a_stacked_mixed_model_and_keeps_its_flags_static(getkey):
 
     ensemble = es.transform.vmap_new_states(Member, axis_size=4)(jr.split(getkey(), 4))
     xs = jr.normal(getkey(), (5, 2))
-    lanes = es.transform.vmap(
-        lambda m: m(xs), in_states={0: es.states_of(ensemble)}
-    )(ensemble)
+    mapped = es.transform.vmap(lambda m: m(xs), in_states={0: es.states_of(ensemble)})
+    lanes = mapped(ensemble)
     for i in range(4):
         h = xs @ ensemble.linear.weight[i].T + ensemble.linear.bias[i]
         ref = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5)
