@@ -197,7 +197,10 @@ class _Values(dict):
             make = self.lazy.pop(key, None)
             if make is None:
                 raise KeyError(key)
-            value = self[key] = to_value(make())
+            # Made outside any trace it was first looked up in: a world value must
+            # be concrete, never a tracer that dies with that trace.
+            with jax.ensure_compile_time_eval():
+                value = self[key] = to_value(make())
         return value
 
 

@@ -265,7 +265,8 @@ def main() -> None:
         print(f"  step {i + 1:4d}: average member loss {losses[i].mean():.4f}")
 
     # 3. Evaluate on the held-out series. (Transforms find the states a function uses
-    # by tracing it, so the function closes over the model rather than taking it.)
+    # by tracing it, so it may close over the model, as here, or take it as an
+    # argument.)
     predict = es.transform.jit(lambda series: predict_all(ensemble, series))
     predictions = np.asarray(predict(test_series))
     report(mse(predictions, test_series), mse(predictions.mean(axis=0), test_series))

@@ -45,3 +45,25 @@ def test_train_ensemble_quick_reports_losses_and_writes_checkpoint_and_plot(
     assert checkpoint.startswith(b"\x93EQSTATE")
     png = (tmp_path / "ensemble_predictions.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        ("mlp_batchnorm.py", r"checkpoint round trip: 8 arrays, bit for bit"),
+        ("ensemble_member.py", r"member 3 alone vs its lane: max difference"),
+        ("rnn_scan.py", r"batch of 3: outputs \(20, 3, 8\)"),
+    ],
+)
+def test_equinox_examples_run_quick_and_pass_their_checks(script, expected):
+    # Each asserts its own claims (bit-exact checkpoint, member equal to its lane,
+    # outputs per batch size): a failed check is a non-zero exit.
+    pytest.importorskip("optax")
+    result = subprocess.run(
+        [sys.executable, str(_EXAMPLES / script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(expected, result.stdout), result.stdout

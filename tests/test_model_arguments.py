@@ -319,3 +319,27 @@ def test_a_batch_norm_model_passes_through_eqx_and_eqstate_transforms(getkey):
     step = es.transform.jit(lambda m, xs: jnp.mean(m(xs)))
     step(model, xs)
     assert not (model.layers[0].running_mean.value == 0).all()
+
+
+def test_vmap_maps_a_stacked_mixed_model_and_keeps_its_flags_static(getkey):
+    class Member(eqx.Module):
+        linear: eqx.nn.Linear
+        bn: enn.BatchNorm  # holds `inference: bool`, a Python scalar leaf
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(2, 3, key=key)
+            self.bn = enn.BatchNorm(3)
+
+        def __call__(self, x):
+            return self.bn(jax.vmap(self.linear)(x))
+
+    ensemble = es.transform.vmap_new_states(Member, axis_size=4)(jr.split(getkey(), 4))
+    xs = jr.normal(getkey(), (5, 2))
+    mapped = es.transform.vmap(lambda m: m(xs), in_states={0: es.states_of(ensemble)})
+    lanes = mapped(ensemble)
+    for i in range(4):
+        h = xs @ ensemble.linear.weight[i].T + ensemble.linear.bias[i]
+        ref = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5)
+        assert tree_allclose(lanes[i], ref, rtol=1e-4, atol=1e-5)
+    assert ensemble.bn.running_mean.value.shape == (4, 3)
+    assert not (ensemble.bn.running_mean.value == 0).any()

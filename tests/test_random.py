@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import eqstate as es
 import jax
 import jax.numpy as jnp
@@ -120,6 +123,26 @@ def test_default_state_is_a_random_state_in_the_world():
     sf = es.transform.StatefulFunction(lambda: es.random.uniform())
     sf.make_jaxpr()
     assert sf.get_write_states() == (es.random.DEFAULT,)
+
+
+_FIRST_DRAW_UNDER_JIT = """
+import eqstate as es, jax.numpy as jnp
+draw = es.transform.jit(lambda x: x + es.random.normal(()))
+a, b = draw(jnp.zeros(())), draw(jnp.zeros(()))
+assert a != b, (a, b)
+es.random.DEFAULT.value  # a concrete key in the world
+"""
+
+
+def test_the_default_key_made_on_a_first_draw_under_jit_is_not_a_tracer():
+    # In a fresh interpreter, so that the default key is made on this first use.
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_DRAW_UNDER_JIT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_a_key_of_another_implementation_gets_a_fitting_message():

@@ -329,12 +329,15 @@ def _lane_args(tree: Any, axis: Any) -> Any:
             return sub
 
         def one(x: Any) -> Any:
-            if not hasattr(x, "shape"):
+            # Only arrays are mapped (`eqx.filter_vmap` below): a handle, or a Python
+            # scalar such as a layer's `inference` flag, reaches every lane as it is.
+            if not (eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
                 return x
+            x = abstract(x)
             ax = a % len(x.shape)
             return jax.ShapeDtypeStruct(x.shape[:ax] + x.shape[ax + 1 :], x.dtype)
 
-        return jtu.tree_map(one, abstract(sub))
+        return jtu.tree_map(one, sub)
 
     return jtu.tree_map(strip, axis, tree, is_leaf=lambda x: x is None)
 
