@@ -38,6 +38,7 @@ from ._errors import (
     TraceContextError,
 )
 from ._pretty_print import state_label
+from ._shapes import shape_dtype
 
 
 def to_value(value: Any) -> Any:
@@ -448,7 +449,7 @@ class TraceFrame(Frame):
         if self.preloaded is None:
             outer = self.parent.fetch(state)
             leaves, treedef = jtu.tree_flatten(outer)
-            leaves = [compat.new_input(self.jax_trace, _aval(x)) for x in leaves]
+            leaves = [compat.new_input(self.jax_trace, shape_dtype(x)) for x in leaves]
             value = jtu.tree_unflatten(treedef, leaves)
         else:
             value = self.preloaded.get(state, MISSING)
@@ -523,13 +524,6 @@ def _check_same_trace(
         "trace. Use the eqstate version of the transform (e.g. "
         "`eqstate.transform.vmap_new_states` instead of `jax.vmap`)."
     )
-
-
-def _aval(x: Any) -> jax.ShapeDtypeStruct:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def describe(state: Any) -> str:

@@ -4,7 +4,6 @@ its pure form inside the JAX transform, then write the results back."""
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
@@ -12,6 +11,7 @@ from .. import _context, _jax_compat as compat
 from .._custom_types import Filter
 from .._filters import to_predicate
 from .._pretty_print import state_label
+from .._shapes import shape_dtype
 from .._state import fresh_copy, is_state, State
 from .._state_dict import StateDict
 from ._compiled import Compiled, dynamic_mask, in_module, is_dynamic, StaleTrace
@@ -24,13 +24,7 @@ compat.hide_from_tracebacks(__file__)
 def abstract(tree: Any) -> Any:
     """Replaces every array leaf with a `jax.ShapeDtypeStruct`."""
 
-    def to_struct(x):
-        if not is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        aval = jax.typeof(x)
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-    return jtu.tree_map(to_struct, tree)
+    return jtu.tree_map(lambda x: shape_dtype(x) if is_dynamic(x) else x, tree)
 
 
 class _Static:
