@@ -73,6 +73,15 @@ def _refuse_deleted(state: Any, x: Any) -> None:
         )
 
 
+def _promotion_keeps(dtype: Any, new: Any) -> bool:
+    """Whether the configured dtype promotion of `dtype` with `new` gives `dtype` (under
+    `jax_numpy_dtype_promotion="strict"`, a weak float and an int do not promote)."""
+    try:
+        return jnp.result_type(dtype, new) == dtype
+    except jax.dtypes.TypePromotionError:
+        return False
+
+
 def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     _refuse_deleted(state, new)
     if isinstance(new, Tracer) and compat.is_dead_tracer(new):
@@ -85,7 +94,7 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     weak = getattr(new, "weak_type", False) or getattr(
         getattr(new, "aval", None), "weak_type", False
     )
-    if new.shape == old.shape and weak and jnp.result_type(old.dtype, new) == old.dtype:
+    if new.shape == old.shape and weak and _promotion_keeps(old.dtype, new):
         return new.astype(old.dtype)
     hint = (
         " To give new states a batch axis, create them inside "

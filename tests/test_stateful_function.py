@@ -22,7 +22,7 @@ def model():
 
     def f(x):
         count.value = count.value + 1
-        return w.value @ x + b.value
+        return w.value @ x.astype(w.value.dtype) + b.value
 
     return f, w, b, count
 
@@ -92,7 +92,7 @@ def test_out_shapes_and_treedef():
     s = es.State(jnp.zeros((2, 3)))
 
     def f(x):
-        s.value = s.value + x
+        s.value = s.value + x[None]
         return {"y": x.sum(), "n": "static"}
 
     sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
