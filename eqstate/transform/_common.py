@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
-from .._custom_types import Filter
 from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._shapes import shape_dtype
@@ -178,10 +177,6 @@ class Traced:
             list(zip(fresh, new_values)),
         )
 
-    def values_for(self, states: Sequence[State]) -> list[Any]:
-        index = {s: i for i, s in enumerate(self.states)}
-        return [self.values[index[s]] for s in states]
-
     def commit(
         self, updates: dict[State, Any], new: Sequence[tuple[State, Any]] = ()
     ) -> None:
@@ -208,11 +203,6 @@ def select_states(
         return tuple(dict.fromkeys(spec)), True
     predicate = to_predicate(spec)
     return tuple(s for s in candidates if predicate((), s)), False
-
-
-def matching(filter: Filter, states: Sequence[State]) -> list[State]:
-    predicate = to_predicate(filter)
-    return [s for s in states if predicate((), s)]
 
 
 def partition(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
