@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
+from .._errors import BatchAxisError
 from .._pretty_print import state_label
 from .._run import run
 from .._shapes import shape_dtype
@@ -193,7 +194,7 @@ def shard_map(
                     *(compat.varying_axes(x) for x in jtu.tree_leaves(value))
                 )
                 if check_vma and varying - kept_apart:
-                    raise ValueError(
+                    raise BatchAxisError(
                         f"{state_label(state)} is written inside `shard_map` with a value "
                         f"that differs across devices along mesh axes "
                         f"{sorted(varying - kept_apart)}, but its PartitionSpec "
