@@ -38,6 +38,7 @@ from ._errors import (
     TraceContextError,
 )
 from ._pretty_print import state_label
+from ._shapes import shape_dtype
 
 
 def to_value(value: Any) -> Any:
@@ -72,6 +73,15 @@ def _refuse_deleted(state: Any, x: Any) -> None:
         )
 
 
+def _promotion_keeps(dtype: Any, new: Any) -> bool:
+    """Whether the configured dtype promotion of `dtype` with `new` gives `dtype` (under
+    `jax_numpy_dtype_promotion="strict"`, a weak float and an int do not promote)."""
+    try:
+        return jnp.result_type(dtype, new) == dtype
+    except jax.dtypes.TypePromotionError:
+        return False
+
+
 def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     _refuse_deleted(state, new)
     if isinstance(new, Tracer) and compat.is_dead_tracer(new):
@@ -84,7 +94,7 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     weak = getattr(new, "weak_type", False) or getattr(
         getattr(new, "aval", None), "weak_type", False
     )
-    if new.shape == old.shape and weak and jnp.result_type(old.dtype, new) == old.dtype:
+    if new.shape == old.shape and weak and _promotion_keeps(old.dtype, new):
         return new.astype(old.dtype)
     hint = (
         " To give new states a batch axis, create them inside "
@@ -451,7 +461,7 @@ class TraceFrame(Frame):
         if self.preloaded is None:
             outer = self.parent.fetch(state)
             leaves, treedef = jtu.tree_flatten(outer)
-            leaves = [compat.new_input(self.jax_trace, _aval(x)) for x in leaves]
+            leaves = [compat.new_input(self.jax_trace, shape_dtype(x)) for x in leaves]
             value = jtu.tree_unflatten(treedef, leaves)
         else:
             value = self.preloaded.get(state, MISSING)
@@ -526,13 +536,6 @@ def _check_same_trace(
         "trace. Use the eqstate version of the transform (e.g. "
         "`eqstate.transform.vmap_new_states` instead of `jax.vmap`)."
     )
-
-
-def _aval(x: Any) -> jax.ShapeDtypeStruct:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def describe(state: Any) -> str:

@@ -19,7 +19,9 @@ class StateValueError(ValueError):
 
 
 class BatchAxisError(ValueError):
-    """A state was given (or would get) a batch axis it may not have."""
+    """A state was given (or would get) a batch axis it may not have: a value that
+    differs across the lanes of a `vmap` or the devices of a `shard_map`, written to a
+    state that holds one value for all of them."""
 
 
 class CheckpointError(ValueError):

@@ -195,8 +195,3 @@ def to_predicate(filter: Any) -> StateFilter:
         "State subclass, a handle, a tag string, a predicate `(path, state) -> bool`, "
         "`...` (every state), `None` (no state), or a tuple/list of filters."
     )
-
-
-def matches(filters: tuple[Any, ...], path: tuple, state: State) -> bool:
-    """Whether `state` matches any of `filters` (every state if there are none)."""
-    return not filters or any(to_predicate(f)(path, state) for f in filters)

@@ -84,6 +84,7 @@ class State(Generic[_Value]):
         one."""
         return _context.current_frame().read(self)
 
+    # Never runs (`__setattr__` takes `.value = ...`); it exists for type checkers.
     @value.setter
     def value(self, value: _Value) -> None:
         _context.current_frame().write(self, value)

@@ -19,11 +19,11 @@ def linear(getkey):
 
     def loss(x):
         calls.value = calls.value + 1
-        y = x @ w.value + b.value
+        y = x @ w.value + b.value[None]
         return jnp.sum(y**2), y
 
     def pure(w, b, x):
-        y = x @ w + b
+        y = x @ w + b[None]
         return jnp.sum(y**2), y
 
     return loss, pure, w, b, calls

@@ -462,7 +462,7 @@ def shard_not_divisible():
 
 @case(
     "a replicated state written per device in `shard_map`",
-    ValueError,
+    es.BatchAxisError,
     "differs across devices",
 )
 def shard_map_varying_write():

@@ -46,6 +46,7 @@ def _pure_loss(params, xs, ys):
     return jnp.mean((preds - ys) ** 2), h_final
 
 
+@pytest.mark.numpy_promotion("optax.adam: a Python float to an int32 power")
 @pytest.mark.usefixtures("tracing_mode")
 def test_rnn_training_matches_pure_jax(getkey):
     model = RNN(2, 8, getkey())

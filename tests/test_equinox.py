@@ -144,13 +144,14 @@ class _Net(eqx.Module):
 
 def _pure_net(model, bn_values, x, mask=None):
     """`_Net` in plain JAX, from its arrays and the values of its BatchNorm."""
-    h = x @ model.linear1.weight.T + model.linear1.bias
-    mean, var = h.mean(0), h.var(0)
-    h = (h - mean) / jnp.sqrt(var + 1e-5) * bn_values["weight"] + bn_values["bias"]
+    h = x @ model.linear1.weight.T + model.linear1.bias[None]
+    mean, var = h.mean(0, keepdims=True), h.var(0, keepdims=True)
+    h = (h - mean) / jnp.sqrt(var + 1e-5)
+    h = h * bn_values["weight"][None] + bn_values["bias"][None]
     h = jax.nn.relu(h)
     if mask is not None:
         h = jnp.where(mask, h / 0.75, 0)
-    return (h @ model.linear2.weight.T + model.linear2.bias)[:, 0]
+    return (h @ model.linear2.weight.T + model.linear2.bias[None])[:, 0]
 
 
 def _bn_values(model, states):

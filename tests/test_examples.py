@@ -5,8 +5,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 
 _EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
@@ -20,9 +18,6 @@ def _loss(label: str, text: str) -> float:
 def test_train_ensemble_quick_reports_losses_and_writes_checkpoint_and_plot(
     tmp_path,
 ):
-    # The examples' dependencies come with `.[examples]`, not `.[dev]`.
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("optax")
     script = _EXAMPLES / "train_ensemble.py"
     result = subprocess.run(
         [sys.executable, str(script), "--quick", "--out", str(tmp_path)],

@@ -56,10 +56,10 @@ def test_sequential_map_carries_writes_from_element_to_element():
 
     def f(x):
         count.value = count.value + 1
-        return x * count.value
+        return x * count.value.astype(x.dtype)
 
     ys = es.transform.map(f, jnp.ones(4))
-    assert (ys == jnp.arange(1, 5)).all() and count.value == 4
+    assert (ys == jnp.arange(1.0, 5.0)).all() and count.value == 4
 
 
 def test_batched_map_refuses_a_state_carried_from_element_to_element():

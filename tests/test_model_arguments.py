@@ -256,6 +256,7 @@ def test_vmap_new_states_and_shard_map_take_a_model_argument(getkey):
     )
 
 
+@pytest.mark.numpy_promotion("optax.adam: a Python float to an int32 power")
 def test_one_optimiser_trains_arrays_and_parameter_states(getkey):
     model = Mixed(getkey())
     x, y = jr.normal(getkey(), (3,)), jr.normal(getkey(), (3,))

@@ -37,7 +37,7 @@ def test_jit_of_grad_of_scan_of_vmap(getkey):
     def pure_loss(w, h, xs):
         def body(carry, x):
             total, h = carry
-            h = jnp.tanh(w * h + x)
+            h = jnp.tanh(w * h + x[None])
             return (total + jnp.sum(jnp.sum(h, axis=1) ** 2), h), None
 
         (total, h), _ = jax.lax.scan(body, (0.0, h), xs)

@@ -239,6 +239,7 @@ def test_vmap2_new_states_builds_without_touching_the_world():
     assert ys.shape == (5,) and len(set(ys.tolist())) == 5
 
 
+@pytest.mark.numpy_promotion("optax.adam: a Python float to an int32 power")
 def test_ensemble_of_mlps_built_evaluated_and_trained(getkey):
     es.random.seed(0)
     ensemble = es.transform.vmap_new_states(MLP, axis_size=8)()

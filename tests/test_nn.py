@@ -505,7 +505,7 @@ def test_rnn_cell_matches_plain_jax(getkey, batch_size):
     b = cell.bias.value
 
     def step(h, x):
-        h = jnp.tanh(x @ w_ih.T + h @ w_hh.T + b)
+        h = jnp.tanh(x @ w_ih.T + h @ w_hh.T + jnp.broadcast_to(b, h.shape))
         return h, h
 
     h0 = jnp.zeros(cell.hidden.value.shape)

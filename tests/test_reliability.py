@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqstate import _context, _jax_compat
+from eqstate import _context
+
+from .helpers import traces_per_key
 
 
 def test_threads_with_their_own_scopes_share_one_stateful_function():
@@ -51,7 +53,7 @@ def test_threads_with_their_own_scopes_share_one_stateful_function():
     for i in range(8):
         assert results[i][count] == 1000 and results[i][total] == 1000.0 * i
     # One key: compiled once across the 8 threads (in two passes on the fallback).
-    assert len(traces) == (1 if _jax_compat.single_pass_enabled() else 2)
+    assert len(traces) == traces_per_key()
     assert count.value == 0 and total.value == 0.0
 
 

@@ -162,6 +162,7 @@ def _load(name):
     return module
 
 
+@pytest.mark.numpy_promotion("the example broadcasts as NumPy does and uses optax.adam")
 def test_data_parallel_example_matches_a_single_device():
     example = _load("data_parallel")
     single, single_losses, _ = example.train(steps=5)

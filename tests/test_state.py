@@ -1,6 +1,7 @@
 import copy
 import gc
 import pickle
+import typing
 import weakref
 
 import eqstate as es
@@ -9,7 +10,10 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import pytest
+from beartype import beartype
+from beartype.roar import BeartypeCallHintParamViolation
 from eqstate import _context
+from jaxtyping import Array, Float
 
 from .helpers import leak_a_tracer
 
@@ -170,9 +174,15 @@ def test_creating_a_state_inside_raw_jit_raises():
 
 
 def test_state_is_generic_for_annotations():
-    from jaxtyping import Array, Float
+    value_type = Float[Array, " n"]
+    annotation = es.State[value_type]
+    assert typing.get_origin(annotation) is es.State
+    assert typing.get_args(annotation) == (value_type,)
 
-    def f(s: es.State[Float[Array, " n"]]) -> None:
+    @beartype
+    def f(s: es.State[value_type]) -> None:
         pass
 
-    f(es.State(jnp.zeros(3)))
+    f(es.ParamState(jnp.zeros(3)))
+    with pytest.raises(BeartypeCallHintParamViolation, match="State"):
+        f(jnp.zeros(3))  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import pytest
 
-from .helpers import tree_allclose, tree_bitwise_equal
+from .helpers import traces_per_key, tree_allclose, tree_bitwise_equal
 
 
 pytestmark = pytest.mark.usefixtures("tracing_mode")
@@ -16,6 +16,23 @@ def test_vmap_over_arguments_matches_jax_with_broadcast_states(getkey):
     out = es.transform.vmap(lambda x: w.value @ x)(xs)
     wv = w.value
     assert tree_allclose(out, jax.vmap(lambda x: wv @ x)(xs))
+
+
+def test_a_weakly_typed_mapped_argument_is_traced_once(getkey):
+    count = es.ShortTermState(jnp.array(0), name="count")
+    traces = []
+
+    def scale(x, factor):
+        traces.append(1)
+        count.value = count.value + 1
+        return x * factor
+
+    xs = jr.normal(getkey(), (4, 3))
+    factors = jax.lax.broadcast(jnp.asarray(2.0), (4,))  # weakly typed, like 2.0
+    assert jax.typeof(factors).weak_type
+    out = es.transform.vmap(scale)(xs, factors)
+    assert tree_allclose(out, jax.vmap(lambda x, f: x * f)(xs, factors))
+    assert len(traces) == traces_per_key() and count.value == 1
 
 
 def test_declared_states_are_mapped_and_written_back(getkey):

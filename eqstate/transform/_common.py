@@ -4,14 +4,13 @@ its pure form inside the JAX transform, then write the results back."""
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
-from .._custom_types import Filter
 from .._filters import to_predicate
 from .._pretty_print import state_label
+from .._shapes import shape_dtype
 from .._state import fresh_copy, is_state, State
 from .._state_dict import StateDict
 from ._compiled import Compiled, dynamic_mask, in_module, is_dynamic, StaleTrace
@@ -24,13 +23,7 @@ compat.hide_from_tracebacks(__file__)
 def abstract(tree: Any) -> Any:
     """Replaces every array leaf with a `jax.ShapeDtypeStruct`."""
 
-    def to_struct(x):
-        if not is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        aval = jax.typeof(x)
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-    return jtu.tree_map(to_struct, tree)
+    return jtu.tree_map(lambda x: shape_dtype(x) if is_dynamic(x) else x, tree)
 
 
 class _Static:
@@ -184,10 +177,6 @@ class Traced:
             list(zip(fresh, new_values)),
         )
 
-    def values_for(self, states: Sequence[State]) -> list[Any]:
-        index = {s: i for i, s in enumerate(self.states)}
-        return [self.values[index[s]] for s in states]
-
     def commit(
         self, updates: dict[State, Any], new: Sequence[tuple[State, Any]] = ()
     ) -> None:
@@ -214,11 +203,6 @@ def select_states(
         return tuple(dict.fromkeys(spec)), True
     predicate = to_predicate(spec)
     return tuple(s for s in candidates if predicate((), s)), False
-
-
-def matching(filter: Filter, states: Sequence[State]) -> list[State]:
-    predicate = to_predicate(filter)
-    return [s for s in states if predicate((), s)]
 
 
 def partition(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:

@@ -20,6 +20,7 @@ import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
 from .._pretty_print import state_label
+from .._shapes import shape_dtype
 from .._state import State
 from ._common import abstract, hide_static, show_static, strong, Traced
 from ._conditions import cond
@@ -89,10 +90,7 @@ def _check_pbar(pbar: Any) -> None:
 def _slice(xs: Any) -> Any:
     """What the body sees of `xs` (with its static leaves hidden): one slice along
     the leading axis, abstractly."""
-    return jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, weak_type=x.weak_type),
-        abstract(xs),
-    )
+    return jtu.tree_map(lambda x: shape_dtype(x, x.shape[1:]), abstract(xs))
 
 
 class _Carried:

@@ -10,12 +10,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
+from .._errors import BatchAxisError
 from .._pretty_print import state_label
 from .._run import run
+from .._shapes import shape_dtype
 from .._sharding import check_divisible, spec_rule
 from .._state import State
 from .._state_dict import StateDict
-from ._common import abstract, hide_static, show_static, Traced
+from ._common import hide_static, show_static, Traced
 from ._stateful_function import StatefulFunction
 from ._vmap import placeholder
 
@@ -41,8 +43,7 @@ def _local(x: Any, spec: Any, mesh: Mesh) -> Any:
             continue
         for name in entry if isinstance(entry, tuple) else (entry,):
             shape[dim] //= mesh.shape[name]
-    aval = abstract(x)
-    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
+    return shape_dtype(x, tuple(shape))
 
 
 class _ShardView(_context.Frame):
@@ -193,7 +194,7 @@ def shard_map(
                     *(compat.varying_axes(x) for x in jtu.tree_leaves(value))
                 )
                 if check_vma and varying - kept_apart:
-                    raise ValueError(
+                    raise BatchAxisError(
                         f"{state_label(state)} is written inside `shard_map` with a value "
                         f"that differs across devices along mesh axes "
                         f"{sorted(varying - kept_apart)}, but its PartitionSpec "

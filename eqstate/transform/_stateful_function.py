@@ -143,7 +143,6 @@ class StatefulFunction:
             )
         )
         self.axis_env = None if axis_env is None else tuple(axis_env)
-        self.abstracted_axes = abstracted_axes
         self.state_returns = returns
         self.cache_type = cache_type
         self._cache: OrderedDict[Hashable, list[Compiled]] = OrderedDict()

@@ -14,9 +14,10 @@ from .._custom_types import AxisSpec, Filter, MISSING
 from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
+from .._shapes import shape_dtype
 from .._state import RandomState, split_and_advance, State
 from .._state_dict import StateDict
-from ._common import abstract, Traced
+from ._common import Traced
 from ._stateful_function import StatefulFunction
 
 
@@ -165,17 +166,18 @@ class _LaneView(_context.Frame):
 
 
 def _lane_struct(state: State, x: Any, axis: int) -> jax.ShapeDtypeStruct:
-    aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
-    shape = aval.shape
+    shape = jnp.shape(x)
     if not -len(shape) <= axis < len(shape):
         raise ValueError(
             f"`in_states` maps {state_label(state, x)} along axis {axis}, which it does "
             "not have. A mapped state's value needs the batch axis."
         )
+    return shape_dtype(x, _without_axis(shape, axis))
+
+
+def _without_axis(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     axis %= len(shape)
-    return jax.ShapeDtypeStruct(
-        shape[:axis] + shape[axis + 1 :], aval.dtype, weak_type=aval.weak_type
-    )
+    return shape[:axis] + shape[axis + 1 :]
 
 
 def _lane_of(state: State, x: Any, axis: int) -> Any:
@@ -333,9 +335,7 @@ def _lane_args(tree: Any, axis: Any) -> Any:
             # scalar such as a layer's `inference` flag, reaches every lane as it is.
             if not (eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
                 return x
-            x = abstract(x)
-            ax = a % len(x.shape)
-            return jax.ShapeDtypeStruct(x.shape[:ax] + x.shape[ax + 1 :], x.dtype)
+            return shape_dtype(x, _without_axis(x.shape, a))
 
         return jtu.tree_map(one, sub)
 
