@@ -19,8 +19,8 @@ to show that tracing cost grows linearly with N.
 
 import argparse
 
-import equinox as eqx
 import eqstate as es
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 

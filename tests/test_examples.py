@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 _EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
@@ -53,7 +55,6 @@ def test_train_ensemble_quick_reports_losses_and_writes_checkpoint_and_plot(
 def test_equinox_examples_run_quick_and_pass_their_checks(script, expected):
     # Each asserts its own claims (bit-exact checkpoint, member equal to its lane,
     # outputs per batch size): a failed check is a non-zero exit.
-    pytest.importorskip("optax")
     result = subprocess.run(
         [sys.executable, str(_EXAMPLES / script), "--quick"],
         capture_output=True,
