@@ -152,14 +152,14 @@ def jaxpr_call_count():
     return lambda: sf.jaxpr_call([w.value, w.value]), [w]
 
 
-@case("`jaxpr_call` with a None value", ValueError, "is None")
+@case("`jaxpr_call` with a None value", es.StateValueError, "is None")
 def jaxpr_call_none():
     w = _w()
     sf = es.transform.StatefulFunction(lambda: w.value).make_jaxpr()
     return lambda: sf.jaxpr_call([None]), [w]
 
 
-@case("`jaxpr_call` with a wrongly shaped value", ValueError, r"is f32\[5\]")
+@case("`jaxpr_call` with a wrongly shaped value", es.StateValueError, r"is f32\[5\]")
 def jaxpr_call_shape():
     w = _w()
     sf = es.transform.StatefulFunction(lambda: w.value).make_jaxpr()

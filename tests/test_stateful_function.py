@@ -576,7 +576,9 @@ def test_jaxpr_call_with_the_wrong_number_of_values(model):
 def test_jaxpr_call_with_a_none_value(model):
     f, w, b, count = model
     sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
-    with pytest.raises(ValueError, match=r"position 1 .* ParamState 'w'.* is None"):
+    with pytest.raises(
+        es.StateValueError, match=r"position 1 .* ParamState 'w'.* is None"
+    ):
         sf.jaxpr_call((count.value, None, b.value), jnp.ones(3))
 
 
@@ -584,7 +586,8 @@ def test_jaxpr_call_with_a_wrongly_shaped_value(model):
     f, w, b, count = model
     sf = StatefulFunction(f).make_jaxpr(jnp.ones(3))
     with pytest.raises(
-        ValueError, match=r"ParamState 'w'.* is f32\[4\], .* traced with f32\[3\]"
+        es.StateValueError,
+        match=r"ParamState 'w'.* is f32\[4\], .* traced with f32\[3\]",
     ):
         sf.jaxpr_call((count.value, jnp.ones(4), b.value), jnp.ones(3))
 

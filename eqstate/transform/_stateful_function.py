@@ -815,9 +815,10 @@ class StatefulFunction:
 
         With a `StateDict`, [`eqstate.StateNotFoundError`][] if it lacks a state the
         function touches (the dictionary is strict, also while tracing). With a
-        sequence, `ValueError` if its length or a value's shape or dtype does not
-        match, if a value is `None`, or if the function creates states (use a
-        `StateDict` to receive them).
+        sequence, [`eqstate.StateValueError`][] (a `ValueError`) if a value is
+        `None` or its structure, shape or dtype differs from the trace's, and
+        `ValueError` if the number of values is wrong or the function creates states
+        (use a `StateDict` to receive them).
         """
         call = self.parse_args(args, kwargs)
         if isinstance(state_vals, StateDict):
@@ -937,7 +938,7 @@ def _check_sequence(name: str, entry: Compiled, values: tuple) -> None:
         )
     for i, (state, value) in enumerate(zip(entry.states, values)):
         if value is None:
-            raise ValueError(
+            raise StateValueError(
                 f"The value at position {i} of `jaxpr_call`'s state values, for "
                 f"{state_label(state)}, is None. Pass its current value."
             )
@@ -947,7 +948,7 @@ def _check_sequence(name: str, entry: Compiled, values: tuple) -> None:
         start = sum(d.num_leaves for d in entry.state_defs[:i])
         sigs = entry.state_signatures[start : start + entry.state_defs[i].num_leaves]
         expected = jtu.tree_unflatten(entry.state_defs[i], [struct(s) for s in sigs])
-        raise ValueError(
+        raise StateValueError(
             f"The value at position {i} of `jaxpr_call`'s state values, for "
             f"{state_label(stale)}, is {value_summary(values[i])}, but the function "
             f"was traced with {value_summary(expected)}."
