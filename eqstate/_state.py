@@ -228,6 +228,17 @@ def split_and_advance(key: Any, n: int | None) -> tuple[Any, Any]:
     return keys[0], keys[1] if n is None else keys[1:]
 
 
+def retag(state: State, tag: str) -> None:
+    """Gives `state` another tag (`vmap_new_states(state_tag=...)`, as it creates it)."""
+    object.__setattr__(state, "_tag", tag)
+
+
+def expire(state: State, where: str) -> None:
+    """Marks `state` as created inside the trace of `where`, which has ended: a read of
+    it outside that trace says so."""
+    object.__setattr__(state, "_expired_in", where)
+
+
 def fresh_copy(state: State) -> State:
     """A new, unregistered handle of the same kind, tag and name as `state`."""
     cls = type(state)

@@ -16,7 +16,7 @@ from .._errors import BatchAxisError, RAW_TRANSFORM_WRITE, TraceContextError
 from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._run import run
-from .._state import NonBatchState, RandomState, State
+from .._state import NonBatchState, RandomState, retag, State
 from .._state_dict import StateDict
 from ..random import DEFAULT
 from ._vmap import arrays_only, axis_size_of, per_argument_axes
@@ -141,7 +141,7 @@ class _LaneFrame(_context.Frame):
         if isinstance(state, NonBatchState) or self.excluded((), state):
             self.replicated.add(state)
         if self.tag is not None:
-            object.__setattr__(state, "_tag", self.tag)
+            retag(state, self.tag)
         if isinstance(state, RandomState) and not _batched(value):
             # A new random state seeded alike in every lane is re-keyed per lane.
             value = self._lane_key_for(state)

@@ -16,7 +16,7 @@ from .._custom_types import MISSING, PyTreeDef
 from .._errors import StateValueError, UnknownCacheKeyError
 from .._pretty_print import state_label, state_name, table, value_summary
 from .._run import run
-from .._state import fresh_copy, State
+from .._state import expire, fresh_copy, State
 from .._state_dict import StateDict
 from ._cache_stats import CacheStats
 from ._compiled import (
@@ -382,7 +382,7 @@ class StatefulFunction:
         finally:
             if trace.frame is not None:
                 for state in trace.frame.new_states:
-                    object.__setattr__(state, "_expired_in", self.name)
+                    expire(state, self.name)
                 trace.frame.release()
         frame = trace.frame
         assert frame is not None
