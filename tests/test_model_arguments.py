@@ -2,6 +2,7 @@
 static leaf, and its state is read and written exactly as if closed over."""
 
 import warnings
+from typing import Any
 
 import eqstate as es
 import eqstate.nn as enn
@@ -344,3 +345,26 @@ def test_vmap_maps_a_stacked_mixed_model_and_keeps_its_flags_static(getkey):
         assert tree_allclose(lanes[i], ref, rtol=1e-4, atol=1e-5)
     assert ensemble.bn.running_mean.value.shape == (4, 3)
     assert not (ensemble.bn.running_mean.value == 0).any()
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_a_list_or_dict_changed_in_place_between_calls_is_seen(container):
+    class Model(eqx.Module):
+        parts: Any
+
+    a, b = es.State(jnp.array(1.0), name="a"), es.State(jnp.array(10.0), name="b")
+    parts = [a] if container == "list" else {"s": a}
+    model = Model(parts)
+    key = 0 if container == "list" else "s"
+
+    @es.transform.jit
+    def read(model, x):
+        return model.parts[key].value + x
+
+    assert read(model, 0.0) == 1.0
+    assert read(model, 0.0) == 1.0  # the same objects: the split is reused
+    parts[key] = b  # the same model and container, another state inside
+    assert read(model, 0.0) == 10.0
+    if container == "list":
+        parts.append(a)  # a longer list: another structure
+        assert read(model, 0.0) == 10.0

@@ -10,9 +10,12 @@ recorded under the key.
 Splitting flattens every argument, which costs Python time for an `eqx.Module` (its
 flattening runs in Python). A positional argument that is the very object of the
 previous call, and whose tree holds no mutable container (only tuples, `None` and
-Modules, which are frozen), cannot have changed: its split is reused.
+Modules, which are frozen), cannot have changed: its split is reused. One holding
+lists or dicts (a model's list of layers) is reused when each of those still holds
+the very objects it held then.
 """
 
+import dataclasses
 import itertools
 import threading
 from collections import OrderedDict
@@ -83,7 +86,7 @@ class ArgSplitter:
                 dynamic.append(arg)
                 continue
             last = self._last.get(i)
-            if last is not None and last[0] is arg:
+            if last is not None and last[0] is arg and _unchanged(last[3]):
                 parts.append(last[1])
                 dynamic.extend(last[2])
                 continue
@@ -108,8 +111,9 @@ class ArgSplitter:
         frozen = self._frozen.get(treedef)
         if frozen is None:
             frozen = self._frozen[treedef] = _is_frozen(treedef)
-        if frozen:
-            self._last[position] = (arg, part, leaves)
+        watched = [] if frozen else _mutable_containers(arg)
+        if watched is not None:
+            self._last[position] = (arg, part, leaves, watched)
         return part, leaves
 
     def _split_tree(self, tree: Any) -> tuple[int, list]:
@@ -229,3 +233,47 @@ def _is_frozen(treedef: PyTreeDef) -> bool:
     if not (kind is tuple or kind is type(None) or issubclass(kind, eqx.Module)):
         return False
     return all(_is_frozen(child) for child in treedef.children())
+
+
+def _mutable_containers(tree: Any) -> list[tuple[Any, tuple]] | None:
+    """The lists and dicts in `tree`, each with the objects it holds now (see
+    `_unchanged`); `None` if the tree has a node that is none of list, dict, tuple,
+    `None` or `eqx.Module` (its contents could change unseen)."""
+    found: list[tuple[Any, tuple]] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if type(node) is list:
+            found.append((node, tuple(node)))
+            pending.extend(node)
+        elif type(node) is dict:
+            found.append((node, tuple(node.items())))
+            pending.extend(node.values())
+        elif isinstance(node, tuple):
+            pending.extend(node)
+        elif isinstance(node, eqx.Module):
+            pending.extend(getattr(node, f.name, None) for f in _fields(node))
+        elif node is not None and jtu.treedef_is_leaf(jtu.tree_structure(node)):
+            continue
+        elif node is not None:
+            return None
+    return found
+
+
+def _fields(module: eqx.Module) -> tuple:
+    return dataclasses.fields(module)
+
+
+def _unchanged(watched: list[tuple[Any, tuple]]) -> bool:
+    """Whether every watched list and dict still holds the objects it held."""
+    for container, held in watched:
+        now = tuple(container) if type(container) is list else tuple(container.items())
+        if len(now) != len(held):
+            return False
+        for a, b in zip(now, held):
+            if type(container) is dict:
+                if a[0] != b[0] or a[1] is not b[1]:
+                    return False
+            elif a is not b:
+                return False
+    return True
