@@ -65,7 +65,8 @@ class ArgSplitter:
     def __init__(self, static_positions: Sequence[int], static_names: Sequence[str]):
         self._static_positions = tuple(static_positions)
         self._static_names = tuple(static_names)
-        self._last: dict[int, tuple[Any, int, list]] = {}  # position -> reusable split
+        # position -> (argument, part, dynamic leaves, its lists and dicts as they were)
+        self._last: dict[int, tuple[Any, int, list, list]] = {}
         # One argument's structure, and a call's (the numbers of its arguments').
         self._parts = _Numbering(on_forget=self._last.clear)
         self._keys = _Numbering()
