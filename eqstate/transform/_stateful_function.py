@@ -275,10 +275,12 @@ class StatefulFunction:
             self._stats.miss()
             try:
                 entry = self._trace(call, frame)
+                # Stored before the key's lock is dropped: a thread arriving after
+                # that finds the entry instead of tracing again.
+                self._store(call.key, entry)
             finally:
                 with self._lock:
                     self._pending.pop(call.key, None)
-            self._store(call.key, entry)
         values = values_of(entry)
         if values is None or entry.stale_state(values) is not None:
             raise StaleTrace
