@@ -8,10 +8,12 @@ from ._clone import clone as clone, member as member
 from ._errors import (
     BatchAxisError as BatchAxisError,
     CheckpointError as CheckpointError,
+    NewStateError as NewStateError,
     StateNotFoundError as StateNotFoundError,
     StateValueError as StateValueError,
     TraceContextError as TraceContextError,
     UnknownCacheKeyError as UnknownCacheKeyError,
+    UnstableStatesError as UnstableStatesError,
 )
 from ._orbax import CheckpointManager as CheckpointManager
 from ._run import (

@@ -24,6 +24,18 @@ class BatchAxisError(ValueError):
     state that holds one value for all of them."""
 
 
+class NewStateError(ValueError):
+    """A function creates states where they cannot be kept: inside a transform whose
+    every call or iteration would create another set (`vmap`, `scan`, `grad`, ...), or
+    in a call whose state values are a sequence with no place for them."""
+
+
+class UnstableStatesError(RuntimeError):
+    """The states a function uses, or their shapes, changed between its trace and its
+    call: they depend on the values of its arguments, or other threads keep writing
+    values of new shapes to them."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, corrupted or does not match the model."""
 
@@ -60,7 +72,7 @@ EXPIRED_STATE = (
 
 
 class UnknownCacheKeyError(KeyError):
-    """A StatefulFunction was asked for a compilation it does not have."""
+    """A StatefulFunction was asked for a trace it does not have."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""

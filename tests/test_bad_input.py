@@ -176,9 +176,7 @@ def jaxpr_call_missing():
     ), [w]
 
 
-@case(
-    "an unknown cache key", es.UnknownCacheKeyError, "no compilation for the cache key"
-)
+@case("an unknown cache key", es.UnknownCacheKeyError, "no trace for the cache key")
 def unknown_cache_key():
     sf = es.transform.StatefulFunction(lambda x: x).make_jaxpr(1.0)
     return lambda: sf.get_jaxpr(("not", "a", "key")), []

@@ -7,7 +7,7 @@ import eqstate as es
 import jax
 import jax.numpy as jnp
 import pytest
-from eqstate.transform import _stateful_function
+from eqstate.transform import _function_traces
 
 from .helpers import tree_allclose, unchecked
 
@@ -24,7 +24,7 @@ def test_cache_stats_count_hits_misses_and_traces():
     assert (stats["keys"], stats["entries"], stats["evictions"]) == (2, 2, 0)
     assert stats["compilation_cache"] == {
         "size": 2,
-        "maxsize": _stateful_function.CACHE_SIZE,
+        "maxsize": _function_traces.CACHE_SIZE,
         "hits": 2,
         "misses": 2,
         "hit_rate": 50.0,
@@ -34,7 +34,7 @@ def test_cache_stats_count_hits_misses_and_traces():
 
 
 def test_cache_stats_count_evictions(monkeypatch):
-    monkeypatch.setattr(_stateful_function, "CACHE_SIZE", 2)
+    monkeypatch.setattr(_function_traces, "CACHE_SIZE", 2)
     sf = es.transform.StatefulFunction(lambda x: x + 1)
     for n in range(1, 6):
         sf(jnp.ones(n))
@@ -112,7 +112,7 @@ def test_validate_states_reports_a_state_missing_from_the_context():
 
 def test_validate_states_of_an_unknown_key_raises():
     sf = es.transform.StatefulFunction(lambda x: x)
-    with pytest.raises(es.UnknownCacheKeyError, match="not been compiled"):
+    with pytest.raises(es.UnknownCacheKeyError, match="not been traced"):
         sf.validate_states()
 
 

@@ -83,7 +83,7 @@ def _worker(workdir: str, use_orbax: bool) -> None:
             "spec": str(tuple(w.value.sharding.spec)),
             "addressable": w.value.is_fully_addressable,
             "traces": len(traces),
-            "planned": step._dispatch._current is not None,
+            "planned": step._dispatch.planned,
         }
 
     @check("grad")

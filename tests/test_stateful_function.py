@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from eqstate.transform import _stateful_function, StatefulFunction
+from eqstate.transform import _function_traces, StatefulFunction
 
 from .helpers import traces_per_key, tree_allclose
 
@@ -375,17 +375,15 @@ def test_non_array_leaves_are_static():
 
 def test_cache_key_default_is_the_most_recent_and_unknown_keys_raise():
     sf = StatefulFunction(lambda x: x + 1)
-    with pytest.raises(KeyError, match="has not been compiled yet"):
+    with pytest.raises(KeyError, match="has not been traced yet"):
         sf.get_jaxpr()
     sf.make_jaxpr(jnp.ones(2)).make_jaxpr(jnp.ones(3))
     assert sf.get_jaxpr().jaxpr.invars[0].aval.shape == (3,)
     key = sf.get_arg_cache_key(jnp.ones(2))
     assert sf.get_jaxpr(key).jaxpr.invars[0].aval.shape == (2,)
-    with pytest.raises(
-        es.UnknownCacheKeyError, match="no compilation for the cache key"
-    ):
+    with pytest.raises(es.UnknownCacheKeyError, match="no trace for the cache key"):
         sf.get_jaxpr(("not", "a", "key"))
-    with pytest.raises(KeyError, match=r"2 compilation\(s\)"):
+    with pytest.raises(KeyError, match=r"2 trace\(s\)"):
         sf.get_states("x")
 
 
@@ -402,7 +400,7 @@ def test_clear_cache_forces_a_new_trace():
 
 
 def test_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(_stateful_function, "CACHE_SIZE", 3)
+    monkeypatch.setattr(_function_traces, "CACHE_SIZE", 3)
     sf = StatefulFunction(lambda x: x)
     for n in range(1, 6):
         sf.make_jaxpr(jnp.ones(n))

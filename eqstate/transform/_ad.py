@@ -22,9 +22,9 @@ from .._custom_types import MISSING
 from .._pretty_print import state_label
 from .._state import is_state, State
 from .._state_dict import StateDict
-from ._common import partition, select_states, Traced
-from ._compiled import dynamic_mask
-from ._stateful_function import StatefulFunction
+from ._common import partition, select_states
+from ._discovery import Discovery, traces_for
+from ._leaves import dynamic_mask
 
 
 compat.hide_from_tracebacks(__file__)
@@ -175,7 +175,7 @@ class _Differentiable:
     """The parts every autodiff transform shares: trace, pick the states to
     differentiate, and build the pure function JAX differentiates."""
 
-    def __init__(self, traced: Traced, grad_states: Any, check_states: bool):
+    def __init__(self, traced: Discovery, grad_states: Any, check_states: bool):
         self.traced = traced
         if grad_states is None:
             self.grad_states: tuple[State, ...] = ()
@@ -186,7 +186,7 @@ class _Differentiable:
                 if unused:
                     raise ValueError(
                         f"`grad_states` holds {state_label(unused[0])}, which "
-                        f"{traced.sf.name} does not use, so its gradient would be zero. "
+                        f"{traced.name} does not use, so its gradient would be zero. "
                         "Remove it, or pass `check_states=False` to get zeros."
                     )
             self.grad_states = states
@@ -210,8 +210,8 @@ class _Differentiable:
             for state, value in grad_values.items():
                 if state in index:
                     values[index[state]] = value
-            out, updates, new = traced.call(values, args, kwargs)
-            main, aux = _split_aux(out, traced.sf.name) if has_aux else (out, None)
+            out, updates, new = traced.evaluate(values, args, kwargs)
+            main, aux = _split_aux(out, traced.name) if has_aux else (out, None)
             aux_leaves, rebuild_aux = partition(aux)
             self.box["rebuild_aux"] = rebuild_aux
             self.box["new_states"] = [s for s, _ in new]
@@ -262,20 +262,20 @@ class _GradientTransform:
         self._return_value = return_value
         self._check_states = check_states
         self._transform_kwargs = transform_kwargs
-        self._sf = StatefulFunction(fun, state_returns="write", name=name)
+        self._traces = traces_for(fun, name)
         self._warned = False
         ft.update_wrapper(self, fun, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._grad_states is not None and not self._argnums and not self._warned:
             self._warned = True
-            _warn_if_arrays_closed_over(self.fun, self._sf.name)
-        traced = Traced(self.fun, args, kwargs, sf=self._sf)
+            _warn_if_arrays_closed_over(self.fun, self._traces.name)
+        traced = Discovery(self.fun, args, kwargs, traces=self._traces)
         diff = _Differentiable(traced, self._grad_states, self._check_states)
         pure = diff.pure(kwargs, self._has_aux)
 
         positions = _positions(
-            self._argnums, self._argnums_spec, len(args), kwargs, self._sf.name
+            self._argnums, self._argnums_spec, len(args), kwargs, self._traces.name
         )
         allow_int = self._transform_kwargs.get("allow_int", False)
         parts = [split_differentiable(args[i], allow_int) for i in positions]
@@ -766,7 +766,7 @@ def vjp(
         assert out == 6.0 and state_ct[w] == 3.0 and x_ct == 2.0
         ```
     """
-    traced = Traced(fun, primals, name=getattr(fun, "__name__", "vjp"))
+    traced = Discovery(fun, primals, name=getattr(fun, "__name__", "vjp"))
     diff = _Differentiable(traced, grad_states, check_states)
     pure, parts = diff.pure({}, has_aux), [split_differentiable(p) for p in primals]
 
@@ -828,7 +828,7 @@ def jvp(
         assert out == 6.0 and t == 3.0
         ```
     """
-    traced = Traced(fun, tuple(primals), name=getattr(fun, "__name__", "jvp"))
+    traced = Discovery(fun, tuple(primals), name=getattr(fun, "__name__", "jvp"))
     tangents_sd = state_tangents if state_tangents is not None else StateDict()
     diff = _Differentiable(traced, tangents_sd if len(tangents_sd) else None, True)
     grad_values = diff.grad_values()

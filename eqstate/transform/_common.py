@@ -1,5 +1,5 @@
-"""What every transform does: trace the function to find its states, then evaluate
-its pure form inside the JAX transform, then write the results back."""
+"""Helpers the transforms share: static leaves through JAX transforms, the states a
+spec names, and PyTrees split into arrays and the rest."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -7,14 +7,12 @@ from typing import Any
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .. import _context, _jax_compat as compat
+from .. import _jax_compat as compat
 from .._filters import to_predicate
-from .._pretty_print import state_label
 from .._shapes import shape_dtype
-from .._state import fresh_copy, is_state, State
+from .._state import is_state, State
 from .._state_dict import StateDict
-from ._compiled import Compiled, dynamic_mask, in_module, is_dynamic, StaleTrace
-from ._stateful_function import StatefulFunction
+from ._leaves import dynamic_mask, in_module, is_dynamic
 
 
 compat.hide_from_tracebacks(__file__)
@@ -76,112 +74,6 @@ def strong(tree: Any) -> Any:
         return jnp.asarray(x, dtype=x.dtype) if weak else x
 
     return jtu.tree_map(to_strong, tree)
-
-
-class Traced:
-    """A function traced for one call: its states, and their values in the calling
-    frame. `call` then evaluates it inside a JAX transform with other values."""
-
-    def __init__(
-        self,
-        fun: Callable,
-        args: tuple,
-        kwargs: dict | None = None,
-        *,
-        name: str | None = None,
-        static_argnums: Sequence[int] = (),
-        parent: "_context.Frame | None" = None,
-        sf: StatefulFunction | None = None,
-        discover_in: "_context.Frame | None" = None,
-    ):
-        if sf is None:
-            sf = StatefulFunction(
-                fun,
-                static_argnums=tuple(static_argnums),
-                state_returns="write",
-                name=name,
-            )
-        self.sf = sf
-        self.frame = parent if parent is not None else _context.current_frame()
-        call = self.sf.parse_args(args, kwargs or {})
-        # The states are seen as they are inside the transform (`vmap` strips their
-        # batch axes); their values come from the calling frame.
-        entry = self.sf.compile(
-            call, self.frame if discover_in is None else discover_in
-        )
-        self.values = self.frame.read_many(entry.states)
-        self.entry: Compiled = entry
-        self.key = call.key
-
-    @property
-    def states(self) -> tuple[State, ...]:
-        return self.entry.states
-
-    @property
-    def written(self) -> tuple[State, ...]:
-        return self.entry.updated_states
-
-    def refuse_new_states(self, where: str) -> None:
-        if self.entry.new_states:
-            labels = ", ".join(state_label(s) for s in self.entry.new_states)
-            raise ValueError(
-                f"{where} creates states ({labels}). States cannot be created inside "
-                "it, because each call or iteration would create another set. Create "
-                "them before, outside the transformed function."
-            )
-
-    def call(
-        self, values: Sequence[Any], args: tuple, kwargs: dict | None = None
-    ) -> tuple[Any, dict[State, Any], list[tuple[State, Any]]]:
-        """Evaluates the function on `args` with `values` for `self.states`.
-
-        **Returns:**
-
-        `(out, updates, new)`: the output (new states' handles replaced by fresh
-        ones), the values of the written states, and `(fresh handle, value)` pairs.
-        """
-        call = self.sf.parse_args(args, kwargs or {})
-        values = list(values)
-        states = self.entry.states
-        # The discovery trace serves when it fits, even if it could not be cached
-        # (it closes over tracers of an enclosing trace).
-        if call.key == self.key and self.entry.stale_state(values) is None:
-            entry = self.entry
-        else:
-            # The values inside the transform may differ from the outer ones (a batch
-            # axis removed, a weak type dropped for a loop carry): trace against them.
-            def values_of(entry: Compiled) -> list | None:
-                return values if entry.states == states else None
-
-            def inner() -> _context.Frame:
-                return _context.DictFrame(zip(states, values))
-
-            try:
-                entry, _ = self.sf.lookup(call, inner, values_of)
-            except StaleTrace:
-                entry = None
-        if entry is None or entry.states != states:
-            raise RuntimeError(
-                f"{self.sf.name} touched different states when traced inside the "
-                "transform than before it. Its states must not depend on the values "
-                "of its arguments."
-            )
-        out_leaves, updated, new_values = entry.split_outputs(
-            entry.run(call.leaves, values)
-        )
-        fresh = [fresh_copy(s) for s in entry.new_states]
-        out = entry.build_output(out_leaves, fresh)
-        return (
-            out,
-            dict(zip(entry.updated_states, updated)),
-            list(zip(fresh, new_values)),
-        )
-
-    def commit(
-        self, updates: dict[State, Any], new: Sequence[tuple[State, Any]] = ()
-    ) -> None:
-        if updates or new:
-            self.frame.commit(updates, list(new))
 
 
 def select_states(

@@ -15,7 +15,8 @@ from jaxtyping import ArrayLike, Bool, Integer, Real
 
 from .. import _jax_compat as compat
 from .._state import State
-from ._common import hide_static, show_static, strong, Traced
+from ._common import hide_static, show_static, strong
+from ._discovery import Discovery
 from ._eager import guarded, is_concrete, jit_disabled
 
 
@@ -70,7 +71,7 @@ def switch(
         with guarded(f"branch {chosen} of a conditional"):
             return branches[chosen](*operands)
     traced = [
-        Traced(b, operands, name=getattr(b, "__name__", f"branch {i}"))
+        Discovery(b, operands, name=getattr(b, "__name__", f"branch {i}"))
         for i, b in enumerate(branches)
     ]
     for i, t in enumerate(traced):
@@ -80,11 +81,11 @@ def switch(
         values.update(zip(t.states, t.values))
     written = tuple(dict.fromkeys(s for t in traced for s in t.written))
 
-    def make_branch(t: Traced) -> Callable:
+    def make_branch(t: Discovery) -> Callable:
         def branch(written_values, *ops):
             current = dict(zip(written, written_values))
             state_values = [current.get(s, values[s]) for s in t.states]
-            out, updates, _ = t.call(state_values, show_static(ops))
+            out, updates, _ = t.evaluate(state_values, show_static(ops))
             return hide_static(out), strong(
                 [updates.get(s, current[s]) for s in written]
             )

@@ -1,12 +1,13 @@
-"""The steady-state call path of a compiled stateful function: one `jax.jit` dispatch.
+"""How `jit` calls a function that uses states: through *plans*, one `jax.jit` dispatch
+per call.
 
-A *plan* is a `jax.jit` of the whole call for one set of states. A call reads the plan's
+A plan is a `jax.jit` of the whole call for one set of states. A call reads the plan's
 states, hands their values and the raw arguments to the jitted function (so JAX's C++
 dispatch does the PyTree and cache-key work), and writes the results back. The Python
-body of the jitted function runs only when JAX retraces (new shapes or static
-arguments): it finds the StatefulFunction's compilation, checks that it touches the
-plan's states (else `_PlanMismatch`, and the call takes the slow path once to pick
-another plan), and evaluates it.
+body of the jitted function runs only when JAX traces it (a first call, new shapes or
+static arguments): it finds the function's trace (`FunctionTraces`), checks that it
+touches the plan's states (else `_PlanMismatch`, and the call takes the unplanned path
+once to pick another plan), and evaluates it.
 """
 
 import functools as ft
@@ -14,7 +15,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.extend.core as jex_core
@@ -24,13 +25,11 @@ from .._context import WORLD
 from .._jax_compat import is_top_level
 from .._state import State
 from .._state_dict import sharding_rule
-from ._compiled import CallArgs, Compiled, StaleTrace
+from ._call_args import CallArgs
+from ._function_traces import FunctionTraces
 from ._one_sharding import OneShardingJit
 from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch
-
-
-if TYPE_CHECKING:
-    from ._stateful_function import StatefulFunction
+from ._trace import flat_jit, StaleTrace, Trace
 
 
 compat.hide_from_tracebacks(__file__)
@@ -52,9 +51,9 @@ class _Plan:
         "donates",
         "in_constraints",
         "jitted",
-        "kept_keys",
-        "kept_states",
         "out_constraints",
+        "read_keys",
+        "read_states",
         "simple_out",
         "single_leaf",
         "split",
@@ -76,19 +75,19 @@ class _Plan:
     in_constraints: dict[State, Any]
     out_constraints: dict[State, Any]
 
-    def __init__(self, entry: Compiled, split: bool):
+    def __init__(self, trace: Trace, split: bool):
         # Calls pass their arguments split (see `_split_args`): they hold leaves that
         # `jax.jit` does not take (handles, strings), or the output does.
         self.split = split
-        self.simple_out = entry.simple_out
-        self.states = entry.states
-        self.updated_states = entry.updated_states
-        updated = set(entry.updated_states)
-        self.kept_states = tuple(s for s in entry.states if s not in updated)
-        self.single_leaf = entry.single_leaf_states
+        self.simple_out = trace.simple_out
+        self.states = trace.states
+        self.updated_states = trace.updated_states
+        updated = set(trace.updated_states)
+        self.read_states = tuple(s for s in trace.states if s not in updated)
+        self.single_leaf = trace.single_leaf_states
         # The plan holds the handles, so their ids stay valid world keys.
-        self.written_keys = [id(s) for s in entry.updated_states]
-        self.kept_keys = [id(s) for s in self.kept_states]
+        self.written_keys = [id(s) for s in trace.updated_states]
+        self.read_keys = [id(s) for s in self.read_states]
         self.donates = False
         self.undonated = None
 
@@ -99,12 +98,12 @@ class _Plan:
             return self.undonated
         return self.jitted
 
-    def fits(self, entry: Compiled) -> bool:
+    def fits(self, trace: Trace) -> bool:
         return (
-            entry.states == self.states
-            and entry.updated_states == self.updated_states
-            and not entry.new_states
-            and entry.simple_out == self.simple_out
+            trace.states == self.states
+            and trace.updated_states == self.updated_states
+            and not trace.new_states
+            and trace.simple_out == self.simple_out
         )
 
 
@@ -178,20 +177,20 @@ def _sub_jaxprs(params: dict) -> list:
     return found
 
 
-def can_plan(entry: Compiled) -> bool:
-    """Whether calls of `entry` can take the plan path: it creates no states."""
-    return not entry.new_states
+def can_plan(trace: Trace) -> bool:
+    """Whether calls of `trace` can take the plan path: it creates no states."""
+    return not trace.new_states
 
 
-def _needs_split(call_all_dynamic: bool, entry: Compiled) -> bool:
-    return not (call_all_dynamic and entry.simple_out)
+def _needs_split(call_all_dynamic: bool, trace: Trace) -> bool:
+    return not (call_all_dynamic and trace.simple_out)
 
 
 def _run_split(
     plan: _Plan,
     jitted: "_PerKey",
     written: list,
-    kept: list,
+    read: list,
     split: tuple[int, list],
     splitter: ArgSplitter,
 ) -> tuple[Any, list]:
@@ -199,7 +198,7 @@ def _run_split(
     fn = jitted.get(key)
     if fn is None:
         fn = jitted.make(key)
-    out, updated = fn(written, kept, dynamic)
+    out, updated = fn(written, read, dynamic)
     if not plan.simple_out:
         out = splitter.output(key, out)
     return out, updated
@@ -227,17 +226,26 @@ _POSITIONAL_OPTIONS = ("donate_argnums", "in_shardings", "out_shardings")
 
 
 class JitDispatch:
-    """Calls a StatefulFunction through plans; see the module documentation."""
+    """Calls a function that uses states through plans; see the module documentation.
+
+    **Arguments:**
+
+    - `traces`: the function's traces.
+    - `donate_states`, `state_shardings`: as for `jit`.
+    - `jit_kwargs`: the other `jax.jit` options, for the function's own arguments.
+    """
 
     def __init__(
         self,
-        sf: "StatefulFunction",
+        traces: FunctionTraces,
         *,
         donate_states: bool = False,
         jit_kwargs: dict[str, Any] | None = None,
         state_shardings: Any = None,
     ):
-        self._sf = sf
+        self._traces = traces
+        self._name = traces.name
+        self._parser = traces.parser
         self._donate = donate_states
         self._state_shardings = (
             None if state_shardings is None else sharding_rule(state_shardings)
@@ -247,23 +255,30 @@ class JitDispatch:
         self._current: _Plan | None = None
         self._lock = threading.Lock()
         self._warned = False
-        self._splitter = ArgSplitter(sf.static_positions, sf.static_argnames)
+        self._splitter = self._new_splitter()
         # Plans of split calls, by the splitter's key of their arguments.
         self._plans_by_key: dict[int, _Plan] = {}
 
+    def _new_splitter(self) -> ArgSplitter:
+        return ArgSplitter(self._parser.static_positions, self._parser.static_argnames)
+
+    @property
+    def planned(self) -> bool:
+        """Whether calls go through a plan (after the first successful call)."""
+        return self._current is not None
+
     def clear(self) -> None:
+        """Drops every plan and trace."""
         with self._lock:
             self._plans.clear()
             self._plans_by_key.clear()
             self._current = None
-            self._splitter = ArgSplitter(
-                self._sf.static_positions, self._sf.static_argnames
-            )
+            self._splitter = self._new_splitter()
+        self._traces.clear()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """Calls through the current plan. On a mismatch, or on arguments `jax.jit`
-        refuses, takes the StatefulFunction's slow path, which picks a plan for next
-        time."""
+        refuses, takes the unplanned path, which picks a plan for next time."""
         plan = self._current
         if plan is not None:
             frame = _context.current_frame()
@@ -276,29 +291,12 @@ class JitDispatch:
                     if plan is None:
                         raise _PlanMismatch
                 if frame is WORLD and is_top_level():
-                    # The hot path: no per-state work but one dict lookup each way.
-                    values = WORLD.by_id
-                    written = [values[k] for k in plan.written_keys]
-                    kept = [values[k] for k in plan.kept_keys]
-                    jitted = plan.function_for(written)
-                    if split is not None:
-                        out, updated = _run_split(
-                            plan, jitted, written, kept, split, self._splitter
-                        )
-                    else:
-                        out, updated = jitted(written, kept, *args, **kwargs)
-                    if len(updated) > 1:
-                        with WORLD.lock:
-                            for key, value in zip(plan.written_keys, updated):
-                                values[key] = value
-                    elif updated:
-                        values[plan.written_keys[0]] = updated[0]
-                    return out
+                    return self._call_in_world(plan, args, kwargs, split)
                 out, updated = self._call_plan(plan, frame, args, kwargs, split)
             except _PlanMismatch:
                 pass
             except KeyError:
-                pass  # A state missing from the world: the slow path names it.
+                pass  # A state missing from the world: the unplanned path names it.
             except OutputMismatch:
                 pass
             except (TypeError, ValueError) as exc:
@@ -309,7 +307,42 @@ class JitDispatch:
                 if updated:
                     frame.commit_values(plan.updated_states, updated)
                 return out
-        return self._sf._call_auto_slow(args, kwargs)
+        return self._call_unplanned(args, kwargs)
+
+    def _call_in_world(
+        self, plan: _Plan, args: tuple, kwargs: dict, split: tuple[int, list] | None
+    ) -> Any:
+        """The hot path: no per-state work but one dict lookup each way."""
+        values = WORLD.by_id
+        written = [values[k] for k in plan.written_keys]
+        read = [values[k] for k in plan.read_keys]
+        jitted = plan.function_for(written)
+        if split is not None:
+            out, updated = _run_split(
+                plan, jitted, written, read, split, self._splitter
+            )
+        else:
+            out, updated = jitted(written, read, *args, **kwargs)
+        if len(updated) > 1:
+            with WORLD.lock:
+                for key, value in zip(plan.written_keys, updated):
+                    values[key] = value
+        elif updated:
+            values[plan.written_keys[0]] = updated[0]
+        return out
+
+    def _call_unplanned(self, args: tuple, kwargs: dict) -> Any:
+        """Finds (or makes) the trace, and calls through the plan for its states (made
+        current), or, for a function that creates states or returns leaves `jax.jit`
+        cannot return, through the trace's own `jax.jit`."""
+        frame = _context.current_frame()
+        call = self._traces.parse(args, kwargs)
+        trace = self._traces.trace_for(call, frame)
+        if can_plan(trace):
+            done, out = self._call_planned(call, trace, frame, args, kwargs)
+            if done:
+                return out
+        return self._traces.call_in(frame, call, self.flat_options())
 
     def _call_plan(
         self,
@@ -320,13 +353,13 @@ class JitDispatch:
         split: tuple[int, list] | None = None,
     ) -> tuple[Any, list]:
         written = frame.read_many(plan.updated_states)
-        kept = frame.read_many(plan.kept_states)
+        read = frame.read_many(plan.read_states)
         jitted = plan.function_for(written)
         if not plan.split:
-            return jitted(written, kept, *args, **kwargs)
+            return jitted(written, read, *args, **kwargs)
         if split is None:
             split = self._splitter.split(args, kwargs)
-        result = _run_split(plan, jitted, written, kept, split, self._splitter)
+        result = _run_split(plan, jitted, written, read, split, self._splitter)
         if len(self._plans_by_key) >= KEYS_KEPT:
             self._plans_by_key.clear()
         self._plans_by_key[split[0]] = plan
@@ -334,33 +367,32 @@ class JitDispatch:
 
     def _raise_if_planned(self, exc: Exception, args: tuple, kwargs: dict) -> None:
         """Re-raises `exc` if the call fits the current plan: then the error came from
-        running it (JAX reports some runtime errors as `ValueError`), and the slow path
-        would only run it again. Otherwise `jax.jit` refused the arguments (a static
-        leaf, a handle, ...): returns, and the slow path gives the answer or a clear
-        error."""
-        sf = self._sf
-        call = sf.parse_args(args, kwargs)
-        entry = sf.compile(call, _context.current_frame())
+        running it (JAX reports some runtime errors as `ValueError`), and the
+        unplanned path would only run it again. Otherwise `jax.jit` refused the
+        arguments (a static leaf, a handle, ...): returns, and the unplanned path
+        gives the answer or a clear error."""
+        call = self._traces.parse(args, kwargs)
+        trace = self._traces.trace_for(call, _context.current_frame())
         plan = self._current
         if (
             plan is not None
-            and can_plan(entry)
-            and plan.split == _needs_split(call.all_dynamic, entry)
-            and plan.fits(entry)
+            and can_plan(trace)
+            and plan.split == _needs_split(call.all_dynamic, trace)
+            and plan.fits(trace)
         ):
             raise exc
 
-    def call_planned(
+    def _call_planned(
         self,
         call: CallArgs,
-        entry: Compiled,
+        trace: Trace,
         frame: _context.Frame,
         args: tuple,
         kwargs: dict,
     ) -> tuple[bool, Any]:
-        """Calls through the plan for `entry` and makes it current. Returns
+        """Calls through the plan for `trace` and makes it current. Returns
         `(False, None)` if the call turns out not to fit it."""
-        plan = self._plan_for(entry, frame, _needs_split(call.all_dynamic, entry))
+        plan = self._plan_for(trace, frame, _needs_split(call.all_dynamic, trace))
         try:
             out, updated = self._call_plan(plan, frame, args, kwargs)
         except (_PlanMismatch, OutputMismatch):
@@ -370,34 +402,34 @@ class JitDispatch:
             frame.commit_values(plan.updated_states, updated)
         return True, out
 
-    def lower(
-        self,
-        call: CallArgs,
-        entry: Compiled,
-        frame: _context.Frame,
-        args: tuple,
-        kwargs: dict,
-    ) -> Any:
-        """`jax.jit(...).lower` of the plan for `entry`."""
-        plan = self._plan_for(entry, frame, _needs_split(call.all_dynamic, entry))
+    def lower(self, args: tuple, kwargs: dict) -> Any:
+        """`jax.jit(...).lower` of the call with these arguments (the state values are
+        the current ones in the innermost context)."""
+        frame = _context.current_frame()
+        call = self._traces.parse(args, kwargs)
+        trace = self._traces.trace_for(call, frame)
+        if not can_plan(trace):
+            values = frame.read_many(trace.states)
+            return flat_jit(trace, self.flat_options()).lower(call.leaves, values)
+        plan = self._plan_for(trace, frame, _needs_split(call.all_dynamic, trace))
         written = frame.read_many(plan.updated_states)
-        kept = frame.read_many(plan.kept_states)
+        read = frame.read_many(plan.read_states)
         if plan.split:
             key, dynamic = self._splitter.split(args, kwargs)
-            return plan.jitted.make(key).lower(written, kept, dynamic)
-        return plan.jitted.lower(written, kept, *args, **kwargs)
+            return plan.jitted.make(key).lower(written, read, dynamic)
+        return plan.jitted.lower(written, read, *args, **kwargs)
 
-    def _plan_for(self, entry: Compiled, frame: _context.Frame, split: bool) -> _Plan:
-        key = (entry.states, entry.updated_states, split, entry.simple_out)
+    def _plan_for(self, trace: Trace, frame: _context.Frame, split: bool) -> _Plan:
+        key = (trace.states, trace.updated_states, split, trace.simple_out)
         with self._lock:
             plan = self._plans.get(key)
             if plan is None:
                 if split:
                     self._refuse_positional_options()
-                plan = self._plans[key] = _Plan(entry, split)
+                plan = self._plans[key] = _Plan(trace, split)
                 self._constrain(plan, frame)
-                donate = self._donate and bool(entry.updated_states)
-                if donate and may_fail_at_run_time(entry.jaxpr.jaxpr):
+                donate = self._donate and bool(trace.updated_states)
+                if donate and may_fail_at_run_time(trace.jaxpr.jaxpr):
                     self._warn_not_donating()
                     donate = False
                 plan.jitted = self._make_jitted(plan, donate)
@@ -410,7 +442,7 @@ class JitDispatch:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"`jit({self._sf.name}, donate_states=True)` does not donate: the "
+                f"`jit({self._name}, donate_states=True)` does not donate: the "
                 "function holds an operation that can fail while it runs (a callback "
                 "such as `eqx.error_if`, `jax.debug.callback` or `jax.debug.print`), "
                 "and a failed call must leave the states' previous values readable, "
@@ -436,38 +468,38 @@ class JitDispatch:
                     plan.out_constraints[state] = placed
 
     def _make_jitted(self, plan: _Plan, donate: bool) -> Any:
-        sf = self._sf
+        traces = self._traces
         order = {s: i for i, s in enumerate(plan.states)}
-        positions = [order[s] for s in (*plan.updated_states, *plan.kept_states)]
+        positions = [order[s] for s in (*plan.updated_states, *plan.read_states)]
 
         states = plan.states
         updated_states = plan.updated_states
 
         splitter = self._splitter
 
-        def body(written, kept, *args, **kwargs):
-            return run(written, kept, args, kwargs)
+        def body(written, read, *args, **kwargs):
+            return run(written, read, args, kwargs)
 
-        def split_body(key, written, kept, dynamic):
-            out, updated = run(written, kept, *splitter.rebuild(key, dynamic))
+        def split_body(key, written, read, dynamic):
+            out, updated = run(written, read, *splitter.rebuild(key, dynamic))
             if not plan.simple_out:
                 out = splitter.record_output(key, out)
             return out, updated
 
-        def run(written, kept, args, kwargs):
+        def run(written, read, args, kwargs):
             values: list[Any] = [None] * len(positions)
-            for i, v in zip(positions, [*written, *kept]):
+            for i, v in zip(positions, [*written, *read]):
                 values[i] = v
             for i, state in enumerate(states):
                 if state in plan.in_constraints:
                     values[i] = _constrained(values[i], plan.in_constraints[state])
 
-            def values_of(entry: Compiled) -> list | None:
-                return values if entry.states == states else None
+            def values_of(trace: Trace) -> list | None:
+                return values if trace.states == states else None
 
             try:
-                call = sf.parse_args(args, kwargs)
-                entry, _ = sf.lookup(call, _context.current_frame(), values_of)
+                call = traces.parse(args, kwargs)
+                trace, _ = traces.lookup(call, _context.current_frame(), values_of)
             except StaleTrace:
                 # This call's states or their shapes fit no compilation of the plan's
                 # states: the slow path picks another plan.
@@ -475,16 +507,16 @@ class JitDispatch:
             except Exception as exc:
                 _mark_from_trace(exc)
                 raise
-            if not plan.fits(entry):
+            if not plan.fits(trace):
                 raise _PlanMismatch
-            out, updated, _ = entry.split_outputs(entry.run(call.leaves, values))
+            out, updated, _ = trace.split_outputs(trace.run(call.leaves, values))
             updated = [
                 _constrained(v, plan.out_constraints[s])
                 if s in plan.out_constraints
                 else v
                 for s, v in zip(updated_states, updated)
             ]
-            return entry.build_output(out, ()), updated
+            return trace.build_output(out, ()), updated
 
         if plan.split:
             return _PerKey(split_body, self._split_options(donate))
@@ -494,7 +526,7 @@ class JitDispatch:
             return OneShardingJit(body, sharding, 2, options)
         return jax.jit(body, **options)
 
-    def flat_options(self, name: str) -> dict[str, Any]:
+    def flat_options(self) -> dict[str, Any]:
         """The `jax.jit` options for calls that cannot take a plan (the function
         creates states or returns non-array leaves): its arguments are flattened, so
         options that refer to argument positions or to states cannot apply, and are
@@ -504,6 +536,7 @@ class JitDispatch:
         used += ["donate_states"] if self._donate else []
         used += ["state_shardings"] if self._state_shardings is not None else []
         if used:
+            name = self._name
             raise NotImplementedError(
                 f"`jit({name}, {', '.join(f'{k}=...' for k in used)})`: these options "
                 f"need a function that creates no states and returns only arrays, but "
@@ -515,7 +548,7 @@ class JitDispatch:
     def _refuse_positional_options(self) -> None:
         used = [k for k in _POSITIONAL_OPTIONS if self._jit_kwargs.get(k)]
         if used:
-            name = self._sf.name
+            name = self._name
             raise NotImplementedError(
                 f"`jit({name}, {', '.join(f'{k}=...' for k in used)})`: these options "
                 "refer to positions of arguments and outputs that `jax.jit` takes as "
@@ -526,7 +559,7 @@ class JitDispatch:
             )
 
     def _split_options(self, donate_states: bool) -> dict[str, Any]:
-        # A jitted body takes `(written, kept, dynamic_leaves)` (see `_PerKey`).
+        # A jitted body takes `(written, read, dynamic_leaves)` (see `_PerKey`).
         options = {
             k: v for k, v in self._jit_kwargs.items() if k not in _POSITIONAL_OPTIONS
         }
@@ -535,13 +568,12 @@ class JitDispatch:
         return options
 
     def _jit_options(self, donate_states: bool) -> dict[str, Any]:
-        # The jitted body takes `(written, kept, *args, **kwargs)`: the user's
+        # The jitted body takes `(written, read, *args, **kwargs)`: the user's
         # positional options shift by two (negative indices count from the end).
-        sf = self._sf
         options = dict(self._jit_kwargs)
         shift = lambda nums: tuple(i + 2 if i >= 0 else i for i in nums)  # noqa: E731
-        options["static_argnums"] = shift(sf.static_positions)
-        options["static_argnames"] = sf.static_argnames
+        options["static_argnums"] = shift(self._parser.static_positions)
+        options["static_argnames"] = self._parser.static_argnames
         donate = shift(options.pop("donate_argnums", ()))
         if donate_states:
             donate = (0, *donate)

@@ -5,17 +5,18 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from .. import _context, _jax_compat as compat
+from .. import _jax_compat as compat
 from .._state_dict import StateDict
-from ._compiled import Compiled, struct
-from ._stateful_function import StatefulFunction
+from ._leaves import struct
+from ._stateful_function import StatefulFunction, traces_of
+from ._trace import Trace
 
 
 compat.hide_from_tracebacks(__file__)
 
 
-def _state_shapes(entry: Compiled) -> StateDict:
-    """The shapes and dtypes of every state a compilation touches or creates, as
+def _state_shapes(entry: Trace) -> StateDict:
+    """The shapes and dtypes of every state a trace touches or creates, as
     they are after the call."""
     outvars = entry.jaxpr.jaxpr.outvars
     structs = [struct((v.aval.shape, v.aval.dtype, v.aval.weak_type)) for v in outvars]
@@ -84,7 +85,6 @@ def eval_shape(
     sf = StatefulFunction(
         fun, state_returns="write", name=getattr(fun, "__name__", None)
     )
-    call = sf.parse_args(args, kwargs)
-    entry = sf.compile(call, _context.current_frame())
-    out = sf.get_out_shapes(call.key)[0]
-    return (_state_shapes(entry), out) if return_state_shapes else out
+    sf.make_jaxpr(*args, **kwargs)
+    out, _ = sf.get_out_shapes()
+    return (_state_shapes(traces_of(sf).by_key()), out) if return_state_shapes else out

@@ -7,11 +7,10 @@ from typing import Any, overload, ParamSpec, TypeVar
 
 import jax
 
-from .. import _context, _jax_compat as compat
+from .. import _jax_compat as compat
 from .._custom_types import MISSING, Missing
-from ._compiled import jitted
-from ._dispatch import can_plan, JitDispatch
-from ._stateful_function import StatefulFunction
+from ._dispatch import JitDispatch
+from ._stateful_function import StatefulFunction, traces_of
 
 
 compat.hide_from_tracebacks(__file__)
@@ -44,26 +43,17 @@ class JittedFunction:
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """`jax.stages.Lowered` of the call with these arguments (the state values
         are the current ones), as `jax.jit(f).lower` gives."""
-        sf = self.stateful_function
-        frame = _context.current_frame()
-        call = sf.parse_args(args, kwargs)
-        entry = sf.compile(call, frame)
-        if can_plan(entry):
-            return self._dispatch.lower(call, entry, frame, args, kwargs)
-        values = frame.read_many(entry.states)
-        options = self._dispatch.flat_options(sf.name)
-        return jitted(entry, options).lower(call.leaves, values)
+        return self._dispatch.lower(args, kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The output's shapes and dtypes, as `jax.ShapeDtypeStruct`s, without
         computing anything or touching any value."""
-        sf = self.stateful_function
-        sf.compile(sf.parse_args(args, kwargs), _context.current_frame())
+        sf = self.stateful_function.make_jaxpr(*args, **kwargs)
         return sf.get_out_shapes(sf.get_arg_cache_key(*args, **kwargs))[0]
 
     def clear_cache(self) -> None:
         """Drops every trace and compiled executable."""
-        self.stateful_function.clear_cache()
+        self._dispatch.clear()
 
     def get_cache_stats(self) -> dict[str, Any]:
         """Statistics of the trace cache, as
@@ -280,10 +270,9 @@ def jit(
     if out_shardings is not None:
         jit_kwargs["out_shardings"] = (out_shardings, None)
     dispatch = JitDispatch(
-        sf,
+        traces_of(sf),
         donate_states=donate_states,
         jit_kwargs=jit_kwargs,
         state_shardings=state_shardings,
     )
-    sf._dispatch = dispatch
     return JittedFunction(fun, sf, dispatch)

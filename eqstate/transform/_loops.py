@@ -22,8 +22,9 @@ from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._shapes import shape_dtype
 from .._state import State
-from ._common import abstract, hide_static, show_static, strong, Traced
+from ._common import abstract, hide_static, show_static, strong
 from ._conditions import cond
+from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
 from ._progress_bar import ProgressBar
 
@@ -97,7 +98,7 @@ class _Carried:
     """The states of one or more traced loop functions, split into the written ones
     (carried) and the others (closed over)."""
 
-    def __init__(self, *traced: Traced):
+    def __init__(self, *traced: Discovery):
         values: dict[State, Any] = {}
         for t in traced:
             values.update(zip(t.states, t.values))
@@ -107,7 +108,7 @@ class _Carried:
     def initial(self) -> list[Any]:
         return strong([self.values[s] for s in self.written])
 
-    def values_for(self, traced: Traced, carried: Sequence[Any]) -> list[Any]:
+    def values_for(self, traced: Discovery, carried: Sequence[Any]) -> list[Any]:
         current = dict(zip(self.written, carried))
         return [current.get(s, self.values[s]) for s in traced.states]
 
@@ -235,7 +236,7 @@ def _scan(
     n = _loop_length(xs, length, what)
     if jit_disabled():
         return _scan_eagerly(f, init, xs, n, reverse, pbar, what[0])
-    traced = Traced(
+    traced = Discovery(
         f,
         (show_static(init), show_static(_slice(xs))),
         name=getattr(f, "__name__", "scan body"),
@@ -245,7 +246,7 @@ def _scan(
 
     def step(carry, x):
         user_carry, state_values = carry
-        out, updates, _ = traced.call(
+        out, updates, _ = traced.evaluate(
             carried.values_for(traced, state_values),
             (show_static(user_carry), show_static(x)),
         )
@@ -345,10 +346,10 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
         except jax.errors.ConcretizationTypeError:
             pass  # A transform around the loop needs it compiled, as in JAX.
     hidden = hide_static(init_val)
-    traced_cond = Traced(
+    traced_cond = Discovery(
         cond_fun, (init_val,), name=getattr(cond_fun, "__name__", "cond_fun")
     )
-    traced_body = Traced(
+    traced_body = Discovery(
         body_fun, (init_val,), name=getattr(body_fun, "__name__", "body_fun")
     )
     if traced_cond.written:
@@ -363,14 +364,14 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
 
     def loop_cond(carry):
         val, state_values = carry
-        out, _, _ = traced_cond.call(
+        out, _, _ = traced_cond.evaluate(
             carried.values_for(traced_cond, state_values), (show_static(val),)
         )
         return out
 
     def loop_body(carry):
         val, state_values = carry
-        out, updates, _ = traced_body.call(
+        out, updates, _ = traced_body.evaluate(
             carried.values_for(traced_body, state_values), (show_static(val),)
         )
         return hide_static(out), carried.carry_out(updates, state_values)

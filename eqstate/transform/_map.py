@@ -13,9 +13,10 @@ import jax.tree_util as jtu
 from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._state import RandomState, split_and_advance, State
-from ._common import hide_static, show_static, strong, Traced
-from ._compiled import Compiled
+from ._common import hide_static, show_static, strong
+from ._discovery import Discovery
 from ._loops import _loop_length, _scan, _slice
+from ._trace import Trace
 
 
 compat.hide_from_tracebacks(__file__)
@@ -49,7 +50,7 @@ def _check_batch_size(batch_size: Any) -> int:
     return size
 
 
-def _uses_old_value(entry: Compiled, states: Sequence[State]) -> list[State]:
+def _uses_old_value(entry: Trace, states: Sequence[State]) -> list[State]:
     """Those of `states` whose value before the call reaches an output of the
     function (its return value or a written value): data flow through its jaxpr."""
     jaxpr = entry.jaxpr.jaxpr
@@ -80,7 +81,7 @@ def _reaches_outputs(jaxpr: jex_core.Jaxpr, inputs: Sequence[Any]) -> bool:
 def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     """`map` with `batch_size=size`: a scan over chunks of `size` elements, each
     vmapped, then the remaining elements, vmapped."""
-    traced = Traced(f, show_static(_slice(xs)), name=getattr(f, "__name__", None))
+    traced = Discovery(f, show_static(_slice(xs)), name=getattr(f, "__name__", None))
     traced.refuse_new_states("`map`")
     values = dict(zip(traced.states, traced.values))
     randoms = [
@@ -89,7 +90,7 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
         if isinstance(s, RandomState) and jnp.ndim(values[s]) == 0
     ]
     written = [s for s in traced.written if s not in randoms]
-    carried_over = _uses_old_value(traced.entry, written)
+    carried_over = _uses_old_value(traced.trace, written)
     if carried_over:
         raise ValueError(_CARRIED_OVER.format(label=state_label(carried_over[0])))
     carried = [*written, *randoms]
@@ -108,7 +109,7 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
         def element(element_keys: list, x: tuple) -> tuple[Any, list]:
             here = dict(current)
             here.update(zip(randoms, element_keys))
-            out, updates, _ = traced.call(
+            out, updates, _ = traced.evaluate(
                 [here[s] for s in traced.states], show_static(x)
             )
             return hide_static(out), [updates[s] for s in written]

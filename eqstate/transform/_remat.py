@@ -8,8 +8,8 @@ import jax
 
 from .. import _jax_compat as compat
 from .._custom_types import MISSING
-from ._common import hide_static, partition, show_static, Traced
-from ._stateful_function import StatefulFunction
+from ._common import hide_static, partition, show_static
+from ._discovery import Discovery, traces_for
 
 
 compat.hide_from_tracebacks(__file__)
@@ -57,20 +57,15 @@ def checkpoint(
     statics = (
         (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     )
-    sf = StatefulFunction(
-        fun,
-        static_argnums=statics,
-        state_returns="write",
-        name=getattr(fun, "__name__", None),
-    )
+    traces = traces_for(fun, getattr(fun, "__name__", None), statics)
 
     @ft.wraps(fun)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        traced = Traced(fun, args, kwargs, sf=sf)
+        traced = Discovery(fun, args, kwargs, traces=traces)
         box: dict[str, Any] = {}
 
         def pure(values, *args):
-            out, updates, new = traced.call(values, show_static(args), kwargs)
+            out, updates, new = traced.evaluate(values, show_static(args), kwargs)
             leaves, box["rebuild"] = partition(out)
             box["updated"], box["new"] = list(updates), [s for s, _ in new]
             return leaves, list(updates.values()), [v for _, v in new]

@@ -17,8 +17,8 @@ from .._shapes import shape_dtype
 from .._sharding import check_divisible, spec_rule
 from .._state import State
 from .._state_dict import StateDict
-from ._common import hide_static, show_static, Traced
-from ._stateful_function import StatefulFunction
+from ._common import hide_static, show_static
+from ._discovery import Discovery, traces_for
 from ._vmap import placeholder
 
 
@@ -144,11 +144,8 @@ def shard_map(
         return PartitionSpec() if spec is None else spec
 
     # The mesh axes are in scope while tracing, so that collectives trace.
-    sf = StatefulFunction(
-        fun,
-        state_returns="write",
-        name=getattr(fun, "__name__", None),
-        axis_env=list(mesh.shape.items()),
+    traces = traces_for(
+        fun, getattr(fun, "__name__", None), axis_env=list(mesh.shape.items())
     )
 
     @ft.wraps(fun)
@@ -165,10 +162,10 @@ def shard_map(
             )
             for spec, arg in zip(specs, args)
         )
-        traced = Traced(
+        traced = Discovery(
             fun,
             show_static(local_args),
-            sf=sf,
+            traces=traces,
             discover_in=_ShardView(frame, spec_of, mesh),
         )
         traced.refuse_new_states("`shard_map`")

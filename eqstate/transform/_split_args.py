@@ -26,7 +26,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from .._custom_types import PyTreeDef
-from ._compiled import ArrayImpl, dynamic_mask, in_module, is_traced
+from ._leaves import ArrayImpl, dynamic_mask, in_module, is_traced
 
 
 # Distinct argument structures remembered per jitted function; the least recently

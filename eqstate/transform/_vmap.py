@@ -17,8 +17,8 @@ from .._pretty_print import state_label, value_summary
 from .._shapes import shape_dtype
 from .._state import RandomState, split_and_advance, State
 from .._state_dict import StateDict
-from ._common import Traced
-from ._stateful_function import StatefulFunction
+from ._discovery import Discovery, traces_for
+from ._function_traces import FunctionTraces
 
 
 compat.hide_from_tracebacks(__file__)
@@ -274,15 +274,13 @@ def vmap(
     out_pairs = parse_state_axes(out_states, "out_states")
     name = getattr(fun, "__name__", None)
     # With `axis_name`, the discovery trace needs the axis (and its size) in scope.
-    traces: dict[int | None, StatefulFunction] = {}
+    traces: dict[int | None, FunctionTraces] = {}
 
-    def stateful_function(size: int | None) -> StatefulFunction:
+    def traces_of_size(size: int | None) -> FunctionTraces:
         key = size if axis_name is not None else None
         if key not in traces:
             axis_env = None if key is None else [(axis_name, key)]
-            traces[key] = StatefulFunction(
-                fun, state_returns="write", name=name, axis_env=axis_env
-            )
+            traces[key] = traces_for(fun, name, axis_env=axis_env)
         return traces[key]
 
     @ft.wraps(fun)
@@ -298,12 +296,12 @@ def vmap(
         def mapped_axis(state: State) -> int | None:
             return axis_of(state, in_pairs)
 
-        def discover(size: int | None) -> Traced:
-            return Traced(
+        def discover(size: int | None) -> Discovery:
+            return Discovery(
                 fun,
                 lane_args,
                 lane_kwargs,
-                sf=stateful_function(size),
+                traces=traces_of_size(size),
                 discover_in=_LaneView(frame, mapped_axis),
             )
 
@@ -343,7 +341,7 @@ def _lane_args(tree: Any, axis: Any) -> Any:
 
 
 def _call_vmapped(
-    traced: Traced,
+    traced: Discovery,
     args: tuple,
     kwargs: dict,
     axes: tuple,
@@ -380,7 +378,7 @@ def _call_vmapped(
         current = dict(values)
         current.update(zip(mapped_states, mapped_values))
         current.update(zip(randoms, keys))
-        out, updates, _ = traced.call([current[s] for s in states], args, kwargs)
+        out, updates, _ = traced.evaluate([current[s] for s in states], args, kwargs)
         for s in broadcast_written:
             if any(compat.is_batched_here(x) for x in jtu.tree_leaves(updates[s])):
                 raise BatchAxisError(
@@ -413,7 +411,7 @@ def _call_vmapped(
     return out
 
 
-def _state_sizes(traced: Traced, mapped_axis: Callable) -> dict[str, int]:
+def _state_sizes(traced: Discovery, mapped_axis: Callable) -> dict[str, int]:
     sizes = {}
     for state, value in zip(traced.states, traced.values):
         axis = mapped_axis(state)

@@ -1,0 +1,142 @@
+"""A call's arguments as a trace sees them: a hashable cache key, the leaves that are
+traced, and what it takes to put the call back together."""
+
+import inspect
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax.tree_util as jtu
+
+from ._leaves import dynamic_mask, signature
+
+
+class CallArgs:
+    """The arguments of one call, split by `ArgParser.parse`."""
+
+    __slots__ = (
+        "_index",
+        "_static",
+        "_static_kw",
+        "_template",
+        "_treedef",
+        "all_dynamic",
+        "key",
+        "leaves",
+    )
+
+    def __init__(self, key, leaves, treedef, template, index, static, static_kw):
+        self.key: Hashable = key
+        self.leaves: list = leaves
+        self.all_dynamic = len(leaves) == len(template)
+        self._treedef = treedef
+        self._template = template
+        self._index = index
+        self._static = static
+        self._static_kw = static_kw
+
+    def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple, dict]:
+        """`(args, kwargs)` with the traced leaves replaced by `leaves`."""
+        full = list(self._template)
+        for i, leaf in zip(self._index, leaves):
+            full[i] = leaf
+        dyn_args, kwargs = jtu.tree_unflatten(self._treedef, full)
+        args = list(dyn_args)
+        for i, value in self._static:
+            args.insert(i, value)
+        return tuple(args), {**kwargs, **dict(self._static_kw)}
+
+
+class ArgParser:
+    """Splits the calls of one function (its static arguments given as in `jax.jit`)
+    into `CallArgs`."""
+
+    def __init__(
+        self,
+        fun: Callable,
+        name: str,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+    ):
+        self.name = name
+        self.static_argnums = _as_tuple(static_argnums, int, "static_argnums")
+        self.static_argnames = _as_tuple(static_argnames, str, "static_argnames")
+        positions = self.static_argnums + _positions_of(fun, self.static_argnames)
+        self.static_positions = tuple(dict.fromkeys(positions))
+
+    def parse(self, args: tuple, kwargs: dict) -> CallArgs:
+        """Splits a call's arguments into its cache key and its traced leaves: array
+        leaves and Python scalars are traced (see `is_traced`), static arguments and
+        other leaves are hashed into the key (handles by identity)."""
+        n = len(args)
+        static = []
+        for i in self.static_positions:
+            if -n <= i < n:
+                arg = _hashable(args[i], f"static argument {i}", self.name)
+                static.append((i % n, arg))
+            elif i in self.static_argnums:
+                raise ValueError(
+                    f"`static_argnums` holds {i}, but {self.name} was called with {n} "
+                    "positional argument(s)."
+                )
+        static.sort(key=lambda pair: pair[0])
+        static_index = {i for i, _ in static}
+        static_kw = tuple(
+            (k, _hashable(kwargs[k], f"static argument {k!r}", self.name))
+            for k in sorted(kwargs)
+            if k in self.static_argnames
+        )
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_index)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        leaves, treedef = jtu.tree_flatten((dyn_args, dyn_kwargs))
+        mask = dynamic_mask((dyn_args, dyn_kwargs))
+        sigs, dynamic_index, dynamic, template = [], [], [], []
+        for i, (leaf, traced) in enumerate(zip(leaves, mask)):
+            if traced:
+                sigs.append(signature(leaf))
+                dynamic_index.append(i)
+                dynamic.append(leaf)
+                template.append(None)
+            else:
+                sigs.append(("static", _hashable(leaf, "an argument leaf", self.name)))
+                template.append(leaf)
+        key = (tuple(static), static_kw, treedef, tuple(sigs))
+        return CallArgs(
+            key, dynamic, treedef, template, dynamic_index, static, static_kw
+        )
+
+
+def _as_tuple(x: Any, kind: type, what: str) -> tuple:
+    items = (x,) if isinstance(x, kind) else tuple(x)
+    for item in items:
+        if not isinstance(item, kind):
+            raise TypeError(f"`{what}` must hold {kind.__name__}s, got {item!r}.")
+    return items
+
+
+def _positions_of(fun: Callable, names: tuple[str, ...]) -> tuple[int, ...]:
+    if not names:
+        return ()
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+    return tuple(
+        i for i, p in enumerate(params) if p.kind in positional and p.name in names
+    )
+
+
+def _hashable(x: Any, what: str, where: str) -> Any:
+    try:
+        hash(x)
+    except TypeError:
+        raise TypeError(
+            f"{where} got an unhashable {what}: {x!r} of type {type(x).__name__}. "
+            "Static arguments (and non-array leaves of arguments) are part of the "
+            "cache key, so they must be hashable. Make it a tuple or frozen "
+            "dataclass, or pass it as an array so that it is traced."
+        ) from None
+    return x

@@ -1,0 +1,263 @@
+"""The traces of one function: its argument parser, its trace cache, and calls of a
+trace against a frame. `StatefulFunction`, `jit`'s plans and the other transforms all
+reach a function's pure form through this."""
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from .. import _context, _jax_compat as compat
+from .._custom_types import MISSING
+from .._errors import UnknownCacheKeyError, UnstableStatesError
+from .._state import fresh_copy
+from ._cache_stats import CacheStats
+from ._call_args import ArgParser, CallArgs
+from ._trace import flat_jit, StaleTrace, Trace, trace_function
+
+
+compat.hide_from_tracebacks(__file__)
+
+# Argument keys kept per function, and traces per key (for states of other shapes, e.g.
+# in other threads); the least recently used are dropped first.
+CACHE_SIZE = 128
+VARIANTS = 8
+# Retraces of one call whose states keep changing shape under it (other threads).
+_RETRIES = 8
+_KEEPS_CHANGING = (
+    "The states of {name} changed shape {n} times while it was being traced and "
+    "called: other threads keep writing values of new shapes to them. Give each "
+    "thread its own states (e.g. with `eqstate.scope`), or synchronise the writes."
+)
+
+ValuesOf = Callable[[Trace], "list | None"]
+"""The caller's values of a trace's states, or `None` if it cannot give them."""
+
+
+class FunctionTraces:
+    """Traces `fun` once per cache key and state signature, keeps the traces, and
+    calls them against frames.
+
+    **Arguments:**
+
+    - `fun`, `name`: the function, and its name for messages.
+    - `parser`: splits its calls (static arguments) into `CallArgs`.
+    - `state_returns`, `axis_env`: as for `StatefulFunction`.
+    """
+
+    def __init__(
+        self,
+        fun: Callable,
+        name: str,
+        parser: ArgParser,
+        state_returns: tuple[str, ...] = ("write",),
+        axis_env: Sequence[tuple[Hashable, int]] | None = None,
+    ):
+        self.fun = fun
+        self.name = name
+        self.parser = parser
+        self.state_returns = state_returns
+        self.axis_env = axis_env
+        self._cache: OrderedDict[Hashable, list[Trace]] = OrderedDict()
+        self._pending: dict[Hashable, threading.RLock] = {}
+        self._lock = threading.Lock()
+        self._last_key: Hashable = MISSING
+        self.stats = CacheStats()
+
+    def parse(self, args: tuple, kwargs: dict) -> CallArgs:
+        return self.parser.parse(args, kwargs)
+
+    # ------------------------------------------------------------------- lookups
+
+    def by_key(self, cache_key: Hashable = ()) -> Trace:
+        """The trace for `cache_key` (`()`: the most recent one). Of several traces
+        for one key (states of other shapes), the most recently used."""
+        key = self._resolve_key(cache_key)
+        with self._lock:
+            variants = self._cache.get(key)
+            known = list(self._cache)
+        if not variants:
+            raise UnknownCacheKeyError(
+                f"{self.name} has no trace for the cache key {key!r}. "
+                f"{_summarise_keys(known)} Trace it with `make_jaxpr(*args)`; "
+                "`get_arg_cache_key(*args)` gives the key of a call."
+            )
+        return variants[0]
+
+    def _resolve_key(self, cache_key: Hashable) -> Hashable:
+        if cache_key == ():
+            if self._last_key is MISSING:
+                raise UnknownCacheKeyError(
+                    f"{self.name} has not been traced yet: call `make_jaxpr(*args)` "
+                    "first."
+                )
+            return self._last_key
+        return cache_key
+
+    def trace_for(self, call: CallArgs, parent: _context.Frame) -> Trace:
+        """The trace for `call` that fits the current values of its states in
+        `parent`, tracing against `parent` if there is none."""
+        trace, _ = self.lookup(call, parent, lambda t: _peek_values(parent, t))
+        return trace
+
+    def lookup(
+        self,
+        call: CallArgs,
+        parent: "_context.Frame | Callable[[], _context.Frame]",
+        values_of: ValuesOf,
+    ) -> tuple[Trace, list]:
+        """The trace for `call` whose states fit `values_of(trace)`, and those values.
+        On a miss it traces against `parent` (a frame, or a function making one). A
+        trace is only ever used with values of the structure, shapes and dtypes it was
+        made with: the cache keeps up to `VARIANTS` per argument key, for callers
+        (e.g. threads) whose states differ in shape.
+
+        **Raises:**
+
+        `StaleTrace` if even a fresh trace does not fit the caller's values (its
+        states changed shape meanwhile, or it wants values for other states).
+        """
+        found = self.find(call.key, values_of)
+        if found is not None:
+            return found
+        with self._lock:
+            key_lock = self._pending.setdefault(call.key, threading.RLock())
+        # Concurrent first calls with the same key and shapes trace once.
+        with key_lock:
+            found = self.find(call.key, values_of)
+            if found is not None:
+                return found
+            frame = parent() if callable(parent) else parent
+            self.stats.miss()
+            try:
+                trace = trace_function(
+                    self.fun,
+                    call,
+                    frame,
+                    name=self.name,
+                    state_returns=self.state_returns,
+                    axis_env=self.axis_env,
+                )
+                # Stored before the key's lock is dropped: a thread arriving after
+                # that finds the trace instead of tracing again.
+                self._store(call.key, trace)
+            finally:
+                with self._lock:
+                    self._pending.pop(call.key, None)
+        values = values_of(trace)
+        if values is None or trace.stale_state(values) is not None:
+            raise StaleTrace
+        return trace, values
+
+    def find(self, key: Hashable, values_of: ValuesOf) -> tuple[Trace, list] | None:
+        """A kept trace for `key` that fits `values_of(trace)`, and those values."""
+        with self._lock:
+            variants = tuple(self._cache.get(key, ()))
+        for trace in variants:
+            values = values_of(trace)
+            if values is not None and trace.stale_state(values) is None:
+                self._touch(key, trace)
+                self.stats.hit()
+                return trace, values
+        return None
+
+    def _touch(self, key: Hashable, trace: Trace) -> None:
+        with self._lock:
+            variants = self._cache.get(key)
+            if variants is not None:
+                self._cache.move_to_end(key)
+                if variants[0] is not trace and trace in variants:
+                    variants.remove(trace)
+                    variants.insert(0, trace)
+            self._last_key = key
+
+    def _store(self, key: Hashable, trace: Trace) -> None:
+        self.stats.traced()
+        with self._lock:
+            self._last_key = key
+            if not trace.cacheable:
+                return
+            variants = self._cache.setdefault(key, [])
+            variants.insert(0, trace)
+            self.stats.evicted(len(variants[VARIANTS:]))
+            del variants[VARIANTS:]
+            self._cache.move_to_end(key)
+            while len(self._cache) > CACHE_SIZE:
+                self.stats.evicted(len(self._cache.popitem(last=False)[1]))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self._last_key = MISSING
+        self.stats.reset()
+
+    def sizes(self) -> tuple[int, int]:
+        """`(keys, traces)` kept."""
+        with self._lock:
+            return len(self._cache), sum(len(v) for v in self._cache.values())
+
+    # --------------------------------------------------------------------- calls
+
+    def evaluate(
+        self, trace: Trace, arg_leaves: list, values: list, jit_options: dict | None
+    ) -> tuple[list, list, list]:
+        """`(out leaves, updated values, new values)` of the trace, op by op (or
+        staged into the current trace), or through `flat_jit` with `jit_options`."""
+        if jit_options is None:
+            return trace.split_outputs(trace.run(arg_leaves, values))
+        return trace.split_outputs(flat_jit(trace, jit_options)(arg_leaves, values))
+
+    def call_against(
+        self,
+        call: CallArgs,
+        parent: "_context.Frame | Callable[[], _context.Frame]",
+        values_of: ValuesOf,
+        jit_options: dict | None = None,
+    ) -> tuple[Trace, list, list, list]:
+        """Finds (or makes) the trace that fits the caller's state values
+        (`values_of`), and evaluates it: `(trace, out leaves, updated, new values)`."""
+        for _ in range(_RETRIES):
+            try:
+                trace, values = self.lookup(call, parent, values_of)
+                return trace, *self.evaluate(trace, call.leaves, values, jit_options)
+            except StaleTrace:
+                # The states changed shape between the trace and the call (another
+                # thread wrote them): trace again against the values now there.
+                continue
+        raise UnstableStatesError(_KEEPS_CHANGING.format(name=self.name, n=_RETRIES))
+
+    def call_in(
+        self,
+        frame: _context.Frame,
+        call: CallArgs,
+        jit_options: dict | None = None,
+    ) -> Any:
+        """Calls the function against `frame`: reads the values it needs from there,
+        evaluates the pure form, writes the results back and registers new states
+        (under fresh handles). Returns the function's output."""
+
+        def values_of(trace: Trace) -> list:
+            return frame.read_many(trace.states) if trace.states else []
+
+        trace, out, updated, new_values = self.call_against(
+            call, frame, values_of, jit_options
+        )
+        fresh = [fresh_copy(s) for s in trace.new_states]
+        if updated or fresh:
+            updates = dict(zip(trace.updated_states, updated))
+            frame.commit(updates, list(zip(fresh, new_values)))
+        return trace.build_output(out, fresh)
+
+
+def _peek_values(frame: _context.Frame, trace: Trace) -> list | None:
+    """The values of `trace.states` in `frame` (as a child trace would see them),
+    recording nothing; `None` if one is missing."""
+    values = [frame.peek(s) for s in trace.states]
+    return None if any(v is MISSING for v in values) else values
+
+
+def _summarise_keys(keys: list, limit: int = 3) -> str:
+    if not keys:
+        return "It has no trace yet."
+    shown = "; ".join(repr(k) for k in keys[-limit:])
+    return f"It has {len(keys)} trace(s); the most recent key(s): {shown}."

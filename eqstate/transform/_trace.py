@@ -1,0 +1,332 @@
+"""One trace of a function that uses states: how it is made, what it records, and how
+a call evaluates it."""
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import jax.tree_util as jtu
+from jax.core import Tracer
+
+from .. import _context, _jax_compat as compat
+from .._custom_types import PyTreeDef
+from .._state import expire, is_state, State
+from ._call_args import CallArgs
+from ._leaves import (
+    dynamic_mask,
+    flatten_each,
+    is_single_leaf,
+    signature,
+    struct,
+    unflatten_each,
+)
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+class NewStateRef:
+    """Stands for a new state's handle in the output tree of a trace."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<new state {self.index}>"
+
+
+class StaleTrace(Exception):
+    """A trace met state values of another structure, shape or dtype than it was made
+    for (another thread changed them): the caller traces again."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
+class Trace:
+    """One trace of a function that uses states: its jaxpr and the states it uses.
+
+    The jaxpr's inputs are the argument leaves, then the leaves of `states` (first-
+    access order). Its outputs are the output leaves, the leaves of `returned_states`,
+    then the leaves of `new_states`. A call only needs the outputs listed in `needed`:
+    `out`, the `updated_states` (written and returned) and the new states. Built only
+    by `trace_function`.
+    """
+
+    jaxpr: jex_core.ClosedJaxpr
+    states: tuple[State, ...]
+    state_defs: tuple[PyTreeDef, ...]
+    state_signatures: tuple[tuple, ...]
+    single_leaf_states: bool
+    read_states: tuple[State, ...]
+    write_states: tuple[State, ...]
+    read_written_states: tuple[State, ...]
+    returned_states: tuple[State, ...]
+    returned_defs: tuple[PyTreeDef, ...]
+    updated_states: tuple[State, ...]
+    updated_defs: tuple[PyTreeDef, ...]
+    new_states: tuple[State, ...]
+    new_defs: tuple[PyTreeDef, ...]
+    out_def: PyTreeDef
+    out_template: tuple
+    out_index: tuple[int, ...]
+    n_out: int
+    simple_out: bool
+    needed: tuple[int, ...]
+    # Whether the trace may be kept: it closes over no tracer of an enclosing trace.
+    cacheable: bool
+    # `flat_jit`'s function, made on first use.
+    flat_jitted: dict = dataclasses.field(default_factory=dict)
+
+    def state_leaves(self, values: Sequence[Any]) -> list[Any]:
+        return list(values) if self.single_leaf_states else flatten_each(values)
+
+    def stale_state(self, values: Sequence[Any]) -> State | None:
+        """The first state whose value no longer has the structure, shapes, dtypes or
+        weak types it had when traced, or `None`."""
+        if self.single_leaf_states:
+            for state, x, sig in zip(self.states, values, self.state_signatures):
+                if not is_single_leaf(jtu.tree_structure(x)) or signature(x) != sig:
+                    return state
+            return None
+        start = 0
+        for state, value, treedef in zip(self.states, values, self.state_defs):
+            stop = start + treedef.num_leaves
+            leaves, actual = jtu.tree_flatten(value)
+            if actual != treedef or [signature(x) for x in leaves] != list(
+                self.state_signatures[start:stop]
+            ):
+                return state
+            start = stop
+        return None
+
+    def run(self, arg_leaves: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+        """Evaluates the jaxpr (op by op, or staged into the current trace) and returns
+        the needed outputs."""
+        flat = jex_core.jaxpr_as_fun(self.jaxpr)(
+            *arg_leaves, *self.state_leaves(values)
+        )
+        return [flat[i] for i in self.needed]
+
+    def split_outputs(self, needed: Sequence[Any]) -> tuple[list, list, list]:
+        """Splits the needed outputs into `out` leaves, updated values and new
+        values."""
+        n_out = self.n_out
+        n_updated = sum(d.num_leaves for d in self.updated_defs)
+        out = list(needed[:n_out])
+        updated_leaves = needed[n_out : n_out + n_updated]
+        if self.single_leaf_states:
+            updated = list(updated_leaves)
+        else:
+            updated = unflatten_each(self.updated_defs, updated_leaves)
+        return out, updated, unflatten_each(self.new_defs, needed[n_out + n_updated :])
+
+    def build_output(self, out_leaves: Sequence[Any], fresh: Sequence[Any]) -> Any:
+        """The output tree, with `fresh` handles in place of the new states."""
+        if self.simple_out:
+            return jtu.tree_unflatten(self.out_def, out_leaves)
+        full = list(self.out_template)
+        for i, leaf in zip(self.out_index, out_leaves):
+            full[i] = leaf
+        for i, leaf in enumerate(full):
+            if isinstance(leaf, NewStateRef):
+                full[i] = fresh[leaf.index]
+        return jtu.tree_unflatten(self.out_def, full)
+
+    def leaf_signatures(self, state: State) -> list[tuple]:
+        """The signatures of the leaves of `state`'s value, as traced."""
+        i = self.states.index(state)
+        start = sum(d.num_leaves for d in self.state_defs[:i])
+        return list(
+            self.state_signatures[start : start + self.state_defs[i].num_leaves]
+        )
+
+
+def flat_jit(trace: Trace, options: dict[str, Any] | None = None) -> Any:
+    """`jax.jit` of the trace's pure form `(arg_leaves, values) -> needed outputs`
+    (with `jax.jit` `options` that do not refer to argument positions: they are the
+    same for every trace of a function), made once per trace. It raises `StaleTrace`
+    if JAX traces it with state values that do not fit."""
+    fn = trace.flat_jitted.get("jit")
+    if fn is None:
+
+        def flat_call(arg_leaves, values):
+            if trace.stale_state(values) is not None:
+                raise StaleTrace
+            return trace.run(arg_leaves, values)
+
+        fn = trace.flat_jitted["jit"] = jax.jit(flat_call, **(options or {}))
+    return fn
+
+
+def trace_function(
+    fun: Callable,
+    call: CallArgs,
+    parent: _context.Frame,
+    *,
+    name: str,
+    state_returns: tuple[str, ...],
+    axis_env: Sequence[tuple[Hashable, int]] | None = None,
+) -> Trace:
+    """Traces `fun` on the call's arguments against `parent`: a state's value becomes
+    a jaxpr input the first time it is read or written (fetched from `parent`), and
+    states created inside are new states.
+
+    Without single-pass tracing (see `_jax_compat`), a first pass discovers the
+    states and a second traces with their values as inputs (repeated if a pass meets
+    states the last one missed).
+    """
+    if compat.single_pass_enabled():
+        result = _trace_once(fun, call, parent, None, name, state_returns, axis_env)
+        assert isinstance(result, Trace)
+        return result
+    known: list[State] = []
+    while True:
+        result = _trace_once(fun, call, parent, known, name, state_returns, axis_env)
+        if isinstance(result, Trace):
+            return result
+        known.extend(result)
+
+
+def _trace_once(
+    fun: Callable,
+    call: CallArgs,
+    parent: _context.Frame,
+    known: list[State] | None,
+    name: str,
+    state_returns: tuple[str, ...],
+    axis_env: Sequence[tuple[Hashable, int]] | None,
+) -> Trace | list[State]:
+    """One trace. With `known` (the two-pass fallback), their values are inputs, and
+    the states met but not known are returned instead of a trace."""
+    n_args = len(call.leaves)
+    outer = [] if known is None else [parent.fetch(s) for s in known]
+    outer_defs = [jtu.tree_structure(v) for v in outer]
+    recorder = _Recorder(state_returns)
+
+    def pure(*leaves):
+        preloaded = None
+        if known is not None:
+            preloaded = dict(zip(known, unflatten_each(outer_defs, leaves[n_args:])))
+        frame = recorder.frame = _context.TraceFrame(parent, preloaded)
+        args, kwargs = call.rebuild(leaves[:n_args])
+        token = _context.enter(frame)
+        try:
+            return recorder.outputs(frame, fun(*args, **kwargs))
+        finally:
+            _context.leave(token)
+            # JAX checks for leaked tracers as soon as this trace ends.
+            frame.release()
+
+    in_leaves = list(call.leaves)
+    for value in outer:
+        in_leaves.extend(struct(signature(x)) for x in jtu.tree_leaves(value))
+    try:
+        jaxpr = jax.make_jaxpr(pure, axis_env=axis_env)(*in_leaves)
+    finally:
+        if recorder.frame is not None:
+            for state in recorder.frame.new_states:
+                expire(state, name)
+            recorder.frame.release()
+    frame = recorder.frame
+    assert frame is not None
+    if known is not None and frame.missing:
+        return list(dict.fromkeys(frame.missing))
+    if known is None:
+        states = tuple(frame.accessed)
+        defs = tuple(recorder.state_defs[s] for s in states)
+    else:
+        states, defs = tuple(known), tuple(outer_defs)
+    return recorder.build(jaxpr, states, defs)
+
+
+class _Recorder:
+    """Collects what one trace finds, and builds its `Trace`."""
+
+    def __init__(self, state_returns: tuple[str, ...]):
+        self.state_returns = state_returns
+        self.frame: _context.TraceFrame | None = None
+
+    def outputs(self, frame: _context.TraceFrame, out: Any) -> list:
+        """The flat outputs of the pure form; records how to rebuild `out`."""
+        new_index = {s: i for i, s in enumerate(frame.new_states)}
+        leaves, self.out_def = jtu.tree_flatten(out)
+        mask = dynamic_mask(out)
+        self.template, self.out_index, dynamic = [], [], []
+        for i, (leaf, traced) in enumerate(zip(leaves, mask)):
+            if is_state(leaf) and leaf in new_index:
+                self.template.append(NewStateRef(new_index[leaf]))
+            elif traced:
+                self.template.append(None)
+                self.out_index.append(i)
+                dynamic.append(leaf)
+            else:
+                self.template.append(leaf)
+        accessed, written = frame.accessed, frame.written
+        self.written = tuple(s for s in accessed if s in written)
+        self.read_written = tuple(s for s in self.written if s in frame.reads)
+        self.read_only = tuple(s for s in accessed if s not in written)
+        self.returned = tuple(
+            s
+            for s in accessed
+            if ("write" in self.state_returns and s in written)
+            or ("read" in self.state_returns and s not in written)
+        )
+        current = {s: frame.current(s) for s in accessed}
+        returned_values = [current[s] for s in self.returned]
+        new_values = [frame.values[s] for s in frame.new_states]
+        self.state_defs = {s: jtu.tree_structure(v) for s, v in current.items()}
+        self.returned_defs = tuple(jtu.tree_structure(v) for v in returned_values)
+        self.new_defs = tuple(jtu.tree_structure(v) for v in new_values)
+        return dynamic + flatten_each(returned_values) + flatten_each(new_values)
+
+    def build(
+        self, jaxpr: jex_core.ClosedJaxpr, states: tuple, state_defs: tuple
+    ) -> Trace:
+        assert self.frame is not None
+        n_state_leaves = sum(d.num_leaves for d in state_defs)
+        invars = jaxpr.jaxpr.invars
+        written = set(self.written)
+        updated = tuple(s for s in self.returned if s in written)
+        n_out = len(self.out_index)
+        return Trace(
+            jaxpr=jaxpr,
+            states=states,
+            state_defs=state_defs,
+            state_signatures=tuple(
+                (v.aval.shape, v.aval.dtype, v.aval.weak_type)
+                for v in invars[len(invars) - n_state_leaves :]
+            ),
+            single_leaf_states=all(is_single_leaf(d) for d in state_defs),
+            read_states=self.read_only,
+            write_states=self.written,
+            read_written_states=self.read_written,
+            returned_states=self.returned,
+            returned_defs=self.returned_defs,
+            updated_states=updated,
+            updated_defs=tuple(
+                d for s, d in zip(self.returned, self.returned_defs) if s in written
+            ),
+            new_states=tuple(self.frame.new_states),
+            new_defs=self.new_defs,
+            out_def=self.out_def,
+            out_template=tuple(self.template),
+            out_index=tuple(self.out_index),
+            n_out=n_out,
+            simple_out=n_out == len(self.template),
+            needed=tuple(self._needed_outputs(n_out, written)),
+            cacheable=not any(isinstance(c, Tracer) for c in jaxpr.consts),
+        )
+
+    def _needed_outputs(self, n_out: int, written: set[State]) -> list[int]:
+        needed = list(range(n_out))
+        start = n_out
+        for state, treedef in zip(self.returned, self.returned_defs):
+            if state in written:
+                needed.extend(range(start, start + treedef.num_leaves))
+            start += treedef.num_leaves
+        new_leaves = sum(d.num_leaves for d in self.new_defs)
+        needed.extend(range(start, start + new_leaves))
+        return needed
