@@ -303,7 +303,7 @@ def grad_unused_state():
     return f, [w, unused]
 
 
-@case("a state created inside a loop body", ValueError, "creates states")
+@case("a state created inside a loop body", es.NewStateError, "creates states")
 def state_in_loop():
     body = lambda c, x: (es.State(x).name and c, x)  # noqa: E731
     return lambda: es.transform.scan(body, 0, jnp.arange(3.0)), []
@@ -939,7 +939,7 @@ def checkpointed_for_loop_float_base():
 
 @case(
     "a state created in a `checkpointed_scan` body",
-    ValueError,
+    es.NewStateError,
     "body of `checkpointed_scan` creates states",
 )
 def checkpointed_scan_creates_state():
