@@ -1,6 +1,6 @@
 """StateDict: an immutable mapping from state handles to their values."""
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TYPE_CHECKING
 
 import jax
@@ -15,6 +15,7 @@ from ._filters import to_predicate
 from ._multi_process import device_put
 from ._pretty_print import state_dict_doc, state_label
 from ._state import creation_order, State
+from ._state_rule import per_state_rule
 
 
 if TYPE_CHECKING:
@@ -240,21 +241,15 @@ def _as_mapping(other: Any, where: str) -> Mapping:
     return other
 
 
-def sharding_rule(rule: Any) -> Any:
+def sharding_rule(rule: Any) -> Callable[[State, Any], jax.sharding.Sharding | None]:
     """`rule` (a sharding, `{filter: sharding}`, or a function) as a function
     `(state, value) -> sharding | None`."""
-    if isinstance(rule, jax.sharding.Sharding):
-        return lambda state, value: rule
-    if isinstance(rule, Mapping):
-        pairs = [(to_predicate(f), sharding) for f, sharding in rule.items()]
-        return lambda state, value: next(
-            (sharding for p, sharding in pairs if p((), state)), None
-        )
-    if callable(rule):
-        return rule
-    raise TypeError(
-        "Shardings are given as a `jax.sharding.Sharding`, a mapping "
-        f"`{{filter: Sharding}}`, or a function `(state, value) -> Sharding`; got {rule!r}."
+    return per_state_rule(
+        rule,
+        jax.sharding.Sharding,
+        what="Shardings",
+        spelled="jax.sharding.Sharding",
+        short="Sharding",
     )
 
 
