@@ -13,7 +13,7 @@ from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError
 from ._filters import to_predicate
 from ._multi_process import device_put
-from ._pretty_print import state_dict_doc, state_label
+from ._pretty_print import first_and_more, state_dict_doc, state_label
 from ._state import creation_order, State
 from ._state_rule import per_state_rule
 
@@ -253,12 +253,10 @@ def sharding_rule(rule: Any) -> Callable[[State, Any], jax.sharding.Sharding | N
     )
 
 
-def _summarise_states(values: Mapping, limit: int = 5) -> str:
+def _summarise_states(values: Mapping) -> str:
     if not values:
         return "no states"
-    labels = [state_label(s) for s in list(values)[:limit]]
-    more = len(values) - limit
-    return ", ".join(labels) + (f" and {more} more" if more > 0 else "")
+    return first_and_more(map(state_label, values))
 
 
 def _canonical_order(sd: StateDict) -> tuple[State, ...] | None:
