@@ -84,12 +84,8 @@ class StateDict(_MappingBase):
 
     @classmethod
     def _wrap(cls, values: Mapping) -> "StateDict":
-        # Takes ownership of `values` without converting them: used internally and by
-        # unflattening, where leaves may be tracers or JAX's placeholder objects.
-        sd = object.__new__(cls)
-        object.__setattr__(sd, "_values", values)
-        object.__setattr__(sd, "_canonical", None)
-        return sd
+        # Kept for the modules that still call it; new code calls `state_dict_of`.
+        return state_dict_of(values)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("StateDict is immutable; use `.set` or `.update`.")
@@ -129,7 +125,7 @@ class StateDict(_MappingBase):
         [`eqstate.StateDict.update`][] to add states.
         """
         checked = check_write(state, self[state], value)
-        return StateDict._wrap({**self._values, state: checked})
+        return state_dict_of({**self._values, state: checked})
 
     def update(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
         """Returns a copy with the entries of `other` added. Values of states already
@@ -145,7 +141,7 @@ class StateDict(_MappingBase):
                 values[state] = to_value(value)
             else:
                 values[state] = check_write(state, old, value)
-        return StateDict._wrap(values)
+        return state_dict_of(values)
 
     def __or__(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
         if not isinstance(other, Mapping):
@@ -164,7 +160,7 @@ class StateDict(_MappingBase):
         # Values are looked up only for the states kept: inside a transform, a view of
         # the world reads each one it is asked for.
         values = self._values
-        return StateDict._wrap(
+        return state_dict_of(
             {s: values[s] for s in values if any(p((), s) for p in predicates)}
         )
 
@@ -179,7 +175,7 @@ class StateDict(_MappingBase):
                 (i for i, p in enumerate(predicates) if p((), state)), len(filters)
             )
             parts[index][state] = self._values[state]
-        return tuple(StateDict._wrap(part) for part in parts)
+        return tuple(state_dict_of(part) for part in parts)
 
     @staticmethod
     def merge(*state_dicts: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
@@ -223,13 +219,34 @@ class StateDict(_MappingBase):
         for state, value in self._values.items():
             sharding = sharding_of(state, value)
             placed[state] = value if sharding is None else device_put(value, sharding)
-        return StateDict._wrap(placed)
+        return state_dict_of(placed)
 
     def __pdoc__(self, **kwargs: Any) -> Any:
         return state_dict_doc(self._values.items(), **kwargs)
 
     def __repr__(self) -> str:
         return wl.pformat(self)
+
+
+def state_dict_of(values: Mapping) -> StateDict:
+    """A `StateDict` holding `values` itself, neither copied nor converted. Private to
+    eqstate: for mappings that eqstate built and that nothing changes afterwards.
+
+    **Arguments:**
+
+    - `values`: a mapping from handles to values. Its leaves may be tracers or JAX's
+        placeholder objects (as when unflattening), which `StateDict(values)` would
+        try to convert. A mapping that reads its values lazily (a view of the world
+        inside a transform) stays lazy.
+
+    **Returns:**
+
+    The `StateDict`, which owns `values` from now on.
+    """
+    sd = object.__new__(StateDict)
+    object.__setattr__(sd, "_values", values)
+    object.__setattr__(sd, "_canonical", None)
+    return sd
 
 
 def _as_mapping(other: Any, where: str) -> Mapping:
@@ -288,7 +305,7 @@ def _flatten(sd: StateDict):
 
 
 def _unflatten(states: tuple, children: Iterable) -> StateDict:
-    sd = StateDict._wrap(dict(zip(states, children)))
+    sd = state_dict_of(dict(zip(states, children)))
     object.__setattr__(sd, "_canonical", ())  # Already in creation order.
     return sd
 
