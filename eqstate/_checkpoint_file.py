@@ -44,7 +44,7 @@ import stat
 import struct
 import sys
 import zlib
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -178,30 +178,37 @@ def read_checkpoint(path: str) -> tuple[list[dict[str, Any]], memoryview]:
             ) from e
 
 
+def _truncated(path: str, needed: str, got: int) -> CheckpointError:
+    return CheckpointError(
+        f"The checkpoint {path!r} is truncated: it has {got} bytes, but {needed}. "
+        "It was probably cut short while being copied or downloaded; copy it "
+        "again or use an earlier checkpoint."
+    )
+
+
+def _corrupted(path: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"The checkpoint {path!r} is corrupted: {what}. The file was changed after "
+        "it was written (a disk or transfer error); copy it again or use an "
+        "earlier checkpoint."
+    )
+
+
 def _read_verified(
     path: str, f: io.BufferedReader
 ) -> tuple[list[dict[str, Any]], memoryview]:
     info = os.fstat(f.fileno())
     # A regular file tells its size up front; a pipe or a device does not.
     size = info.st_size if stat.S_ISREG(info.st_mode) else None
+    entries, data_start = _read_header(path, f, size)
+    return entries, _read_data(path, f, size, entries, data_start)
 
-    def truncated(needed: str, got: int) -> CheckpointError:
-        return CheckpointError(
-            f"The checkpoint {path!r} is truncated: it has {got} bytes, but {needed}. "
-            "It was probably cut short while being copied or downloaded; copy it "
-            "again or use an earlier checkpoint."
-        )
 
-    def corrupted(what: str) -> CheckpointError:
-        return CheckpointError(
-            f"The checkpoint {path!r} is corrupted: {what}. The file was changed after "
-            "it was written (a disk or transfer error); copy it again or use an "
-            "earlier checkpoint."
-        )
-
-    def fits(end: int) -> bool:
-        return size is None or size >= end
-
+def _read_header(
+    path: str, f: io.BufferedReader, size: int | None
+) -> tuple[list[dict[str, Any]], int]:
+    """Reads and checks the preamble and the header of a checkpoint of `size` bytes
+    (`None`: unknown). Returns the header's entries and where the data starts."""
     head = _read_up_to(f, _PREAMBLE.size, preallocate=False)
     if head[: len(_MAGIC)] != _MAGIC[: len(head)]:
         raise CheckpointError(
@@ -209,7 +216,9 @@ def _read_verified(
             f"magic bytes {_MAGIC!r}. Pass a file written by `eqstate.save`."
         )
     if len(head) < _PREAMBLE.size:
-        raise truncated(f"its fixed-size start alone is {_PREAMBLE.size}", len(head))
+        raise _truncated(
+            path, f"its fixed-size start alone is {_PREAMBLE.size}", len(head)
+        )
     _, version, header_size = _PREAMBLE.unpack_from(head)
     if version != _VERSION:
         raise CheckpointError(
@@ -218,43 +227,55 @@ def _read_verified(
             "release that wrote it (a newer one, if the version is higher)."
         )
     data_start = _PREAMBLE.size + header_size + _CRC.size
-    if not fits(data_start):
-        raise truncated(f"its header ends at byte {data_start}", cast(int, size))
+    if size is not None and size < data_start:
+        raise _truncated(path, f"its header ends at byte {data_start}", size)
     rest = _read_up_to(f, header_size + _CRC.size, preallocate=size is not None)
     if len(rest) < header_size + _CRC.size:
-        raise truncated(
-            f"its header ends at byte {data_start}", _PREAMBLE.size + len(rest)
+        raise _truncated(
+            path, f"its header ends at byte {data_start}", _PREAMBLE.size + len(rest)
         )
     (header_crc,) = _CRC.unpack_from(rest, header_size)
     if zlib.crc32(rest[:header_size], zlib.crc32(head)) != header_crc:
-        raise corrupted("the checksum of its header does not match")
-    entries = _parse_header(path, bytes(rest[:header_size]))
+        raise _corrupted(path, "the checksum of its header does not match")
+    return _parse_header(path, bytes(rest[:header_size])), data_start
+
+
+def _read_data(
+    path: str,
+    f: io.BufferedReader,
+    size: int | None,
+    entries: list[dict[str, Any]],
+    data_start: int,
+) -> memoryview:
+    """Reads the data section that `entries` describe, which must end the file, and
+    checks every entry's checksum."""
     data_size = sum(entry["length"] for entry in entries)
     end = data_start + data_size
-    if not fits(end):
-        raise truncated(
-            f"its {len(entries)} entries end at byte {end}", cast(int, size)
-        )
+    if size is not None and size < end:
+        raise _truncated(path, f"its {len(entries)} entries end at byte {end}", size)
     if size is not None and size > end:
-        raise corrupted(
-            f"it has {size - end} bytes after its last entry, where it should end"
+        raise _corrupted(
+            path, f"it has {size - end} bytes after its last entry, where it should end"
         )
     data = _read_up_to(f, data_size, preallocate=size is not None)
     if len(data) < data_size:
-        raise truncated(
-            f"its {len(entries)} entries end at byte {end}", data_start + len(data)
+        raise _truncated(
+            path,
+            f"its {len(entries)} entries end at byte {end}",
+            data_start + len(data),
         )
     if size is None and f.read(1):
-        raise corrupted("it has bytes after its last entry, where it should end")
+        raise _corrupted(path, "it has bytes after its last entry, where it should end")
     for entry in entries:
         blob = data[entry["offset"] : entry["offset"] + entry["length"]]
         if zlib.crc32(blob) != entry["crc32"]:
-            raise corrupted(
+            raise _corrupted(
+                path,
                 f"the bytes of entry `{entry['path']}` (shape "
                 f"{tuple(entry['shape'])}, dtype {entry['dtype']}) do not match "
-                "their checksum"
+                "their checksum",
             )
-    return entries, data
+    return data
 
 
 def _parse_header(path: str, raw: bytes) -> list[dict[str, Any]]:
