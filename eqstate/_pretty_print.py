@@ -10,7 +10,7 @@ import wadler_lindig as wl
 from ._custom_types import MISSING
 
 
-LIST_LIMIT = 5
+_LIST_LIMIT = 5
 _DTYPE_ABBREVIATIONS = {
     "float": "f",
     "bfloat": "bf",
@@ -135,7 +135,7 @@ def state_name(state: Any) -> str:
 
 def first_and_more(
     texts: Iterable[str],
-    limit: int = LIST_LIMIT,
+    limit: int = _LIST_LIMIT,
     *,
     sep: str = ", ",
     more: str = " and {} more",
