@@ -1,7 +1,8 @@
 """Where a checkpoint stores each array of each state: its path, such as
 `layers.0.bn.running_mean`. A state's path is where it sits in a model, or its name
 when there is no model; a value with several arrays extends it by each array's place
-in the value (`opt.mu.0`). Both checkpoint formats name their entries this way."""
+in the value (`opt.mu.0`). Both checkpoint formats name their entries this way, and
+rebuild the values from the arrays they read back."""
 
 from collections.abc import Iterable, Mapping
 from typing import Any, cast, NamedTuple
