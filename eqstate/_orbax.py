@@ -24,12 +24,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from ._checkpoint import _check_entries, _Leaf, _leaves, _state_paths, _target
+from ._checkpoint_match import check_entries, load_target
+from ._checkpoint_paths import Leaf, state_paths, stored_leaves, values_from_arrays
 from ._context import to_value
 from ._errors import CheckpointError
 from ._multi_process import device_put
@@ -133,7 +133,7 @@ def checksums(arrays: list[jax.Array]) -> list[int]:
 # Saving ------------------------------------------------------------------------------
 
 
-def _stored_array(spec: _Leaf, leaf: Any) -> jax.Array:
+def _stored_array(spec: Leaf, leaf: Any) -> jax.Array:
     if isinstance(leaf, Tracer):
         raise CheckpointError(
             f"Cannot save `{spec.path}` ({state_label(spec.state)}): its value is a "
@@ -148,7 +148,7 @@ def _save_args(
 ) -> tuple[Any, list[dict[str, Any]]]:
     """Orbax's save arguments for `states`, and the eqstate entries they describe."""
     values = {state: to_value(value) for state, value in states.items()}
-    leaves = _leaves(_state_paths(tuple(values), model, "save"), values)
+    leaves = stored_leaves(state_paths(tuple(values), model, "save"), values)
     arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
@@ -220,7 +220,7 @@ def _place_directly(leaf: Any) -> bool:
     return leaf.committed and jax.process_count() == 1
 
 
-def _restore_args(ocp: Any, specs: list[tuple[_Leaf, Any]]) -> dict[str, Any]:
+def _restore_args(ocp: Any, specs: list[tuple[Leaf, Any]]) -> dict[str, Any]:
     args = {}
     for spec, leaf in specs:
         if _place_directly(leaf):
@@ -233,7 +233,7 @@ def _restore_args(ocp: Any, specs: list[tuple[_Leaf, Any]]) -> dict[str, Any]:
     return args
 
 
-def _value(spec: _Leaf, leaf: Any, stored: Any) -> Any:
+def _value(spec: Leaf, leaf: Any, stored: Any) -> Any:
     value = jnp.asarray(stored)
     if spec.key_impl is not None:
         value = jax.random.wrap_key_data(value, impl=spec.key_impl)
@@ -248,7 +248,7 @@ def _value(spec: _Leaf, leaf: Any, stored: Any) -> Any:
     return value
 
 
-def _verify(where: str, specs: list[tuple[_Leaf, Any]], stored: dict, by_path: dict):
+def _verify(where: str, specs: list[tuple[Leaf, Any]], stored: dict, by_path: dict):
     paths = [spec.path for spec, _ in specs if "checksum" in by_path[spec.path]]
     arrays = [jnp.asarray(stored[path]) for path in paths]
     for path, found in zip(paths, checksums(arrays)):
@@ -269,26 +269,19 @@ def restore_with(
     checkpoint: reads eqstate's entries, checks them against the target, restores
     each array onto the target's sharding, and verifies the checksums."""
     ocp = orbax("Loading an Orbax checkpoint")
-    expected, paths, target = _target(model_or_states, model)
-    specs = _leaves(paths, expected)
+    expected, paths, target = load_target(model_or_states, model)
+    specs = stored_leaves(paths, expected)
     try:
         meta = restore(ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
     except (KeyError, FileNotFoundError, ValueError):
         meta = {_META_ITEM: None}  # not an eqstate checkpoint: refused just below
     entries = _check_meta(where, meta[_META_ITEM])
-    by_path = _check_entries(where, target, [spec for spec, _ in specs], entries)
+    by_path = check_entries(where, target, [spec for spec, _ in specs], entries)
     args = ocp.args.PyTreeRestore(restore_args=_restore_args(ocp, specs))
     stored = restore(ocp.args.Composite(**{_STATE_ITEM: args}))[_STATE_ITEM]
     _verify(where, specs, stored, by_path)
-    loaded: dict[State, list[Any]] = {state: [] for state in expected}
-    for spec, leaf in specs:
-        loaded[spec.state].append(_value(spec, leaf, stored[spec.path]))
-    return StateDict._wrap(
-        {
-            state: jtu.tree_unflatten(jtu.tree_structure(expected[state]), leaves)
-            for state, leaves in loaded.items()
-        }
-    )
+    arrays = [_value(spec, leaf, stored[spec.path]) for spec, leaf in specs]
+    return values_from_arrays(expected, specs, arrays)
 
 
 def load_orbax(

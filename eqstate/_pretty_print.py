@@ -1,5 +1,6 @@
 """Helpers every `repr` and error message uses to describe arrays and states."""
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -9,6 +10,7 @@ import wadler_lindig as wl
 from ._custom_types import MISSING
 
 
+_LIST_LIMIT = 5
 _DTYPE_ABBREVIATIONS = {
     "float": "f",
     "bfloat": "bf",
@@ -129,3 +131,30 @@ def state_name(state: Any) -> str:
         return name
     tag = getattr(state, "tag", None)
     return f"[{tag}]" if tag is not None else f"<{id(state):#x}>"
+
+
+def first_and_more(
+    texts: Iterable[str],
+    limit: int = _LIST_LIMIT,
+    *,
+    sep: str = ", ",
+    more: str = " and {} more",
+) -> str:
+    """The first `limit` of `texts` joined by `sep`, then `more` with the number left
+    out (only if some are): `a, b, c and 2 more`.
+
+    **Arguments:**
+
+    - `texts`: the items to list, already formatted.
+    - `limit`: how many to show.
+    - `sep`: what goes between two shown items. (Keyword only argument.)
+    - `more`: what follows the shown items when some are left out; `{}` is replaced
+        by their number. (Keyword only argument.)
+
+    **Returns:**
+
+    The list as one string; `""` if `texts` is empty.
+    """
+    texts = list(texts)
+    left_out = len(texts) - limit
+    return sep.join(texts[:limit]) + (more.format(left_out) if left_out > 0 else "")

@@ -13,7 +13,7 @@ from ._custom_types import Filter, MISSING
 from ._errors import RAW_TRANSFORM_READ, TraceContextError
 from ._filters import to_predicate
 from ._state import is_state, State
-from ._state_dict import StateDict
+from ._state_dict import state_dict_of, StateDict
 
 
 _P = ParamSpec("_P")
@@ -45,15 +45,15 @@ def world() -> StateDict:
     """
     frame = _context.current_frame()
     if compat.is_top_level():
-        return StateDict._wrap(dict(_context.WORLD.snapshot()))
+        return state_dict_of(dict(_context.WORLD.snapshot()))
     if frame is _context.WORLD or (
         isinstance(frame, _context.DictFrame) and frame.eager
     ):
         if compat.evaluates_at_once():
-            return StateDict._wrap(dict(_context.WORLD.snapshot()))
+            return state_dict_of(dict(_context.WORLD.snapshot()))
         raise TraceContextError(RAW_TRANSFORM_READ.format(label="`eqstate.world()`"))
     states = [state for state, _ in _context.WORLD.snapshot()]
-    return StateDict._wrap(_ReadThrough(frame, states))
+    return state_dict_of(_ReadThrough(frame, states))
 
 
 class _ReadThrough(Mapping):
@@ -131,7 +131,7 @@ class scope:
         _context.leave(self._token)
         assert self._frame is not None
         if exc_type is None:
-            self._states = StateDict._wrap(self._frame.values)
+            self._states = state_dict_of(self._frame.values)
         self._frame = None
 
     @property
@@ -316,7 +316,7 @@ def values_of(pytree: PyTree, *filters: Filter) -> StateDict:
     """
     states = states_of(pytree, *filters)
     frame = _context.current_frame()
-    return StateDict._wrap(dict(zip(states, frame.read_many(states) if states else [])))
+    return state_dict_of(dict(zip(states, frame.read_many(states) if states else [])))
 
 
 def assign(values: Mapping[State, PyTree] | PyTree) -> None:

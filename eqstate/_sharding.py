@@ -1,33 +1,28 @@
 """Placing state values on several devices."""
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._filters import to_predicate
 from ._pretty_print import state_label
 from ._run import assign, values_of
 from ._state import State
 from ._state_dict import StateDict
+from ._state_rule import per_state_rule
 
 
 def spec_rule(specs: Any) -> Callable[[State, Any], PartitionSpec | None]:
     """`specs` (a `PartitionSpec`, `{filter: PartitionSpec}`, or a function) as a
     function `(state, value) -> PartitionSpec | None`."""
-    if isinstance(specs, PartitionSpec):
-        return lambda state, value: specs
-    if isinstance(specs, Mapping):
-        pairs = [(to_predicate(f), spec) for f, spec in specs.items()]
-        return lambda state, value: next((s for p, s in pairs if p((), state)), None)
-    if callable(specs):
-        return cast(Callable[[State, Any], PartitionSpec | None], specs)
-    raise TypeError(
-        "Partition specs are given as a `PartitionSpec`, a mapping "
-        f"`{{filter: PartitionSpec}}`, or a function `(state, value) -> PartitionSpec`; "
-        f"got {specs!r}."
+    return per_state_rule(
+        specs,
+        PartitionSpec,
+        what="Partition specs",
+        spelled="PartitionSpec",
+        short="PartitionSpec",
     )
 
 

@@ -1,6 +1,6 @@
 """StateDict: an immutable mapping from state handles to their values."""
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TYPE_CHECKING
 
 import jax
@@ -13,8 +13,9 @@ from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError
 from ._filters import to_predicate
 from ._multi_process import device_put
-from ._pretty_print import state_dict_doc, state_label
+from ._pretty_print import first_and_more, state_dict_doc, state_label
 from ._state import creation_order, State
+from ._state_rule import per_state_rule
 
 
 if TYPE_CHECKING:
@@ -81,15 +82,6 @@ class StateDict(_MappingBase):
         object.__setattr__(self, "_values", contents)
         object.__setattr__(self, "_canonical", None)
 
-    @classmethod
-    def _wrap(cls, values: Mapping) -> "StateDict":
-        # Takes ownership of `values` without converting them: used internally and by
-        # unflattening, where leaves may be tracers or JAX's placeholder objects.
-        sd = object.__new__(cls)
-        object.__setattr__(sd, "_values", values)
-        object.__setattr__(sd, "_canonical", None)
-        return sd
-
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("StateDict is immutable; use `.set` or `.update`.")
 
@@ -128,7 +120,7 @@ class StateDict(_MappingBase):
         [`eqstate.StateDict.update`][] to add states.
         """
         checked = check_write(state, self[state], value)
-        return StateDict._wrap({**self._values, state: checked})
+        return state_dict_of({**self._values, state: checked})
 
     def update(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
         """Returns a copy with the entries of `other` added. Values of states already
@@ -144,7 +136,7 @@ class StateDict(_MappingBase):
                 values[state] = to_value(value)
             else:
                 values[state] = check_write(state, old, value)
-        return StateDict._wrap(values)
+        return state_dict_of(values)
 
     def __or__(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
         if not isinstance(other, Mapping):
@@ -163,7 +155,7 @@ class StateDict(_MappingBase):
         # Values are looked up only for the states kept: inside a transform, a view of
         # the world reads each one it is asked for.
         values = self._values
-        return StateDict._wrap(
+        return state_dict_of(
             {s: values[s] for s in values if any(p((), s) for p in predicates)}
         )
 
@@ -178,7 +170,7 @@ class StateDict(_MappingBase):
                 (i for i, p in enumerate(predicates) if p((), state)), len(filters)
             )
             parts[index][state] = self._values[state]
-        return tuple(StateDict._wrap(part) for part in parts)
+        return tuple(state_dict_of(part) for part in parts)
 
     @staticmethod
     def merge(*state_dicts: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
@@ -222,13 +214,34 @@ class StateDict(_MappingBase):
         for state, value in self._values.items():
             sharding = sharding_of(state, value)
             placed[state] = value if sharding is None else device_put(value, sharding)
-        return StateDict._wrap(placed)
+        return state_dict_of(placed)
 
     def __pdoc__(self, **kwargs: Any) -> Any:
         return state_dict_doc(self._values.items(), **kwargs)
 
     def __repr__(self) -> str:
         return wl.pformat(self)
+
+
+def state_dict_of(values: Mapping) -> StateDict:
+    """A `StateDict` holding `values` itself, neither copied nor converted. Private to
+    eqstate: for mappings that eqstate built and that nothing changes afterwards.
+
+    **Arguments:**
+
+    - `values`: a mapping from handles to values. Its leaves may be tracers or JAX's
+        placeholder objects (as when unflattening), which `StateDict(values)` would
+        try to convert. A mapping that reads its values lazily (a view of the world
+        inside a transform) stays lazy.
+
+    **Returns:**
+
+    The `StateDict`, which owns `values` from now on.
+    """
+    sd = object.__new__(StateDict)
+    object.__setattr__(sd, "_values", values)
+    object.__setattr__(sd, "_canonical", None)
+    return sd
 
 
 def _as_mapping(other: Any, where: str) -> Mapping:
@@ -240,30 +253,22 @@ def _as_mapping(other: Any, where: str) -> Mapping:
     return other
 
 
-def sharding_rule(rule: Any) -> Any:
+def sharding_rule(rule: Any) -> Callable[[State, Any], jax.sharding.Sharding | None]:
     """`rule` (a sharding, `{filter: sharding}`, or a function) as a function
     `(state, value) -> sharding | None`."""
-    if isinstance(rule, jax.sharding.Sharding):
-        return lambda state, value: rule
-    if isinstance(rule, Mapping):
-        pairs = [(to_predicate(f), sharding) for f, sharding in rule.items()]
-        return lambda state, value: next(
-            (sharding for p, sharding in pairs if p((), state)), None
-        )
-    if callable(rule):
-        return rule
-    raise TypeError(
-        "Shardings are given as a `jax.sharding.Sharding`, a mapping "
-        f"`{{filter: Sharding}}`, or a function `(state, value) -> Sharding`; got {rule!r}."
+    return per_state_rule(
+        rule,
+        jax.sharding.Sharding,
+        what="Shardings",
+        spelled="jax.sharding.Sharding",
+        short="Sharding",
     )
 
 
-def _summarise_states(values: Mapping, limit: int = 5) -> str:
+def _summarise_states(values: Mapping) -> str:
     if not values:
         return "no states"
-    labels = [state_label(s) for s in list(values)[:limit]]
-    more = len(values) - limit
-    return ", ".join(labels) + (f" and {more} more" if more > 0 else "")
+    return first_and_more(map(state_label, values))
 
 
 def _canonical_order(sd: StateDict) -> tuple[State, ...] | None:
@@ -295,7 +300,7 @@ def _flatten(sd: StateDict):
 
 
 def _unflatten(states: tuple, children: Iterable) -> StateDict:
-    sd = StateDict._wrap(dict(zip(states, children)))
+    sd = state_dict_of(dict(zip(states, children)))
     object.__setattr__(sd, "_canonical", ())  # Already in creation order.
     return sd
 

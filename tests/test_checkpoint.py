@@ -416,6 +416,26 @@ def test_load_renamed_path_lists_both_sides(tmp_path):
         load(tmp_path / "c", new)
 
 
+def test_a_long_mismatch_lists_the_first_five_and_counts_the_rest(tmp_path):
+    old = [es.ParamState(jnp.ones(2)) for _ in range(8)]
+    save(tmp_path / "c", es.values_of(old), model=old)
+    new = {f"w{i}": es.ParamState(jnp.ones(2), name=f"w{i}") for i in range(7)}
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"no entry `w0` \(for ParamState 'w0'\), .*, `w4` \(for ParamState "
+        r"'w4'\) and 2 more\.\nIt holds `0`, `1`, `2`, `3`, `4` and 3 more, which the "
+        r"model does not have\.",
+    ):
+        load(tmp_path / "c", new)
+    wider = [es.ParamState(jnp.ones(3)) for _ in range(8)]
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"(?s)does not match the model:\n(- `\d` holds shape \(2,\) [^\n]*;\n){5}"
+        r"- and 3 more;\nBuild the target",
+    ):
+        load(tmp_path / "c", wider)
+
+
 def test_load_wrong_shape(checkpoint):
     path, w, n = checkpoint
     fresh = [es.ParamState(jnp.zeros(4), name="w"), es.State(jnp.array(0), name="n")]

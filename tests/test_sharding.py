@@ -56,6 +56,16 @@ def test_shard_places_a_models_states_in_the_world():
     assert len(shards) == N
 
 
+def test_shard_takes_one_spec_for_all_or_a_function():
+    mesh = _mesh("model")
+    a = es.ParamState(jnp.ones((N, 2)), name="a")
+    b = es.ParamState(jnp.ones(N), name="b")
+    by_fn = es.shard([a, b], mesh, lambda s, v: P("model") if s is a else None)
+    assert by_fn[a].sharding.spec == P("model") and by_fn[b].sharding.spec == P()
+    everything = es.shard([a, b], mesh, P("model"))
+    assert all(v.sharding.spec == P("model") for v in everything.values())
+
+
 def test_shard_names_the_state_that_cannot_be_split():
     mesh = _mesh("model")
     odd = es.ParamState(jnp.ones((N + 1, 2)), name="odd")

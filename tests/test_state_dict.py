@@ -33,6 +33,19 @@ def test_mapping_interface(sd):
         sd[other]
 
 
+def test_a_missing_state_is_named_with_the_first_five_held():
+    held = [es.State(jnp.zeros(1), name=f"s{i}") for i in range(7)]
+    sd = es.StateDict(dict.fromkeys(held, jnp.zeros(1)))
+    with pytest.raises(
+        es.StateNotFoundError,
+        match=r"State 'x' is not in this StateDict, which holds State 's0', State 's1', "
+        r"State 's2', State 's3', State 's4' and 2 more\.$",
+    ):
+        sd[es.State(jnp.zeros(1), name="x")]
+    with pytest.raises(es.StateNotFoundError, match="which holds no states"):
+        es.StateDict()[held[0]]
+
+
 def test_keys_must_be_handles():
     with pytest.raises(TypeError, match="StateDict"):
         es.StateDict({"w": jnp.zeros(2)})  # pyright: ignore[reportArgumentType]

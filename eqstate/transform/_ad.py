@@ -21,7 +21,7 @@ from .. import _jax_compat as compat
 from .._custom_types import MISSING
 from .._pretty_print import state_label
 from .._state import is_state, State
-from .._state_dict import StateDict
+from .._state_dict import state_dict_of, StateDict
 from ._common import partition, select_states
 from ._discovery import Discovery, traces_for
 from ._leaves import dynamic_mask
@@ -198,7 +198,7 @@ class _Differentiable:
         values = {}
         for s in self.grad_states:
             values[s] = traced.values[index[s]] if s in index else traced.frame.read(s)
-        return StateDict._wrap(values)
+        return state_dict_of(values)
 
     def pure(self, kwargs: dict, has_aux: bool) -> Callable:
         """`(grad_values: StateDict, *args) -> (out, (aux_leaves, updated, new))`."""
@@ -832,7 +832,7 @@ def jvp(
     tangents_sd = state_tangents if state_tangents is not None else StateDict()
     diff = _Differentiable(traced, tangents_sd if len(tangents_sd) else None, True)
     grad_values = diff.grad_values()
-    state_tangent_values = StateDict._wrap(
+    state_tangent_values = state_dict_of(
         {
             s: jtu.tree_map(lambda t, v: jnp.asarray(t, v.dtype), tangents_sd[s], v)
             for s, v in grad_values.items()

@@ -6,7 +6,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
-from .._state_dict import StateDict
+from .._state_dict import state_dict_of, StateDict
 from ._leaves import struct
 from ._stateful_function import StatefulFunction, traces_of
 from ._trace import Trace
@@ -36,7 +36,7 @@ def _state_shapes(entry: Trace) -> StateDict:
         shapes[state] = after.get(state, jtu.tree_unflatten(treedef, before))
         start = stop
     shapes.update((s, after[s]) for s in entry.new_states)
-    return StateDict._wrap(shapes)
+    return state_dict_of(shapes)
 
 
 def eval_shape(

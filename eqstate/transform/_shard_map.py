@@ -16,7 +16,7 @@ from .._run import run
 from .._shapes import shape_dtype
 from .._sharding import check_divisible, spec_rule
 from .._state import State
-from .._state_dict import StateDict
+from .._state_dict import state_dict_of
 from ._common import hide_static, show_static
 from ._discovery import Discovery, traces_for
 from ._vmap import placeholder
@@ -182,7 +182,7 @@ def shard_map(
             # `fun` runs again here rather than its jaxpr being evaluated: shard_map
             # types every value as varying or not across devices, and only tracing
             # under it inserts the conversions that typing needs.
-            states_in = StateDict._wrap(dict(zip(states, state_values)))
+            states_in = state_dict_of(dict(zip(states, state_values)))
             states_out, out = run(fun, states_in, *show_static(args))
             new = [states_out[s] for s in written]
             for state, value in zip(written, new):

@@ -13,7 +13,7 @@ from .._custom_types import PyTreeDef
 from .._errors import StateValueError
 from .._run import run
 from .._state import fresh_copy, State
-from .._state_dict import StateDict
+from .._state_dict import state_dict_of, StateDict
 from . import _function_traces
 from ._call_args import ArgParser, CallArgs
 from ._function_traces import FunctionTraces
@@ -259,7 +259,7 @@ class StatefulFunction:
         in the innermost context."""
         states = self._traces.by_key(cache_key).states
         values = _context.current_frame().read_many(states) if states else []
-        return StateDict._wrap(dict(zip(states, values)))
+        return state_dict_of(dict(zip(states, values)))
 
     # -------------------------------------------------------------- introspection
 
@@ -439,7 +439,7 @@ class StatefulFunction:
         with jax.disable_jit():
             new, out = run(
                 self.fun,
-                StateDict._wrap(dict(zip(trace.states, values))),
+                state_dict_of(dict(zip(trace.states, values))),
                 *args,
                 **kwargs,
             )
@@ -517,7 +517,7 @@ class StatefulFunction:
         result.update(zip(trace.updated_states, updated))
         fresh = [fresh_copy(s) for s in trace.new_states]
         result.update(zip(fresh, new_values))
-        return StateDict._wrap(result), trace.build_output(out, fresh)
+        return state_dict_of(result), trace.build_output(out, fresh)
 
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
         trace = self._trace_for_sequence(call, values)

@@ -1,0 +1,126 @@
+"""Writing a checkpoint file atomically: a reader sees either the previous file or the
+whole new one. Temporary files that killed saves left behind are removed by the next
+save to the same path."""
+
+import contextlib
+import os
+import re
+import secrets
+import threading
+from collections.abc import Iterable
+
+from ._errors import CheckpointError
+
+
+def _fsync_directory(directory: str) -> None:
+    # Makes the rename itself durable. Not every platform can open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# Temporary files are `.{name}.{pid}.{16 hex digits}.tmp`, next to the target `name`
+# (`.{name}.{16 hex digits}.tmp` before the pid was added).
+_TEMPORARY_ID = re.compile(r"(?:(?P<pid>\d+)\.)?[0-9a-f]{16}")
+# Temporaries of saves in progress in this process (another thread may be writing).
+_WRITING: set[str] = set()
+_WRITING_LOCK = threading.Lock()
+
+
+def _target_file(path: str) -> str:
+    """Where the bytes of a checkpoint saved to `path` go: `path`, or the file its
+    symlinks lead to, so that saving keeps the link and replaces what it points to."""
+    return os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
+
+
+def _process_is_gone(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # Its own temporaries in progress are in `_WRITING`.
+    if os.name != "posix":
+        return False  # No safe way to ask; keep the file.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # It exists (maybe another user's).
+    return False
+
+
+def _remove_stale_temporaries(target: str) -> None:
+    """Removes the temporary files that earlier saves to `target` left behind when
+    they were killed (the writing process is gone, so nothing will finish them)."""
+    directory, name = os.path.split(target)
+    try:
+        candidates = os.listdir(directory)
+    except OSError:
+        return
+    prefix, suffix = f".{name}.", ".tmp"
+    for candidate in candidates:
+        if not (candidate.startswith(prefix) and candidate.endswith(suffix)):
+            continue
+        match = _TEMPORARY_ID.fullmatch(candidate[len(prefix) : -len(suffix)])
+        if match is None:
+            continue
+        full = os.path.join(directory, candidate)
+        with _WRITING_LOCK:
+            pid = match["pid"]
+            if full in _WRITING or (pid is not None and not _process_is_gone(int(pid))):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(full)
+
+
+def write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
+    """Writes to a temporary file next to the target and renames it onto the target,
+    so a reader sees either the previous file or the whole new one, never a partial
+    one. The target is `path`, or the file a symlink at `path` leads to."""
+    target = _target_file(path)
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {path!r}: the directory {directory!r} does "
+            "not exist. Create it first, e.g. with `os.makedirs(directory, "
+            "exist_ok=True)`."
+        )
+    _remove_stale_temporaries(target)
+    tmp = os.path.join(
+        directory,
+        f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(8)}.tmp",
+    )
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    with _WRITING_LOCK:
+        _WRITING.add(tmp)
+    try:
+        fd = os.open(tmp, flags, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        where = repr(path)
+        if target != os.path.abspath(path):
+            where += f" (a link to {target!r})"
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {where}: {e.strerror or e}. Nothing was "
+            "written there: a checkpoint already at that path is unchanged. Check "
+            "that the directory is writable and the disk has space."
+        ) from e
+    finally:
+        with _WRITING_LOCK:
+            _WRITING.discard(tmp)
+    _fsync_directory(directory)

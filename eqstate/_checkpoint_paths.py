@@ -1,0 +1,185 @@
+"""Where a checkpoint stores each array of each state: its path, such as
+`layers.0.bn.running_mean`. A state's path is where it sits in a model, or its name
+when there is no model; a value with several arrays extends it by each array's place
+in the value (`opt.mu.0`). Both checkpoint formats name their entries this way, and
+rebuild the values from the arrays they read back."""
+
+from collections.abc import Iterable, Mapping
+from typing import Any, cast, NamedTuple
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from ._errors import CheckpointError
+from ._pretty_print import first_and_more, state_label
+from ._run import states_of
+from ._state import is_state, State
+from ._state_dict import state_dict_of, StateDict
+
+
+_NAMES_NEEDED = (
+    "Cannot {verb} {what} without a model: without one, each state's entry in the "
+    "file is named after the state, so every state needs a unique, non-None name. "
+    "Either pass the model holding the states, which names each entry by the state's "
+    "PyTree path:\n"
+    "    {example}\n"
+    "or name the states when creating them:\n"
+    "    w = eqstate.ParamState(jnp.zeros(3), name='w')"
+)
+_NAMES_EXAMPLES = {
+    "save": "eqstate.save(path, eqstate.values_of(model), model=model)",
+    "load": "eqstate.load(path, model)",
+}
+
+
+class Leaf(NamedTuple):
+    """One array of a state's value, as stored (or expected) in a checkpoint."""
+
+    path: str
+    state: State
+    dtype: np.dtype  # of the stored bytes: for PRNG keys, of their key data
+    shape: tuple[int, ...]
+    key_impl: str | None
+
+
+def _key_text(entry: Any, states: Mapping[State, str]) -> str:
+    if isinstance(entry, jtu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, jtu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, jtu.DictKey):
+        return _state_text(entry.key, states) if is_state(entry.key) else str(entry.key)
+    if isinstance(entry, jtu.FlattenedIndexKey):
+        return str(entry.key)
+    return jtu.keystr((entry,)).lstrip(".")
+
+
+def _state_text(state: State, states: Mapping[State, str]) -> str:
+    """A state met inside a value (a StateDict in an optimiser's state) is stored under
+    its own path (or name), which stays the same across runs and processes."""
+    text = states.get(state, state.name)
+    if text is None:
+        raise CheckpointError(
+            f"A value holds a StateDict entry for {state_label(state)}, which has no "
+            "path here: it is neither among the states saved (pass `model=` holding "
+            "it, or save its value too) nor named. Give it a `name=`, or save the "
+            "model's states with `model=`."
+        )
+    return text
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def _path_text(path: tuple, states: Mapping[State, str] | None = None) -> str:
+    """`(GetAttrKey('layers'), SequenceKey(0), DictKey('w'))` -> `layers.0.w`; a
+    `DictKey` of a state gives that state's path in `states`, else its name."""
+    return _join(*(_key_text(entry, states or {}) for entry in path))
+
+
+def _labels(states: Iterable[State]) -> str:
+    return first_and_more(map(state_label, states))
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def state_paths(
+    states: tuple[State, ...], model: PyTree | None, verb: str
+) -> dict[State, str]:
+    """The path under which each state is stored: its PyTree path in `model` (the
+    first one, if it sits at several), or its name when there is no model."""
+    if model is not None:
+        found = cast(tuple[tuple[tuple, State], ...], states_of(model, with_paths=True))
+        paths = {state: _path_text(path) for path, state in found}
+        missing = [s for s in states if s not in paths]
+        if missing:
+            one = len(missing) == 1
+            raise CheckpointError(
+                f"Cannot {verb} {_labels(missing)}: {'it is' if one else 'they are'} "
+                "not in `model`, which gives each state its path in the file. Pass "
+                "the model holding every state of the StateDict, or leave the others "
+                "out of it, e.g. use `eqstate.values_of(model)`."
+            )
+        return {s: paths[s] for s in states}
+    named: dict[State, str] = {}
+    by_name: dict[str, State] = {}
+    for state in states:
+        if state.name is None:
+            unnamed = [s for s in states if s.name is None]
+            raise CheckpointError(
+                _NAMES_NEEDED.format(
+                    verb=verb, what=_labels(unnamed), example=_NAMES_EXAMPLES[verb]
+                )
+            )
+        if state.name in by_name:
+            other = by_name[state.name]
+            raise CheckpointError(
+                _NAMES_NEEDED.format(
+                    verb=verb,
+                    example=_NAMES_EXAMPLES[verb],
+                    what=f"two states named {state.name!r} ({state_label(other)} and "
+                    f"{state_label(state)})",
+                )
+            )
+        by_name[state.name] = state
+        named[state] = state.name
+    return named
+
+
+def stored_leaves(
+    paths: Mapping[State, str], values: Mapping[State, PyTree]
+) -> list[tuple[Leaf, Any]]:
+    """Every array of every state's value with the path it is stored under, in order;
+    a value with several leaves gets one entry per leaf (`opt.mu.0`)."""
+    out: list[tuple[Leaf, Any]] = []
+    seen: dict[str, State] = {}
+    for state, base in paths.items():
+        for subpath, leaf in jtu.tree_leaves_with_path(values[state]):
+            path = _join(base, _path_text(subpath, paths))
+            if path in seen:
+                raise CheckpointError(
+                    f"Two arrays would be stored under the same path `{path}` (of "
+                    f"{state_label(seen[path])} and {state_label(state)}). Paths join "
+                    "PyTree keys with dots, so e.g. a dict key 'a.b' and a nested "
+                    "key 'a' -> 'b' collide: rename one of them."
+                )
+            if _is_key(leaf):
+                impl = str(jax.random.key_impl(leaf))
+                data = jax.eval_shape(jax.random.key_data, leaf)
+                spec = Leaf(path, state, np.dtype(data.dtype), data.shape, impl)
+            else:
+                spec = Leaf(path, state, np.dtype(leaf.dtype), tuple(leaf.shape), None)
+            seen[path] = state
+            out.append((spec, leaf))
+    return out
+
+
+def values_from_arrays(
+    expected: Mapping[State, PyTree], specs: list[tuple[Leaf, Any]], arrays: list[Any]
+) -> StateDict:
+    """The values of the states of `expected`, made of `arrays`.
+
+    **Arguments:**
+
+    - `expected`: the target's current values, which give each value's structure.
+    - `specs`: the arrays of `expected` as `stored_leaves` lists them.
+    - `arrays`: one loaded array for each of `specs`, in the same order.
+
+    **Returns:**
+
+    A `StateDict` from each state of `expected` to its value rebuilt from `arrays`.
+    """
+    loaded: dict[State, list[Any]] = {state: [] for state in expected}
+    for (spec, _), array in zip(specs, arrays, strict=True):
+        loaded[spec.state].append(array)
+    return state_dict_of(
+        {
+            state: jtu.tree_unflatten(jtu.tree_structure(expected[state]), leaves)
+            for state, leaves in loaded.items()
+        }
+    )
