@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 from .. import _context, _jax_compat as compat
 from .._context import check_write
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
-from .._errors import BatchAxisError, RAW_TRANSFORM_WRITE, TraceContextError
+from .._errors import BatchAxisError, TraceContextError
 from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._run import run
@@ -61,7 +61,6 @@ class _LaneFrame(_context.Frame):
     __slots__ = (
         "default_key",
         "excluded",
-        "jax_trace",
         "new_states",
         "others_key",
         "parent",
@@ -116,26 +115,18 @@ class _LaneFrame(_context.Frame):
         self.values[state] = check_write(state, self.read(state), value)
 
     def write(self, state, value):
-        if compat.current_trace() is not self.jax_trace:
-            raise TraceContextError(
-                RAW_TRANSFORM_WRITE.format(label=state_label(state))
-            )
+        self.check_trace(state)
         self._store(state, value)
 
     def commit(self, updates, new=()):
-        if compat.current_trace() is not self.jax_trace:
-            label = state_label(next(iter(updates), None) or new[0][0])
-            raise TraceContextError(RAW_TRANSFORM_WRITE.format(label=label))
+        self.check_commit_trace(updates, new)
         for state, value in updates.items():
             self._store(state, value)
         for state, value in new:
             self.add_new(state, value)
 
     def add_new(self, state, value):
-        if compat.current_trace() is not self.jax_trace:
-            raise TraceContextError(
-                RAW_TRANSFORM_WRITE.format(label=state_label(state))
-            )
+        self.check_trace(state, creates=True)
         # Exclusion is decided on the state as its creator made it, before
         # `state_tag` replaces its tag.
         if isinstance(state, NonBatchState) or self.excluded((), state):

@@ -19,6 +19,7 @@ from .._state import State
 from .._state_dict import StateDict
 from ._common import hide_static, show_static, Traced
 from ._stateful_function import StatefulFunction
+from ._view import View
 from ._vmap import placeholder
 
 
@@ -46,14 +47,15 @@ def _local(x: Any, spec: Any, mesh: Mesh) -> Any:
     return shape_dtype(x, tuple(shape))
 
 
-class _ShardView(_context.Frame):
+class _ShardView(View):
     """What the function sees of the calling frame inside `shard_map`: each state's
-    value split by its PartitionSpec. Used only as the parent of the discovery trace."""
+    value split by its PartitionSpec."""
 
-    __slots__ = ("mesh", "parent", "specs")
+    __slots__ = ("mesh", "specs")
 
     def __init__(self, parent: _context.Frame, specs: Callable, mesh: Mesh):
-        self.parent, self.specs, self.mesh = parent, specs, mesh
+        super().__init__(parent)
+        self.specs, self.mesh = specs, mesh
 
     def fetch(self, state):
         value = self.parent.fetch(state)
@@ -63,8 +65,6 @@ class _ShardView(_context.Frame):
         if compat.single_pass_enabled():
             return local
         return jtu.tree_map(placeholder, local)
-
-    read = fetch
 
     def peek(self, state):
         value = self.parent.peek(state)

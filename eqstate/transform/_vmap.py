@@ -19,6 +19,7 @@ from .._state import RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._common import Traced
 from ._stateful_function import StatefulFunction
+from ._view import View
 
 
 compat.hide_from_tracebacks(__file__)
@@ -138,14 +139,14 @@ def axis_of(state: State, pairs: list[tuple[int, Callable]]) -> int | None:
     return next((axis for axis, p in pairs if p((), state)), None)
 
 
-class _LaneView(_context.Frame):
+class _LaneView(View):
     """What the function sees of the calling frame inside `vmap`: mapped states lose
-    their batch axis. Used only as the parent of the discovery trace."""
+    their batch axis."""
 
-    __slots__ = ("axes", "parent")
+    __slots__ = ("axes",)
 
     def __init__(self, parent: _context.Frame, axes: Callable[[State], int | None]):
-        self.parent = parent
+        super().__init__(parent)
         self.axes = axes
 
     def fetch(self, state):
@@ -154,8 +155,6 @@ class _LaneView(_context.Frame):
         if axis is None:
             return value
         return jtu.tree_map(lambda x: _lane_of(state, x, axis), value)
-
-    read = fetch
 
     def peek(self, state):
         value = self.parent.peek(state)
