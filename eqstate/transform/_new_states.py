@@ -19,7 +19,7 @@ from .._run import run
 from .._state import NonBatchState, RandomState, retag, State
 from .._state_dict import StateDict
 from ..random import DEFAULT
-from ._vmap import arrays_only, axis_size_of, per_argument_axes
+from ._vmap import arrays_only, axis_size_of, check_axis_size, per_argument_axes
 
 
 compat.hide_from_tracebacks(__file__)
@@ -345,8 +345,7 @@ def vmap_new_states(
             "pre-existing states to declare: `in_states` and `out_states` are not "
             "supported. Use `eqstate.transform.vmap` to map over existing states."
         )
-    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
-        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    check_axis_size(axis_size)
     excluded = to_predicate(state_to_exclude)
     options = dict(
         in_axes=in_axes,

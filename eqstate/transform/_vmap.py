@@ -52,6 +52,12 @@ def per_argument_axes(in_axes: AxisSpec, n_args: int) -> tuple:
     )
 
 
+def check_axis_size(axis_size: int | None) -> None:
+    """Raises `ValueError` unless `axis_size` is `None` or a positive integer."""
+    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
+        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+
+
 def axis_size_of(
     axes: tuple,
     args: tuple,
@@ -62,8 +68,7 @@ def axis_size_of(
 ) -> Any:
     """The size of the mapped axis, shared by `axis_size` (if given), every mapped
     argument, and every entry of `extra` (e.g. mapped states)."""
-    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
-        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    check_axis_size(axis_size)
     sizes: dict[str, int] = {} if axis_size is None else {"axis_size": axis_size}
     sizes.update(extra or {})
 
@@ -267,8 +272,7 @@ def vmap(
             in_states=in_states,
             out_states=out_states,
         )
-    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
-        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    check_axis_size(axis_size)
     in_pairs = parse_state_axes(in_states, "in_states")
     out_pairs = parse_state_axes(out_states, "out_states")
     name = getattr(fun, "__name__", None)
