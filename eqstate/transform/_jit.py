@@ -10,6 +10,7 @@ import jax
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING, Missing
 from ._compiled import jitted
+from ._decorator import decorator_form
 from ._dispatch import can_plan, JitDispatch
 from ._stateful_function import StatefulFunction
 
@@ -155,6 +156,7 @@ def jit(
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
+@decorator_form
 def jit(
     fun: Any = MISSING,
     *,
@@ -255,8 +257,6 @@ def jit(
         inline=inline,
         compiler_options=compiler_options,
     )
-    if fun is MISSING:
-        return lambda f: jit(f, **options)
     _check_like_jax(fun, options)
     sf = StatefulFunction(
         fun,

@@ -19,6 +19,7 @@ from .._run import run
 from .._state import NonBatchState, RandomState, retag, State
 from .._state_dict import StateDict
 from ..random import DEFAULT
+from ._decorator import decorator_form
 from ._vmap import arrays_only, axis_size_of, check_axis_size, per_argument_axes
 
 
@@ -256,6 +257,7 @@ def vmap_new_states(
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
+@decorator_form
 def vmap_new_states(
     fun: Any = MISSING,
     *,
@@ -355,10 +357,6 @@ def vmap_new_states(
         spmd_axis_name=spmd_axis_name,
         state_tag=state_tag,
     )
-    if fun is MISSING:
-        return lambda f: vmap_new_states(
-            f, **options, state_to_exclude=state_to_exclude
-        )
 
     @ft.wraps(fun)
     def mapped(*args: Any, **kwargs: Any) -> Any:

@@ -18,6 +18,7 @@ from .._sharding import check_divisible, spec_rule
 from .._state import State
 from .._state_dict import StateDict
 from ._common import hide_static, show_static, Traced
+from ._decorator import decorator_form
 from ._stateful_function import StatefulFunction
 from ._view import View
 from ._vmap import placeholder
@@ -74,6 +75,7 @@ class _ShardView(View):
         return jtu.tree_map(lambda x: _local(x, spec, self.mesh), value)
 
 
+@decorator_form
 def shard_map(
     fun: Any = MISSING,
     *,
@@ -128,15 +130,6 @@ def shard_map(
         assert (y == 2 * jnp.arange(2.0 * n)).all() and seen.value == jnp.arange(2.0 * n).sum()
         ```
     """
-    if fun is MISSING:
-        return lambda f: shard_map(
-            f,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            state_specs=state_specs,
-            check_vma=check_vma,
-        )
     rule = spec_rule(PartitionSpec() if state_specs is None else state_specs)
 
     def spec_of(state: State, value: Any) -> PartitionSpec:

@@ -18,6 +18,7 @@ from .._shapes import shape_dtype
 from .._state import RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._common import Traced
+from ._decorator import decorator_form
 from ._stateful_function import StatefulFunction
 from ._view import View
 
@@ -209,6 +210,7 @@ def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.zeros(struct.shape, struct.dtype)
 
 
+@decorator_form
 def vmap(
     fun: Any = MISSING,
     *,
@@ -261,17 +263,6 @@ def vmap(
         assert predict(jnp.ones((3, 2))).shape == (3,)
         ```
     """
-    if fun is MISSING:
-        return lambda f: vmap(
-            f,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            axis_name=axis_name,
-            axis_size=axis_size,
-            spmd_axis_name=spmd_axis_name,
-            in_states=in_states,
-            out_states=out_states,
-        )
     check_axis_size(axis_size)
     in_pairs = parse_state_axes(in_states, "in_states")
     out_pairs = parse_state_axes(out_states, "out_states")
