@@ -51,7 +51,8 @@ def _to_array(x: Any) -> Any:
     return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
-def _has_tracer(value: Any) -> bool:
+def has_tracer(value: Any) -> bool:
+    """Whether a leaf of the PyTree `value` is a tracer (of any transform)."""
     return any(isinstance(x, Tracer) for x in jtu.tree_leaves(value))
 
 
@@ -346,7 +347,7 @@ class World(Frame):
                 stored[id(state)] = value
 
     def add_new(self, state, value):
-        if not compat.is_top_level() or _has_tracer(value):
+        if not compat.is_top_level() or has_tracer(value):
             raise TraceContextError(
                 f"Cannot create {state_label(state)} inside a JAX transform that "
                 "eqstate does not know about: its value would be a tracer leaking out "

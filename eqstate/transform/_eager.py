@@ -7,8 +7,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
-from jax.core import Tracer
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
@@ -36,11 +34,6 @@ def jit_disabled() -> bool:
     # A config value set by a context manager, so read as an attribute (pyright
     # does not know the attribute).
     return bool(getattr(jax.config, "jax_disable_jit"))  # noqa: B009
-
-
-def is_concrete(x: Any) -> bool:
-    """Whether `x` has a value now (it is not a tracer of any transform)."""
-    return not any(isinstance(leaf, Tracer) for leaf in jtu.tree_leaves(x))
 
 
 class _GuardFrame(_context.Frame):
