@@ -1,8 +1,6 @@
 """Views: frames that show a discovery trace the calling frame's values, changed (a
 lane's slice of a mapped state, a device's shard)."""
 
-from typing import Any
-
 from .. import _context, _jax_compat as compat
 
 
@@ -28,7 +26,7 @@ class View(_context.Frame):
     def commit(self, updates, new=()):
         raise NotImplementedError(_READ_ONLY)
 
-    def add_new(self, state: Any, value: Any) -> None:
+    def add_new(self, state, value):
         raise NotImplementedError(_READ_ONLY)
 
 
