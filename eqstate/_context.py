@@ -14,6 +14,7 @@ Frames keep their own values and hand them to their parent only when the call th
 pushed them succeeds, so a failure needs no rollback.
 """
 
+import abc
 import contextvars
 import functools
 import threading
@@ -50,7 +51,8 @@ def _to_array(x: Any) -> Any:
     return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
-def _has_tracer(value: Any) -> bool:
+def has_tracer(value: Any) -> bool:
+    """Whether a leaf of the PyTree `value` is a tracer (of any transform)."""
     return any(isinstance(x, Tracer) for x in jtu.tree_leaves(value))
 
 
@@ -149,45 +151,77 @@ _NOT_IN_DICT = (
 )
 
 
-class Frame:
-    """A context that holds state values. Subclasses define where values live."""
+_RAW_TRANSFORM_CREATE = (
+    "Cannot create {label} inside a raw JAX transform (`jax.jit`, `jax.vmap`, ...) "
+    "nested in an eqstate context: its value would leak out of the trace. Use the "
+    "eqstate version of the transform (e.g. `eqstate.transform.vmap_new_states` "
+    "instead of `jax.vmap`)."
+)
 
-    __slots__ = ()
 
+class Frame(abc.ABC):
+    """A context that holds state values. Subclasses define where values live.
+
+    A frame made inside a JAX trace keeps it in `jax_trace` and refuses, with
+    `check_trace`, writes made from any other trace: a raw JAX transform nested in
+    the frame would otherwise store its tracers there. The world has no such trace
+    and checks for the top level instead.
+    """
+
+    __slots__ = ("jax_trace",)
+
+    @abc.abstractmethod
     def read(self, state: Any) -> Any:
         """`state.value`: the value, recording a read."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def write(self, state: Any, value: Any) -> None:
         """`state.value = value`: checks and stores the value, recording a write."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fetch(self, state: Any) -> Any:
         """The value as seen by a child frame importing it (no JAX-trace check)."""
-        raise NotImplementedError
 
     def read_many(self, states: Sequence[Any]) -> list[Any]:
         """The values of `states`, each read as by `read`."""
         return [self.read(s) for s in states]
 
+    @abc.abstractmethod
     def commit(
         self, updates: dict[Any, Any], new: Sequence[tuple[Any, Any]] = ()
     ) -> None:
         """Stores, all at once, the (already checked) writes of a call that succeeded
         and the states it created."""
-        raise NotImplementedError
 
     def commit_values(self, states: Sequence[Any], values: Sequence[Any]) -> None:
         """`commit` of `zip(states, values)`, with no new state."""
         self.commit(dict(zip(states, values)))
 
+    @abc.abstractmethod
     def add_new(self, state: Any, value: Any) -> None:
         """Registers a state created while this frame is innermost."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def peek(self, state: Any) -> Any:
         """The value without recording anything, or `MISSING`."""
-        raise NotImplementedError
+
+    def check_trace(self, state: Any, *, creates: bool = False) -> None:
+        """Raises `TraceContextError` naming `state` unless the current JAX trace is
+        the one this frame was made in: a write (or with `creates`, a creation) from
+        a raw JAX transform nested in this frame would leak its tracer."""
+        if compat.current_trace() is not self.jax_trace:
+            message = _RAW_TRANSFORM_CREATE if creates else RAW_TRANSFORM_WRITE
+            raise TraceContextError(message.format(label=state_label(state)))
+
+    def check_commit_trace(
+        self, updates: dict[Any, Any], new: Sequence[tuple[Any, Any]]
+    ) -> None:
+        """`check_trace` for a `commit`, naming its first write, else its first new
+        state."""
+        if updates:
+            self.check_trace(next(iter(updates)))
+        elif new:
+            self.check_trace(new[0][0], creates=True)
 
 
 class _Values(dict):
@@ -313,7 +347,7 @@ class World(Frame):
                 stored[id(state)] = value
 
     def add_new(self, state, value):
-        if not compat.is_top_level() or _has_tracer(value):
+        if not compat.is_top_level() or has_tracer(value):
             raise TraceContextError(
                 f"Cannot create {state_label(state)} inside a JAX transform that "
                 "eqstate does not know about: its value would be a tracer leaking out "
@@ -381,7 +415,7 @@ def leave(token: contextvars.Token) -> None:
 class DictFrame(Frame):
     """A strict frame over an explicit dictionary of values."""
 
-    __slots__ = ("eager", "jax_trace", "new_states", "values")
+    __slots__ = ("eager", "new_states", "values")
 
     def __init__(self, values: Iterable[tuple[Any, Any]]):
         self.values: dict[Any, Any] = dict(values)
@@ -401,22 +435,19 @@ class DictFrame(Frame):
             raise _not_found(state, _NOT_IN_DICT) from None
 
     def write(self, state, value):
-        if compat.current_trace() is not self.jax_trace:
-            raise TraceContextError(
-                RAW_TRANSFORM_WRITE.format(label=state_label(state))
-            )
+        self.check_trace(state)
         refuse_leaked_tracers(state, value, self.eager)
         self.values[state] = check_write(state, self.fetch(state), value)
 
     def commit(self, updates, new=()):
-        _check_same_trace(self, updates, new)
+        self.check_commit_trace(updates, new)
         self.values.update(updates)
         for state, value in new:
             self.values[state] = value
             self.new_states.append(state)
 
     def add_new(self, state, value):
-        _check_same_trace(self, {}, [(state, value)])
+        self.check_trace(state, creates=True)
         refuse_leaked_tracers(state, value, self.eager)
         self.values[state] = value
         self.new_states.append(state)
@@ -436,7 +467,6 @@ class TraceFrame(Frame):
 
     __slots__ = (
         "accessed",
-        "jax_trace",
         "missing",
         "new_states",
         "parent",
@@ -488,16 +518,13 @@ class TraceFrame(Frame):
     fetch = read
 
     def write(self, state, value):
-        if compat.current_trace() is not self.jax_trace:
-            raise TraceContextError(
-                RAW_TRANSFORM_WRITE.format(label=state_label(state))
-            )
+        self.check_trace(state)
         old = self.current(state)
         self.values[state] = check_write(state, old, value)
         self.written.add(state)
 
     def commit(self, updates, new=()):
-        _check_same_trace(self, updates, new)
+        self.check_commit_trace(updates, new)
         self.values.update(updates)
         self.written.update(updates)
         for state, value in new:
@@ -505,7 +532,7 @@ class TraceFrame(Frame):
             self.new_states.append(state)
 
     def add_new(self, state, value):
-        _check_same_trace(self, {}, [(state, value)])
+        self.check_trace(state, creates=True)
         refuse_leaked_tracers(state, value, eager=False)
         self.values[state] = value
         self.new_states.append(state)
@@ -520,22 +547,6 @@ class TraceFrame(Frame):
         self.values.clear()
         self.preloaded = None
         self.jax_trace = None
-
-
-def _check_same_trace(
-    frame: "DictFrame | TraceFrame", updates: dict, new: Sequence[tuple[Any, Any]]
-) -> None:
-    if compat.current_trace() is frame.jax_trace:
-        return
-    if updates:
-        label = state_label(next(iter(updates)))
-        raise TraceContextError(RAW_TRANSFORM_WRITE.format(label=label))
-    raise TraceContextError(
-        f"Cannot create {state_label(new[0][0])} inside a raw JAX transform (`jax.jit`, "
-        "`jax.vmap`, ...) nested in an eqstate context: its value would leak out of the "
-        "trace. Use the eqstate version of the transform (e.g. "
-        "`eqstate.transform.vmap_new_states` instead of `jax.vmap`)."
-    )
 
 
 def describe(state: Any) -> str:

@@ -268,3 +268,28 @@ def test_negative_argnums_count_from_the_end_as_in_jax(argnums):
     ours = es.transform.grad(f, argnums=argnums)(2.0, 5.0)
     ref = jax.grad(lambda x, y: 3.0 * x * y**2, argnums=argnums)(2.0, 5.0)
     assert tree_allclose(ours, ref)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        es.transform.grad,
+        es.transform.value_and_grad,
+        es.transform.vector_grad,
+        es.transform.jacrev,
+        es.transform.jacfwd,
+        es.transform.hessian,
+    ],
+    ids=lambda t: t.__name__,
+)
+def test_decorator_and_keyword_forms_match_the_direct_call(transform, getkey):
+    w = es.ParamState(jr.normal(getkey(), (2,)), name="w")
+    x = jr.normal(getkey(), (2,))
+
+    def loss(x):
+        return jnp.sum(jnp.sin(w.value * x))
+
+    direct = transform(loss, grad_states=[w], argnums=0)(x)
+    decorated = transform(grad_states=[w], argnums=0)(loss)(x)
+    keyword = transform(fun=loss, grad_states=[w], argnums=0)(x)
+    assert tree_allclose(decorated, direct) and tree_allclose(keyword, direct)

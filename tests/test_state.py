@@ -173,6 +173,50 @@ def test_creating_a_state_inside_raw_jit_raises():
         jax.jit(lambda: es.State(jnp.zeros(2)).name)()
 
 
+def _in_run(body):
+    es.run(body, es.StateDict({}))
+
+
+def _in_jit(body):
+    es.transform.jit(body)()
+
+
+def _in_new_states_lane(body):
+    es.transform.vmap_new_states(body, axis_size=2)()
+
+
+def _in_eager_scan(body):
+    with jax.disable_jit():
+        es.transform.scan(lambda c, x: (body(), None), None, jnp.zeros(1))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [_in_run, _in_jit, _in_new_states_lane, _in_eager_scan],
+    ids=lambda f: f.__name__,
+)
+def test_writing_inside_a_raw_transform_nested_in_any_frame_raises(frame):
+    s = es.State(jnp.zeros(()), name="s")
+
+    def body():
+        jax.vmap(lambda x: setattr(s, "value", x))(jnp.ones(2))
+
+    with pytest.raises(es.TraceContextError, match="Cannot write State 's' inside"):
+        frame(body)
+    assert s.value == 0
+
+
+@pytest.mark.parametrize(
+    "frame", [_in_run, _in_jit, _in_new_states_lane], ids=lambda f: f.__name__
+)
+def test_creating_inside_a_raw_transform_nested_in_any_frame_raises(frame):
+    def body():
+        jax.vmap(lambda x: es.State(x, name="n").name)(jnp.ones(2))
+
+    with pytest.raises(es.TraceContextError, match="Cannot create State 'n' inside"):
+        frame(body)
+
+
 def test_state_is_generic_for_annotations():
     value_type = Float[Array, " n"]
     annotation = es.State[value_type]

@@ -67,16 +67,20 @@ class _RecurrentCell(eqx.Module):
     """What every cell shares: the shape checks, the batch mapping, `reset` and the
     call convention. Subclasses give their parameters and `_step` for one example."""
 
+    weight_ih: eqx.AbstractVar[ParamState]
+    weight_hh: eqx.AbstractVar[ParamState]
+    bias: eqx.AbstractVar[ParamState | None]
+    hidden: eqx.AbstractVar[ShortTermState]
     input_size: eqx.AbstractVar[int]
     hidden_size: eqx.AbstractVar[int]
 
     def _carry_states(self) -> tuple[ShortTermState, ...]:
         """The states carried from step to step (the hidden state first)."""
-        raise NotImplementedError
+        return (self.hidden,)
 
     def _params(self) -> _Params:
         """The values of the parameters, as `_step` takes them."""
-        raise NotImplementedError
+        return (self.weight_ih.value, self.weight_hh.value, _value(self.bias))
 
     @staticmethod
     def _step(params: _Params, x: Array, carry: _Carry) -> _Carry:
@@ -181,6 +185,28 @@ class _RecurrentCell(eqx.Module):
         return new[0]
 
 
+def _batch_and_key(
+    layer: str,
+    input_size: int,
+    hidden_size: int,
+    batch_size: int | tuple[int, ...] | None,
+    key: PRNGKeyArray | None,
+) -> tuple[tuple[int, ...], PRNGKeyArray]:
+    """The checked batch shape of a new cell, and the key to initialise it from (split
+    from the default random state if `key` is None)."""
+    batch = _batch_shape(batch_size)
+    _check_sizes(layer, input_size, hidden_size, batch)
+    return batch, random.split_key() if key is None else key
+
+
+def _affine(
+    weight_ih: Array, weight_hh: Array, bias: Array | None, x: Array, h: Array
+) -> Array:
+    """`weight_ih @ x + weight_hh @ h + bias`, in the order of `eqx.nn.LSTMCell`."""
+    out = weight_ih @ x + weight_hh @ h
+    return out if bias is None else out + bias
+
+
 def _hidden(shape: tuple[int, ...], dtype: Any, name: str) -> ShortTermState:
     return ShortTermState(jnp.zeros(shape, dtype), name=name)
 
@@ -264,9 +290,7 @@ class GRUCell(_RecurrentCell):
             from the default random state, [`eqstate.random.DEFAULT`][]. (Keyword only
             argument.)
         """
-        batch = _batch_shape(batch_size)
-        _check_sizes("GRUCell", input_size, hidden_size, batch)
-        key = random.split_key() if key is None else key
+        batch, key = _batch_and_key("GRUCell", input_size, hidden_size, batch_size, key)
         ref = eqx.nn.GRUCell(input_size, hidden_size, use_bias, dtype, key=key)
         self.weight_ih = ParamState(ref.weight_ih, name="weight_ih")
         self.weight_hh = ParamState(ref.weight_hh, name="weight_hh")
@@ -277,16 +301,8 @@ class GRUCell(_RecurrentCell):
         self.hidden_size = hidden_size
         self.use_bias = use_bias
 
-    def _carry_states(self) -> tuple[ShortTermState, ...]:
-        return (self.hidden,)
-
     def _params(self) -> _Params:
-        return (
-            self.weight_ih.value,
-            self.weight_hh.value,
-            _value(self.bias),
-            _value(self.bias_n),
-        )
+        return (*super()._params(), _value(self.bias_n))
 
     @staticmethod
     def _step(params: _Params, x: Array, carry: _Carry) -> _Carry:
@@ -350,9 +366,9 @@ class LSTMCell(_RecurrentCell):
 
         As for [`eqstate.nn.GRUCell.__init__`][]; `use_bias` adds one bias, `bias`.
         """
-        batch = _batch_shape(batch_size)
-        _check_sizes("LSTMCell", input_size, hidden_size, batch)
-        key = random.split_key() if key is None else key
+        batch, key = _batch_and_key(
+            "LSTMCell", input_size, hidden_size, batch_size, key
+        )
         ref = eqx.nn.LSTMCell(input_size, hidden_size, use_bias, dtype, key=key)
         self.weight_ih = ParamState(ref.weight_ih, name="weight_ih")
         self.weight_hh = ParamState(ref.weight_hh, name="weight_hh")
@@ -366,19 +382,13 @@ class LSTMCell(_RecurrentCell):
     def _carry_states(self) -> tuple[ShortTermState, ...]:
         return (self.hidden, self.cell)
 
-    def _params(self) -> _Params:
-        return (self.weight_ih.value, self.weight_hh.value, _value(self.bias))
-
     @staticmethod
     def _step(params: _Params, x: Array, carry: _Carry) -> _Carry:
         # The operations of `eqx.nn.LSTMCell.__call__`, in its order.
         weight_ih, weight_hh, bias = params
         assert weight_ih is not None and weight_hh is not None
         h, c = carry
-        lin = weight_ih @ x + weight_hh @ h
-        if bias is not None:
-            lin = lin + bias
-        i, f, g, o = jnp.split(lin, 4)
+        i, f, g, o = jnp.split(_affine(weight_ih, weight_hh, bias, x, h), 4)
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
         h = jax.nn.sigmoid(o) * jnp.tanh(c)
         return (h, c)
@@ -428,9 +438,7 @@ class RNNCell(_RecurrentCell):
 
         As for [`eqstate.nn.GRUCell.__init__`][].
         """
-        batch = _batch_shape(batch_size)
-        _check_sizes("RNNCell", input_size, hidden_size, batch)
-        key = random.split_key() if key is None else key
+        batch, key = _batch_and_key("RNNCell", input_size, hidden_size, batch_size, key)
         ihkey, hhkey, bkey = jax.random.split(key, 3)
         lim = math.sqrt(1 / hidden_size)
 
@@ -446,18 +454,9 @@ class RNNCell(_RecurrentCell):
         self.hidden_size = hidden_size
         self.use_bias = use_bias
 
-    def _carry_states(self) -> tuple[ShortTermState, ...]:
-        return (self.hidden,)
-
-    def _params(self) -> _Params:
-        return (self.weight_ih.value, self.weight_hh.value, _value(self.bias))
-
     @staticmethod
     def _step(params: _Params, x: Array, carry: _Carry) -> _Carry:
         weight_ih, weight_hh, bias = params
         assert weight_ih is not None and weight_hh is not None
         (h,) = carry
-        pre = weight_ih @ x + weight_hh @ h
-        if bias is not None:
-            pre = pre + bias
-        return (jnp.tanh(pre),)
+        return (jnp.tanh(_affine(weight_ih, weight_hh, bias, x, h)),)

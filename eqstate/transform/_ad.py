@@ -23,6 +23,7 @@ from .._pretty_print import state_label
 from .._state import is_state, State
 from .._state_dict import state_dict_of, StateDict
 from ._common import partition, select_states
+from ._decorator import decorator_form
 from ._discovery import Discovery, traces_for
 from ._leaves import dynamic_mask
 
@@ -322,10 +323,7 @@ class _GradientTransform:
         return result
 
 
-def _decorator_or_transform(fun: Any, make: Callable[[Callable], Any]) -> Any:
-    return make if fun is MISSING else make(fun)
-
-
+@decorator_form
 def grad(
     fun: Any = MISSING,
     grad_states: Any = None,
@@ -385,22 +383,20 @@ def grad(
         assert (grads[w] == 2 * w.value).all()
         ```
     """
-    return _decorator_or_transform(
+    return _GradientTransform(
         fun,
-        lambda f: _GradientTransform(
-            f,
-            jax.grad,
-            grad_states=grad_states,
-            argnums=argnums,
-            has_aux=has_aux,
-            return_value=return_value,
-            check_states=check_states,
-            transform_kwargs={"holomorphic": holomorphic, "allow_int": allow_int},
-            name=getattr(f, "__name__", "fun"),
-        ),
+        jax.grad,
+        grad_states=grad_states,
+        argnums=argnums,
+        has_aux=has_aux,
+        return_value=return_value,
+        check_states=check_states,
+        transform_kwargs={"holomorphic": holomorphic, "allow_int": allow_int},
+        name=getattr(fun, "__name__", "fun"),
     )
 
 
+@decorator_form
 def value_and_grad(
     fun: Any = MISSING,
     grad_states: Any = None,
@@ -432,29 +428,26 @@ def value_and_grad(
         ```
     """
 
-    def make(f: Callable) -> Callable:
-        inner = grad(
-            f,
-            grad_states,
-            argnums,
-            has_aux,
-            return_value=True,
-            holomorphic=holomorphic,
-            allow_int=allow_int,
-            check_states=check_states,
-        )
+    inner = grad(
+        fun,
+        grad_states,
+        argnums,
+        has_aux,
+        return_value=True,
+        holomorphic=holomorphic,
+        allow_int=allow_int,
+        check_states=check_states,
+    )
 
-        @ft.wraps(f)
-        def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-            if has_aux:
-                grads, value, aux = inner(*args, **kwargs)
-                return (value, aux), grads
-            grads, value = inner(*args, **kwargs)
-            return value, grads
+    @ft.wraps(fun)
+    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
+        if has_aux:
+            grads, value, aux = inner(*args, **kwargs)
+            return (value, aux), grads
+        grads, value = inner(*args, **kwargs)
+        return value, grads
 
-        return value_and_grad_fn
-
-    return _decorator_or_transform(fun, make)
+    return value_and_grad_fn
 
 
 def _ones_like(value: Any) -> Any:
@@ -492,6 +485,7 @@ def _jax_vector_grad(
     return transformed
 
 
+@decorator_form
 def vector_grad(
     fun: Any = MISSING,
     grad_states: Any = None,
@@ -539,24 +533,22 @@ def vector_grad(
         assert (state_grads[w] == jax.grad(lambda w: jnp.sum(w * x**2))(w.value)).all()
         ```
     """
-    return _decorator_or_transform(
+    return _GradientTransform(
         fun,
-        lambda f: _GradientTransform(
-            f,
-            _jax_vector_grad,
-            grad_states=grad_states,
-            argnums=argnums,
-            has_aux=has_aux,
-            return_value=return_value,
-            check_states=check_states,
-            transform_kwargs={},
-            name=getattr(f, "__name__", "fun"),
-            output_first=False,
-        ),
+        _jax_vector_grad,
+        grad_states=grad_states,
+        argnums=argnums,
+        has_aux=has_aux,
+        return_value=return_value,
+        check_states=check_states,
+        transform_kwargs={},
+        name=getattr(fun, "__name__", "fun"),
+        output_first=False,
     )
 
 
 def _jacobian(jax_transform: Callable, name: str, transform_kwargs: tuple[str, ...]):
+    @decorator_form
     def transform(
         fun: Any = MISSING,
         grad_states: Any = None,
@@ -569,19 +561,16 @@ def _jacobian(jax_transform: Callable, name: str, transform_kwargs: tuple[str, .
         check_states: bool = True,
     ) -> Any:
         options = {"holomorphic": holomorphic, "allow_int": allow_int}
-        return _decorator_or_transform(
+        return _GradientTransform(
             fun,
-            lambda f: _GradientTransform(
-                f,
-                jax_transform,
-                grad_states=grad_states,
-                argnums=argnums,
-                has_aux=has_aux,
-                return_value=return_value,
-                check_states=check_states,
-                transform_kwargs={k: options[k] for k in transform_kwargs},
-                name=getattr(f, "__name__", name),
-            ),
+            jax_transform,
+            grad_states=grad_states,
+            argnums=argnums,
+            has_aux=has_aux,
+            return_value=return_value,
+            check_states=check_states,
+            transform_kwargs={k: options[k] for k in transform_kwargs},
+            name=getattr(fun, "__name__", name),
         )
 
     return transform
@@ -689,6 +678,7 @@ def jacfwd(
     )
 
 
+@decorator_form
 def hessian(
     fun: Any = MISSING,
     grad_states: Any = None,
@@ -721,12 +711,9 @@ def hessian(
         ```
     """
 
-    def make(f: Callable) -> Callable:
-        options = {"holomorphic": holomorphic, "check_states": check_states}
-        inner = jacrev(f, grad_states, argnums, has_aux, **options)
-        return jacfwd(inner, grad_states, argnums, has_aux, **options)
-
-    return _decorator_or_transform(fun, make)
+    options = {"holomorphic": holomorphic, "check_states": check_states}
+    inner = jacrev(fun, grad_states, argnums, has_aux, **options)
+    return jacfwd(inner, grad_states, argnums, has_aux, **options)
 
 
 def vjp(

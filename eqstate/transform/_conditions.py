@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import ArrayLike, Bool, Integer, Real
 
-from .. import _jax_compat as compat
+from .. import _context, _jax_compat as compat
 from .._state import State
 from ._common import hide_static, show_static, strong
 from ._discovery import Discovery
-from ._eager import guarded, is_concrete, jit_disabled
+from ._eager import guarded, jit_disabled
 
 
 compat.hide_from_tracebacks(__file__)
@@ -66,7 +66,7 @@ def switch(
     if not all(callable(b) for b in branches):
         raise TypeError("`branches` must be a sequence of functions.")
     _check_index(index)
-    if jit_disabled() and is_concrete(index):
+    if jit_disabled() and not _context.has_tracer(index):
         chosen = min(max(int(jnp.asarray(index)), 0), len(branches) - 1)
         with guarded(f"branch {chosen} of a conditional"):
             return branches[chosen](*operands)

@@ -7,12 +7,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
-from jax.core import Tracer
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
-from .._errors import LEAKED_TRACER_WRITE, RAW_TRANSFORM_WRITE, TraceContextError
 from .._pretty_print import state_label
 
 
@@ -39,18 +36,13 @@ def jit_disabled() -> bool:
     return bool(getattr(jax.config, "jax_disable_jit"))  # noqa: B009
 
 
-def is_concrete(x: Any) -> bool:
-    """Whether `x` has a value now (it is not a tracer of any transform)."""
-    return not any(isinstance(leaf, Tracer) for leaf in jtu.tree_leaves(x))
-
-
 class _GuardFrame(_context.Frame):
     """Runs code directly against its parent frame: reads fall through (recorded by
     the parent as usual), writes are kept here and handed to the parent only by
     `commit_to_parent`, so that a failure leaves the parent as it was. States cannot be
     created here; with `read_only`, they cannot be written either."""
 
-    __slots__ = ("eager", "jax_trace", "parent", "read_only", "values", "where")
+    __slots__ = ("eager", "parent", "read_only", "values", "where")
 
     def __init__(self, parent: _context.Frame, where: str, read_only: bool):
         self.parent = parent
@@ -73,17 +65,11 @@ class _GuardFrame(_context.Frame):
             raise ValueError(
                 _CONDITION_WRITES.format(where=self.where, label=state_label(state))
             )
-        if compat.current_trace() is not self.jax_trace:
-            raise TraceContextError(
-                RAW_TRANSFORM_WRITE.format(label=state_label(state))
-            )
+        self.check_trace(state)
 
     def write(self, state, value):
         self._check_writable(state)
-        if self.eager and any(isinstance(x, Tracer) for x in jtu.tree_leaves(value)):
-            raise TraceContextError(
-                LEAKED_TRACER_WRITE.format(label=state_label(state))
-            )
+        _context.refuse_leaked_tracers(state, value, self.eager)
         self.values[state] = _context.check_write(state, self.fetch(state), value)
 
     def commit(self, updates, new=()):

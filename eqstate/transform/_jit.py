@@ -9,6 +9,7 @@ import jax
 
 from .. import _jax_compat as compat
 from .._custom_types import MISSING, Missing
+from ._decorator import decorator_form
 from ._dispatch import JitDispatch
 from ._stateful_function import StatefulFunction, traces_of
 
@@ -145,6 +146,7 @@ def jit(
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
+@decorator_form
 def jit(
     fun: Any = MISSING,
     *,
@@ -245,8 +247,6 @@ def jit(
         inline=inline,
         compiler_options=compiler_options,
     )
-    if fun is MISSING:
-        return lambda f: jit(f, **options)
     _check_like_jax(fun, options)
     sf = StatefulFunction(
         fun,

@@ -12,14 +12,15 @@ import jax.tree_util as jtu
 from .. import _context, _jax_compat as compat
 from .._context import check_write
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
-from .._errors import BatchAxisError, RAW_TRANSFORM_WRITE, TraceContextError
+from .._errors import BatchAxisError, TraceContextError
 from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._run import run
 from .._state import NonBatchState, RandomState, retag, State
 from .._state_dict import StateDict
 from ..random import DEFAULT
-from ._vmap import arrays_only, axis_size_of, per_argument_axes
+from ._decorator import decorator_form
+from ._vmap import arrays_only, axis_size_of, check_axis_size, per_argument_axes
 
 
 compat.hide_from_tracebacks(__file__)
@@ -61,7 +62,6 @@ class _LaneFrame(_context.Frame):
     __slots__ = (
         "default_key",
         "excluded",
-        "jax_trace",
         "new_states",
         "others_key",
         "parent",
@@ -116,26 +116,18 @@ class _LaneFrame(_context.Frame):
         self.values[state] = check_write(state, self.read(state), value)
 
     def write(self, state, value):
-        if compat.current_trace() is not self.jax_trace:
-            raise TraceContextError(
-                RAW_TRANSFORM_WRITE.format(label=state_label(state))
-            )
+        self.check_trace(state)
         self._store(state, value)
 
     def commit(self, updates, new=()):
-        if compat.current_trace() is not self.jax_trace:
-            label = state_label(next(iter(updates), None) or new[0][0])
-            raise TraceContextError(RAW_TRANSFORM_WRITE.format(label=label))
+        self.check_commit_trace(updates, new)
         for state, value in updates.items():
             self._store(state, value)
         for state, value in new:
             self.add_new(state, value)
 
     def add_new(self, state, value):
-        if compat.current_trace() is not self.jax_trace:
-            raise TraceContextError(
-                RAW_TRANSFORM_WRITE.format(label=state_label(state))
-            )
+        self.check_trace(state, creates=True)
         # Exclusion is decided on the state as its creator made it, before
         # `state_tag` replaces its tag.
         if isinstance(state, NonBatchState) or self.excluded((), state):
@@ -265,6 +257,7 @@ def vmap_new_states(
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
+@decorator_form
 def vmap_new_states(
     fun: Any = MISSING,
     *,
@@ -354,8 +347,7 @@ def vmap_new_states(
             "pre-existing states to declare: `in_states` and `out_states` are not "
             "supported. Use `eqstate.transform.vmap` to map over existing states."
         )
-    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
-        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    check_axis_size(axis_size)
     excluded = to_predicate(state_to_exclude)
     options = dict(
         in_axes=in_axes,
@@ -365,10 +357,6 @@ def vmap_new_states(
         spmd_axis_name=spmd_axis_name,
         state_tag=state_tag,
     )
-    if fun is MISSING:
-        return lambda f: vmap_new_states(
-            f, **options, state_to_exclude=state_to_exclude
-        )
 
     @ft.wraps(fun)
     def mapped(*args: Any, **kwargs: Any) -> Any:

@@ -9,12 +9,14 @@ import jax
 from .. import _jax_compat as compat
 from .._custom_types import MISSING
 from ._common import hide_static, partition, show_static
+from ._decorator import decorator_form
 from ._discovery import Discovery, traces_for
 
 
 compat.hide_from_tracebacks(__file__)
 
 
+@decorator_form
 def checkpoint(
     fun: Any = MISSING,
     *,
@@ -50,10 +52,6 @@ def checkpoint(
         assert g[w].shape == ()
         ```
     """
-    if fun is MISSING:
-        return lambda f: checkpoint(
-            f, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums
-        )
     statics = (
         (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     )

@@ -18,7 +18,9 @@ from .._sharding import check_divisible, spec_rule
 from .._state import State
 from .._state_dict import state_dict_of
 from ._common import hide_static, show_static
+from ._decorator import decorator_form
 from ._discovery import Discovery, traces_for
+from ._view import View
 from ._vmap import placeholder
 
 
@@ -46,14 +48,15 @@ def _local(x: Any, spec: Any, mesh: Mesh) -> Any:
     return shape_dtype(x, tuple(shape))
 
 
-class _ShardView(_context.Frame):
+class _ShardView(View):
     """What the function sees of the calling frame inside `shard_map`: each state's
-    value split by its PartitionSpec. Used only as the parent of the discovery trace."""
+    value split by its PartitionSpec."""
 
-    __slots__ = ("mesh", "parent", "specs")
+    __slots__ = ("mesh", "specs")
 
     def __init__(self, parent: _context.Frame, specs: Callable, mesh: Mesh):
-        self.parent, self.specs, self.mesh = parent, specs, mesh
+        super().__init__(parent)
+        self.specs, self.mesh = specs, mesh
 
     def fetch(self, state):
         value = self.parent.fetch(state)
@@ -64,8 +67,6 @@ class _ShardView(_context.Frame):
             return local
         return jtu.tree_map(placeholder, local)
 
-    read = fetch
-
     def peek(self, state):
         value = self.parent.peek(state)
         if value is MISSING:
@@ -74,6 +75,7 @@ class _ShardView(_context.Frame):
         return jtu.tree_map(lambda x: _local(x, spec, self.mesh), value)
 
 
+@decorator_form
 def shard_map(
     fun: Any = MISSING,
     *,
@@ -128,15 +130,6 @@ def shard_map(
         assert (y == 2 * jnp.arange(2.0 * n)).all() and seen.value == jnp.arange(2.0 * n).sum()
         ```
     """
-    if fun is MISSING:
-        return lambda f: shard_map(
-            f,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            state_specs=state_specs,
-            check_vma=check_vma,
-        )
     rule = spec_rule(PartitionSpec() if state_specs is None else state_specs)
 
     def spec_of(state: State, value: Any) -> PartitionSpec:

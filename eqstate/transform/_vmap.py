@@ -17,8 +17,10 @@ from .._pretty_print import state_label, value_summary
 from .._shapes import shape_dtype
 from .._state import RandomState, split_and_advance, State
 from .._state_dict import StateDict
+from ._decorator import decorator_form
 from ._discovery import Discovery, traces_for
 from ._function_traces import FunctionTraces
+from ._view import View
 
 
 compat.hide_from_tracebacks(__file__)
@@ -51,6 +53,12 @@ def per_argument_axes(in_axes: AxisSpec, n_args: int) -> tuple:
     )
 
 
+def check_axis_size(axis_size: int | None) -> None:
+    """Raises `ValueError` unless `axis_size` is `None` or a positive integer."""
+    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
+        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+
+
 def axis_size_of(
     axes: tuple,
     args: tuple,
@@ -61,8 +69,7 @@ def axis_size_of(
 ) -> Any:
     """The size of the mapped axis, shared by `axis_size` (if given), every mapped
     argument, and every entry of `extra` (e.g. mapped states)."""
-    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
-        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    check_axis_size(axis_size)
     sizes: dict[str, int] = {} if axis_size is None else {"axis_size": axis_size}
     sizes.update(extra or {})
 
@@ -138,14 +145,14 @@ def axis_of(state: State, pairs: list[tuple[int, Callable]]) -> int | None:
     return next((axis for axis, p in pairs if p((), state)), None)
 
 
-class _LaneView(_context.Frame):
+class _LaneView(View):
     """What the function sees of the calling frame inside `vmap`: mapped states lose
-    their batch axis. Used only as the parent of the discovery trace."""
+    their batch axis."""
 
-    __slots__ = ("axes", "parent")
+    __slots__ = ("axes",)
 
     def __init__(self, parent: _context.Frame, axes: Callable[[State], int | None]):
-        self.parent = parent
+        super().__init__(parent)
         self.axes = axes
 
     def fetch(self, state):
@@ -154,8 +161,6 @@ class _LaneView(_context.Frame):
         if axis is None:
             return value
         return jtu.tree_map(lambda x: _lane_of(state, x, axis), value)
-
-    read = fetch
 
     def peek(self, state):
         value = self.parent.peek(state)
@@ -205,6 +210,7 @@ def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.zeros(struct.shape, struct.dtype)
 
 
+@decorator_form
 def vmap(
     fun: Any = MISSING,
     *,
@@ -257,19 +263,7 @@ def vmap(
         assert predict(jnp.ones((3, 2))).shape == (3,)
         ```
     """
-    if fun is MISSING:
-        return lambda f: vmap(
-            f,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            axis_name=axis_name,
-            axis_size=axis_size,
-            spmd_axis_name=spmd_axis_name,
-            in_states=in_states,
-            out_states=out_states,
-        )
-    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
-        raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    check_axis_size(axis_size)
     in_pairs = parse_state_axes(in_states, "in_states")
     out_pairs = parse_state_axes(out_states, "out_states")
     name = getattr(fun, "__name__", None)
