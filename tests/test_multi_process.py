@@ -83,7 +83,7 @@ def _worker(workdir: str, use_orbax: bool) -> None:
             "spec": str(tuple(w.value.sharding.spec)),
             "addressable": w.value.is_fully_addressable,
             "traces": len(traces),
-            "planned": step._dispatch.planned,
+            "planned": step.planned,
         }
 
     @check("grad")

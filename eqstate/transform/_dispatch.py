@@ -21,7 +21,7 @@ import jax
 import jax.extend.core as jex_core
 
 from .. import _context, _jax_compat as compat
-from .._context import WORLD
+from .._context import current_frame as _current_frame, WORLD
 from .._jax_compat import is_top_level
 from .._state import State
 from .._state_dict import sharding_rule
@@ -33,6 +33,11 @@ from ._trace import flat_jit, StaleTrace, Trace
 
 
 compat.hide_from_tracebacks(__file__)
+
+_WORLD_VALUES = WORLD.by_id
+_WORLD_LOCK = WORLD.lock
+# The values of a plan without read-only states (never changed).
+_NO_VALUES: list = []
 
 
 class _PlanMismatch(Exception):
@@ -51,6 +56,7 @@ class _Plan:
         "donates",
         "in_constraints",
         "jitted",
+        "one_written",
         "out_constraints",
         "read_keys",
         "read_states",
@@ -88,6 +94,8 @@ class _Plan:
         # The plan holds the handles, so their ids stay valid world keys.
         self.written_keys = [id(s) for s in trace.updated_states]
         self.read_keys = [id(s) for s in self.read_states]
+        # The key of the only written state, if there is one (a faster hot path).
+        self.one_written = self.written_keys[0] if len(self.written_keys) == 1 else None
         self.donates = False
         self.undonated = None
 
@@ -276,59 +284,75 @@ class JitDispatch:
             self._splitter = self._new_splitter()
         self._traces.clear()
 
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calls through the current plan. On a mismatch, or on arguments `jax.jit`
         refuses, takes the unplanned path, which picks a plan for next time."""
         plan = self._current
-        if plan is not None:
-            frame = _context.current_frame()
-            try:
-                split = None
-                if plan.split:
-                    # Each argument structure (a model's handles) has its own plan.
-                    split = self._splitter.split(args, kwargs)
-                    plan = self._plans_by_key.get(split[0])
-                    if plan is None:
-                        raise _PlanMismatch
-                if frame is WORLD and is_top_level():
-                    return self._call_in_world(plan, args, kwargs, split)
-                out, updated = self._call_plan(plan, frame, args, kwargs, split)
-            except _PlanMismatch:
-                pass
-            except KeyError:
-                pass  # A state missing from the world: the unplanned path names it.
-            except OutputMismatch:
-                pass
-            except (TypeError, ValueError) as exc:
-                if getattr(exc, "_eqstate_from_trace", False):
-                    raise
-                self._raise_if_planned(exc, args, kwargs)
+        if plan is None:
+            return self._call_unplanned(args, kwargs)
+        frame = _current_frame()
+        try:
+            if frame is not WORLD or not is_top_level():
+                return self._call_in_frame(plan, frame, args, kwargs)
+            # The hot path, inlined: one dict lookup per state each way.
+            key, dynamic = 0, []
+            if plan.split:
+                # Each argument structure (a model's handles) has its own plan.
+                key, dynamic = self._splitter.split(args, kwargs)
+                plan = self._plans_by_key.get(key)
+                if plan is None:
+                    raise _PlanMismatch
+            values = _WORLD_VALUES
+            one = plan.one_written
+            if one is not None:
+                written = [values[one]]
             else:
-                if updated:
-                    frame.commit_values(plan.updated_states, updated)
-                return out
-        return self._call_unplanned(args, kwargs)
-
-    def _call_in_world(
-        self, plan: _Plan, args: tuple, kwargs: dict, split: tuple[int, list] | None
-    ) -> Any:
-        """The hot path: no per-state work but one dict lookup each way."""
-        values = WORLD.by_id
-        written = [values[k] for k in plan.written_keys]
-        read = [values[k] for k in plan.read_keys]
-        jitted = plan.function_for(written)
-        if split is not None:
-            out, updated = _run_split(
-                plan, jitted, written, read, split, self._splitter
-            )
-        else:
-            out, updated = jitted(written, read, *args, **kwargs)
-        if len(updated) > 1:
-            with WORLD.lock:
+                written = [values[k] for k in plan.written_keys]
+            read_keys = plan.read_keys
+            read = [values[k] for k in read_keys] if read_keys else _NO_VALUES
+            jitted = plan.function_for(written) if plan.donates else plan.jitted
+            if plan.split:
+                fn = jitted.get(key) or jitted.make(key)
+                out, updated = fn(written, read, dynamic)
+                if not plan.simple_out:
+                    out = self._splitter.output(key, out)
+            elif kwargs:
+                out, updated = jitted(written, read, *args, **kwargs)
+            else:
+                out, updated = jitted(written, read, *args)
+        except _PlanMismatch:
+            return self._call_unplanned(args, kwargs)
+        except (KeyError, OutputMismatch):
+            # A state missing from the world (the unplanned path names it), or an
+            # output that cannot be rebuilt from the key.
+            return self._call_unplanned(args, kwargs)
+        except (TypeError, ValueError) as exc:
+            if getattr(exc, "_eqstate_from_trace", False):
+                raise
+            self._raise_if_planned(exc, args, kwargs)
+            return self._call_unplanned(args, kwargs)
+        if one is not None:
+            values[one] = updated[0]
+        elif updated:
+            with _WORLD_LOCK:
                 for key, value in zip(plan.written_keys, updated):
                     values[key] = value
-        elif updated:
-            values[plan.written_keys[0]] = updated[0]
+        return out
+
+    def _call_in_frame(
+        self, plan: _Plan, frame: _context.Frame, args: tuple, kwargs: dict
+    ) -> Any:
+        """A planned call inside a scope or a transform: through the frame."""
+        split = None
+        if plan.split:
+            split = self._splitter.split(args, kwargs)
+            found = self._plans_by_key.get(split[0])
+            if found is None:
+                raise _PlanMismatch
+            plan = found
+        out, updated = self._call_plan(plan, frame, args, kwargs, split)
+        if updated:
+            frame.commit_values(plan.updated_states, updated)
         return out
 
     def _call_unplanned(self, args: tuple, kwargs: dict) -> Any:
@@ -402,7 +426,7 @@ class JitDispatch:
             frame.commit_values(plan.updated_states, updated)
         return True, out
 
-    def lower(self, args: tuple, kwargs: dict) -> Any:
+    def lower_call(self, args: tuple, kwargs: dict) -> Any:
         """`jax.jit(...).lower` of the call with these arguments (the state values are
         the current ones in the innermost context)."""
         frame = _context.current_frame()

@@ -20,18 +20,15 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-class JittedFunction:
+class JittedFunction(JitDispatch):
     """A function compiled by [`eqstate.transform.jit`][]. Call it like the original
     function; `lower`, `eval_shape` and `clear_cache` mirror `jax.jit`'s."""
 
-    def __init__(self, fun: Callable, sf: StatefulFunction, dispatch: JitDispatch):
+    def __init__(self, fun: Callable, sf: StatefulFunction, **options: Any):
+        super().__init__(traces_of(sf), **options)
         self.fun = fun
         self.stateful_function = sf
-        self._dispatch = dispatch
         ft.update_wrapper(self, fun, updated=())
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._dispatch(args, kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -44,7 +41,7 @@ class JittedFunction:
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """`jax.stages.Lowered` of the call with these arguments (the state values
         are the current ones), as `jax.jit(f).lower` gives."""
-        return self._dispatch.lower(args, kwargs)
+        return self.lower_call(args, kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The output's shapes and dtypes, as `jax.ShapeDtypeStruct`s, without
@@ -54,7 +51,7 @@ class JittedFunction:
 
     def clear_cache(self) -> None:
         """Drops every trace and compiled executable."""
-        self._dispatch.clear()
+        self.clear()
 
     def get_cache_stats(self) -> dict[str, Any]:
         """Statistics of the trace cache, as
@@ -269,10 +266,10 @@ def jit(
         jit_kwargs["in_shardings"] = in_shardings
     if out_shardings is not None:
         jit_kwargs["out_shardings"] = (out_shardings, None)
-    dispatch = JitDispatch(
-        traces_of(sf),
+    return JittedFunction(
+        fun,
+        sf,
         donate_states=donate_states,
         jit_kwargs=jit_kwargs,
         state_shardings=state_shardings,
     )
-    return JittedFunction(fun, sf, dispatch)

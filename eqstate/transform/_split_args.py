@@ -69,7 +69,8 @@ class ArgSplitter:
         self._last: dict[int, tuple[Any, int, list, list]] = {}
         # One argument's structure, and a call's (the numbers of its arguments').
         self._parts = _Numbering(on_forget=self._last.clear)
-        self._keys = _Numbering()
+        self._keys = _Numbering(on_forget=self._forget_last_call)
+        self._last_call: tuple[list[int] | None, int] = (None, -1)
         self._outputs: dict[int, tuple] = {}
         self._frozen: dict[PyTreeDef, bool] = {}
         self._fields: dict[PyTreeDef, list[bool]] = {}  # see `in_module`
@@ -77,17 +78,21 @@ class ArgSplitter:
 
     def split(self, args: tuple, kwargs: dict) -> tuple[int, list]:
         """`(key, dynamic leaves)` of a call."""
-        n = len(args)
-        static = {i % n for i in self._static_positions if -n <= i < n}
+        static = self._static_of(len(args)) if self._static_positions else ()
         parts: list[int] = []
         dynamic: list[Any] = []
+        remembered = self._last
         for i, arg in enumerate(args):
             if type(arg) is ArrayImpl:
                 parts.append(_ARRAY)
                 dynamic.append(arg)
                 continue
-            last = self._last.get(i)
-            if last is not None and last[0] is arg and _unchanged(last[3]):
+            last = remembered.get(i)
+            if (
+                last is not None
+                and last[0] is arg
+                and (not last[3] or _unchanged(last[3]))
+            ):
                 parts.append(last[1])
                 dynamic.extend(last[2])
                 continue
@@ -102,7 +107,20 @@ class ArgSplitter:
             part, leaves = self._split_tree(marked)
             parts.append(part)
             dynamic.extend(leaves)
-        return self._keys.number(tuple(parts)), dynamic
+        # A call like the last (the usual case) skips numbering its parts.
+        last_parts, last_key = self._last_call
+        if parts == last_parts:
+            return last_key, dynamic
+        key = self._keys.number(tuple(parts))
+        self._last_call = (parts, key)
+        return key, dynamic
+
+    def _forget_last_call(self) -> None:
+        self._last_call = (None, -1)
+
+    def _static_of(self, n: int) -> set[int]:
+        """The static positions of a call with `n` positional arguments."""
+        return {i % n for i in self._static_positions if -n <= i < n}
 
     def _split_one(self, position: int, arg: Any, static: bool) -> tuple[int, list]:
         if static:

@@ -16,6 +16,7 @@ from .._state import fresh_copy, State
 from .._state_dict import state_dict_of, StateDict
 from . import _function_traces
 from ._call_args import ArgParser, CallArgs
+from ._dispatch import JitDispatch
 from ._function_traces import FunctionTraces
 from ._leaves import struct, unflatten_each
 from ._report import check_sequence, misfits, refuse_new_states, states_table
@@ -124,6 +125,8 @@ class StatefulFunction:
         self.state_returns = returns
         self.cache_type = cache_type
         self._traces = FunctionTraces(fun, self.name, parser, returns, self.axis_env)
+        # With `cache_type='jit'`, eager calls go through `jit`'s plans.
+        self._dispatch = JitDispatch(self._traces) if cache_type == "jit" else None
 
     def __repr__(self) -> str:
         return f"StatefulFunction({self.name})"
@@ -143,6 +146,8 @@ class StatefulFunction:
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable, and resets the counts of
         [`eqstate.transform.StatefulFunction.get_cache_stats`][]."""
+        if self._dispatch is not None:
+            self._dispatch.clear()
         self._traces.clear()
 
     # ----------------------------------------------------------------- inspection
@@ -541,8 +546,10 @@ class StatefulFunction:
 
         The function's output.
         """
+        if self._dispatch is not None:
+            return self._dispatch(*args, **kwargs)
         call = self._traces.parse(args, kwargs)
-        return self._traces.call_in(_context.current_frame(), call, self._jit_options())
+        return self._traces.call_in(_context.current_frame(), call)
 
     __call__ = jaxpr_call_auto
 
