@@ -366,7 +366,7 @@ dict of arrays, finds the executable and runs it. The systems add Python work:
 they compile essentially the same program. eqstate traces twice: `StatefulFunction`
 traces the function once to find its states, then `jax.jit` traces the plan's body,
 which evaluates that jaxpr again equation by equation (`jax.core.eval_jaxpr` in
-`_compiled.run`); brainstate also traces twice (its `make_jaxpr`, then `jax.jit`).
+`Trace.run`); brainstate also traces twice (its `make_jaxpr`, then `jax.jit`).
 Timing the phases separately at N = 1000, in two runs: the floor traced in 0.50-0.59 s
 and lowered in 0.27-0.29 s; eqstate's stateful trace took 0.52 s and its whole trace
 and lowering 1.21-1.38 s; both compiled in 1.8-1.9 s. The second trace, 0.3-0.6 ms
