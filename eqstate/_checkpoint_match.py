@@ -45,7 +45,7 @@ def load_target(
     return expected, state_paths(expected.states, model_or_states, "load"), "the model"
 
 
-def _describe(dtype: Any, shape: tuple[int, ...], key_impl: str | None) -> str:
+def _array_summary(dtype: Any, shape: tuple[int, ...], key_impl: str | None) -> str:
     if key_impl is not None:
         return f"a {key_impl} PRNG key (key data of shape {shape}, dtype {dtype})"
     return f"shape {shape} and dtype {dtype}"
@@ -85,9 +85,9 @@ def check_entries(
         found = (entry["dtype"], tuple(entry["shape"]), entry.get("key_impl"))
         if found != (spec.dtype.name, spec.shape, spec.key_impl):
             problems.append(
-                f"`{spec.path}` holds {_describe(*found)}, but "
+                f"`{spec.path}` holds {_array_summary(*found)}, but "
                 f"{state_label(spec.state)} expects "
-                f"{_describe(spec.dtype.name, spec.shape, spec.key_impl)}"
+                f"{_array_summary(spec.dtype.name, spec.shape, spec.key_impl)}"
             )
     if problems:
         listed = first_and_more(

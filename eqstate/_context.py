@@ -549,7 +549,7 @@ class TraceFrame(Frame):
         self.jax_trace = None
 
 
-def describe(state: Any) -> str:
+def label_here(state: Any) -> str:
     """`state_label` with the value's summary when the current context knows it."""
     value = current_frame().peek(state)
     return state_label(state) if value is MISSING else state_label(state, value)

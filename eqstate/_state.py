@@ -12,7 +12,7 @@ import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
 from . import _context
-from ._context import current_frame, describe, to_value
+from ._context import current_frame, label_here, to_value
 from ._pretty_print import state_doc
 from ._serialisation_guard import not_an_array, refuse_if_serialised
 
@@ -104,13 +104,13 @@ class State(Generic[_Value]):
             _context.current_frame().write(self, value)
             return
         raise AttributeError(
-            f"Cannot set `{name}` on {describe(self)}: handles are immutable. Only "
+            f"Cannot set `{name}` on {label_here(self)}: handles are immutable. Only "
             "`.value` can be assigned, which writes a new value to the innermost "
             "context."
         )
 
     def __delattr__(self, name: str) -> NoReturn:
-        raise AttributeError(f"Cannot delete `{name}` of {describe(self)}.")
+        raise AttributeError(f"Cannot delete `{name}` of {label_here(self)}.")
 
     def __copy__(self) -> "State[_Value]":
         return self
@@ -119,7 +119,7 @@ class State(Generic[_Value]):
         # A deep copy that returned `self` would silently share the state with the
         # original; a copy needs a context to hold its value, which `clone` takes.
         raise TypeError(
-            f"Cannot deep-copy {describe(self)}: a handle is an identity, and a copy "
+            f"Cannot deep-copy {label_here(self)}: a handle is an identity, and a copy "
             "sharing it would share its value with the original. Use "
             "`eqstate.clone(tree)`, which gives fresh handles (same kind, tag and "
             "name) holding copies of the values in the innermost context."
@@ -127,7 +127,7 @@ class State(Generic[_Value]):
 
     def __reduce__(self) -> NoReturn:
         raise TypeError(
-            f"Cannot pickle {describe(self)}: a handle is an identity, not a value. "
+            f"Cannot pickle {label_here(self)}: a handle is an identity, not a value. "
             "Save values with `eqstate.save` instead."
         )
 

@@ -111,7 +111,7 @@ class _LaneFrame(_context.Frame):
     def _store(self, state: State, value: Any) -> None:
         if state not in self.values and not isinstance(state, RandomState):
             raise TraceContextError(
-                _PRE_EXISTING_WRITE.format(label=_context.describe(state))
+                _PRE_EXISTING_WRITE.format(label=_context.label_here(state))
             )
         self.values[state] = check_write(state, self.read(state), value)
 
