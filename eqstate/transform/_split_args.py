@@ -20,6 +20,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from operator import is_
 from typing import Any
 
 import equinox as eqx
@@ -266,7 +267,7 @@ def _mutable_containers(tree: Any) -> list[tuple[Any, tuple]] | None:
             found.append((node, tuple(node)))
             pending.extend(node)
         elif type(node) is dict:
-            found.append((node, tuple(node.items())))
+            found.append((node, (tuple(node), tuple(node.values()))))
             pending.extend(node.values())
         elif isinstance(node, tuple):
             pending.extend(node)
@@ -286,13 +287,13 @@ def _fields(module: eqx.Module) -> tuple:
 def _unchanged(watched: list[tuple[Any, tuple]]) -> bool:
     """Whether every watched list and dict still holds the objects it held."""
     for container, held in watched:
-        now = tuple(container) if type(container) is list else tuple(container.items())
-        if len(now) != len(held):
-            return False
-        for a, b in zip(now, held):
-            if type(container) is dict:
-                if a[0] != b[0] or a[1] is not b[1]:
-                    return False
-            elif a is not b:
+        if type(container) is list:
+            if len(container) != len(held) or not all(map(is_, container, held)):
+                return False
+        else:
+            keys, values = held
+            if len(container) != len(keys) or tuple(container) != keys:
+                return False
+            if not all(map(is_, container.values(), values)):
                 return False
     return True
