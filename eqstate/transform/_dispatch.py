@@ -190,6 +190,16 @@ def can_plan(trace: Trace) -> bool:
     return not trace.new_states
 
 
+def _store_in_world(plan: _Plan, updated: list) -> None:
+    """Writes the new values of a plan's written states to the world, together."""
+    if len(updated) == 1:
+        _WORLD_VALUES[plan.written_keys[0]] = updated[0]
+        return
+    with _WORLD_LOCK:
+        for key, value in zip(plan.written_keys, updated):
+            _WORLD_VALUES[key] = value
+
+
 def _needs_split(call_all_dynamic: bool, trace: Trace) -> bool:
     return not (call_all_dynamic and trace.simple_out)
 
@@ -294,14 +304,9 @@ class JitDispatch:
         try:
             if frame is not WORLD or not is_top_level():
                 return self._call_in_frame(plan, frame, args, kwargs)
-            # The hot path, inlined: one dict lookup per state each way.
-            key, dynamic = 0, []
             if plan.split:
-                # Each argument structure (a model's handles) has its own plan.
-                key, dynamic = self._splitter.split(args, kwargs)
-                plan = self._plans_by_key.get(key)
-                if plan is None:
-                    raise _PlanMismatch
+                return self._call_split_in_world(args, kwargs)
+            # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
             one = plan.one_written
             if one is not None:
@@ -311,12 +316,7 @@ class JitDispatch:
             read_keys = plan.read_keys
             read = [values[k] for k in read_keys] if read_keys else _NO_VALUES
             jitted = plan.function_for(written) if plan.donates else plan.jitted
-            if plan.split:
-                fn = jitted.get(key) or jitted.make(key)
-                out, updated = fn(written, read, dynamic)
-                if not plan.simple_out:
-                    out = self._splitter.output(key, out)
-            elif kwargs:
+            if kwargs:
                 out, updated = jitted(written, read, *args, **kwargs)
             else:
                 out, updated = jitted(written, read, *args)
@@ -334,9 +334,26 @@ class JitDispatch:
         if one is not None:
             values[one] = updated[0]
         elif updated:
-            with _WORLD_LOCK:
-                for key, value in zip(plan.written_keys, updated):
-                    values[key] = value
+            _store_in_world(plan, updated)
+        return out
+
+    def _call_split_in_world(self, args: tuple, kwargs: dict) -> Any:
+        """The hot path of a call whose arguments are split: each argument structure
+        (a model's handles) has its own plan and its own jitted function."""
+        key, dynamic = self._splitter.split(args, kwargs)
+        plan = self._plans_by_key.get(key)
+        if plan is None:
+            raise _PlanMismatch
+        values = _WORLD_VALUES
+        written = [values[k] for k in plan.written_keys]
+        read = [values[k] for k in plan.read_keys]
+        jitted = plan.function_for(written) if plan.donates else plan.jitted
+        fn = jitted.get(key) or jitted.make(key)
+        out, updated = fn(written, read, dynamic)
+        if not plan.simple_out:
+            out = self._splitter.output(key, out)
+        if updated:
+            _store_in_world(plan, updated)
         return out
 
     def _call_in_frame(
