@@ -106,6 +106,54 @@ class _Plan:
             return self.undonated
         return self.jitted
 
+    def evaluate(
+        self,
+        traces: FunctionTraces,
+        written: list,
+        read: list,
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple[Any, list]:
+        """The body of the plan's `jax.jit` (run when JAX traces it): finds the trace
+        for the call and evaluates it. Raises `_PlanMismatch` if the call needs other
+        states than the plan's."""
+        values = self._in_trace_order(written, read)
+
+        def values_of(trace: Trace) -> list | None:
+            return values if trace.states == self.states else None
+
+        try:
+            call = traces.parse(args, kwargs)
+            trace, _ = traces.lookup(call, _context.current_frame(), values_of)
+        except StaleTrace:
+            # This call's states or their shapes fit no trace of the plan's states:
+            # the unplanned path picks another plan.
+            raise _PlanMismatch from None
+        except Exception as exc:
+            _mark_from_trace(exc)
+            raise
+        if not self.fits(trace):
+            raise _PlanMismatch
+        out, updated, _ = trace.split_outputs(trace.run(call.leaves, values))
+        constraints = self.out_constraints
+        updated = [
+            _constrained(v, constraints[s]) if s in constraints else v
+            for s, v in zip(self.updated_states, updated)
+        ]
+        return trace.build_output(out, ()), updated
+
+    def _in_trace_order(self, written: list, read: list) -> list:
+        """The values of the plan's states in the order of `states`, constrained to
+        their input shardings."""
+        by_state = dict(
+            zip((*self.updated_states, *self.read_states), (*written, *read))
+        )
+        values = [by_state[s] for s in self.states]
+        for i, state in enumerate(self.states):
+            if state in self.in_constraints:
+                values[i] = _constrained(values[i], self.in_constraints[state])
+        return values
+
     def fits(self, trace: Trace) -> bool:
         return (
             trace.states == self.states
@@ -509,55 +557,17 @@ class JitDispatch:
                     plan.out_constraints[state] = placed
 
     def _make_jitted(self, plan: _Plan, donate: bool) -> Any:
-        traces = self._traces
-        order = {s: i for i, s in enumerate(plan.states)}
-        positions = [order[s] for s in (*plan.updated_states, *plan.read_states)]
-
-        states = plan.states
-        updated_states = plan.updated_states
-
-        splitter = self._splitter
+        traces, splitter = self._traces, self._splitter
 
         def body(written, read, *args, **kwargs):
-            return run(written, read, args, kwargs)
+            return plan.evaluate(traces, written, read, args, kwargs)
 
         def split_body(key, written, read, dynamic):
-            out, updated = run(written, read, *splitter.rebuild(key, dynamic))
+            args, kwargs = splitter.rebuild(key, dynamic)
+            out, updated = plan.evaluate(traces, written, read, args, kwargs)
             if not plan.simple_out:
                 out = splitter.record_output(key, out)
             return out, updated
-
-        def run(written, read, args, kwargs):
-            values: list[Any] = [None] * len(positions)
-            for i, v in zip(positions, [*written, *read]):
-                values[i] = v
-            for i, state in enumerate(states):
-                if state in plan.in_constraints:
-                    values[i] = _constrained(values[i], plan.in_constraints[state])
-
-            def values_of(trace: Trace) -> list | None:
-                return values if trace.states == states else None
-
-            try:
-                call = traces.parse(args, kwargs)
-                trace, _ = traces.lookup(call, _context.current_frame(), values_of)
-            except StaleTrace:
-                # This call's states or their shapes fit no compilation of the plan's
-                # states: the slow path picks another plan.
-                raise _PlanMismatch from None
-            except Exception as exc:
-                _mark_from_trace(exc)
-                raise
-            if not plan.fits(trace):
-                raise _PlanMismatch
-            out, updated, _ = trace.split_outputs(trace.run(call.leaves, values))
-            updated = [
-                _constrained(v, plan.out_constraints[s])
-                if s in plan.out_constraints
-                else v
-                for s, v in zip(updated_states, updated)
-            ]
-            return trace.build_output(out, ()), updated
 
         if plan.split:
             return _PerKey(split_body, self._split_options(donate))
