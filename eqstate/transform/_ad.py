@@ -305,15 +305,18 @@ class _GradientTransform:
             grads = jtu.tree_transpose(
                 jtu.tree_structure(value), jtu.tree_structure(inputs), grads
             )
-        state_grads, arg_grads = grads[0], grads[1:]
-        if self._single_arg:
-            arg_grads = arg_grads[0]
+        return self._arrange(grads[0], grads[1:], value, aux)
+
+    def _arrange(self, state_grads: Any, arg_grads: tuple, value: Any, aux: Any) -> Any:
+        """The result in the layout the options ask for (`jax.grad`'s, plus the
+        state gradients first when there are some)."""
+        grads = arg_grads[0] if self._single_arg else arg_grads
         if self._grad_states is None:
-            result = arg_grads
+            result = grads
         elif not self._argnums:
             result = state_grads
         else:
-            result = (state_grads, arg_grads)
+            result = (state_grads, grads)
         if self._return_value and self._has_aux:
             return result, value, aux
         if self._return_value:
