@@ -94,10 +94,25 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     if carried_over:
         raise ValueError(_CARRIED_OVER.format(label=state_label(carried_over[0])))
     carried = [*written, *randoms]
+    chunk = _chunk_function(traced, values, written, randoms)
+    state_values = strong([values[s] for s in carried])
+    state_values, ys = _scan_chunks(chunk, state_values, xs, n, size)
+    traced.commit(dict(zip(carried, state_values)))
+    return show_static(ys)
+
+
+def _chunk_function(
+    traced: Discovery,
+    values: dict[State, Any],
+    written: Sequence[State],
+    randoms: Sequence[State],
+) -> Callable[[list, tuple, int], tuple[list, Any]]:
+    """One chunk of `count` elements, vmapped: takes and returns the values of the
+    carried states (`written`, then `randoms`), and returns the elements' outputs."""
 
     def chunk(carried_values: list, chunk_xs: tuple, count: int) -> tuple[list, Any]:
         current = dict(values)
-        current.update(zip(carried, carried_values))
+        current.update(zip([*written, *randoms], carried_values))
         # As in `vmap`: every element draws from its own key, and the key advances
         # once per chunk.
         advanced, keys = [], []
@@ -105,22 +120,41 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
             outer, lane_keys = split_and_advance(current[s], count)
             advanced.append(outer)
             keys.append(lane_keys)
-
-        def element(element_keys: list, x: tuple) -> tuple[Any, list]:
-            here = dict(current)
-            here.update(zip(randoms, element_keys))
-            out, updates, _ = traced.evaluate(
-                [here[s] for s in traced.states], show_static(x)
-            )
-            return hide_static(out), [updates[s] for s in written]
-
+        element = _element_function(traced, current, written, randoms)
         ys, new_values = jax.vmap(element)(keys, chunk_xs)
         # The value the chunk's last element wrote, as in a sequential map.
         last = [jtu.tree_map(lambda v: v[-1], v) for v in new_values]
         return strong([*last, *advanced]), ys
 
+    return chunk
+
+
+def _element_function(
+    traced: Discovery,
+    current: dict[State, Any],
+    written: Sequence[State],
+    randoms: Sequence[State],
+) -> Callable[[list, tuple], tuple[Any, list]]:
+    """One element of a chunk: `traced` evaluated with its own random keys, returning
+    its output and what it wrote to `written`."""
+
+    def element(element_keys: list, x: tuple) -> tuple[Any, list]:
+        here = dict(current)
+        here.update(zip(randoms, element_keys))
+        out, updates, _ = traced.evaluate(
+            [here[s] for s in traced.states], show_static(x)
+        )
+        return hide_static(out), [updates[s] for s in written]
+
+    return element
+
+
+def _scan_chunks(
+    chunk: Callable, state_values: list, xs: tuple, n: int, size: int
+) -> tuple[list, Any]:
+    """`chunk` scanned over the `n // size` whole chunks of `xs`, then run on the
+    `n % size` remaining elements: the final state values and the stacked outputs."""
     main, rest = divmod(n, size)
-    state_values = strong([values[s] for s in carried])
     parts = []
     if main:
         batched = jtu.tree_map(
@@ -134,10 +168,9 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
         tail = jtu.tree_map(lambda a: a[main * size :], xs)
         state_values, ys = chunk(state_values, tail, rest)
         parts.append(ys)
-    traced.commit(dict(zip(carried, state_values)))
     if len(parts) == 1:
-        return show_static(parts[0])
-    return show_static(jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), *parts))
+        return state_values, parts[0]
+    return state_values, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), *parts)
 
 
 def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:

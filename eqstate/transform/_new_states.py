@@ -181,7 +181,30 @@ def _build(
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
     outer_key, lane_keys = _split_for_lanes(frame.read(DEFAULT), size)
-    box: dict[str, Any] = {}
+    made: dict[str, list] = {}
+    out, batched, shared = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
+        _lane_function(fun, frame, state_tag, excluded, made),
+        in_axes=(0, arrays_only(axes)),
+        out_axes=(arrays_only(out_axes), 0, None),
+        axis_name=axis_name,
+        axis_size=size,
+        spmd_axis_name=spmd_axis_name,
+    )(lane_keys, args)
+    new = _with_values(made["new"], made["replicated"], batched, shared)
+    frame.commit({DEFAULT: outer_key}, new)
+    return out
+
+
+def _lane_function(
+    fun: Callable,
+    frame: _context.Frame,
+    state_tag: str | None,
+    excluded: Callable[[tuple, State], bool],
+    made: dict[str, list],
+) -> Callable:
+    """One lane of the build: `fun` run in a `_LaneFrame`. Returns its output and the
+    values of the new states, batched ones apart from replicated ones; the new states
+    and which of them are replicated go to `made`."""
 
     def lane(lane_keys, args):
         lane_frame = _LaneFrame(frame, lane_keys, state_tag, excluded)
@@ -193,36 +216,41 @@ def _build(
         new = lane_frame.new_states
         replicated = [s in lane_frame.replicated for s in new]
         for state, is_replicated in zip(new, replicated):
-            if is_replicated and _batched(lane_frame.values[state]):
-                non_batch = isinstance(state, NonBatchState)
-                raise BatchAxisError(
-                    _REPLICATED_BUT_BATCHED.format(
-                        label=state_label(state),
-                        why="a NonBatchState" if non_batch else "in `state_to_exclude`",
-                        how="" if non_batch else " (drop it from `state_to_exclude`)",
-                    )
-                )
-        box["new"], box["replicated"] = new, replicated
+            if is_replicated:
+                _check_same_in_every_lane(state, lane_frame.values[state])
+        made["new"], made["replicated"] = new, replicated
         values = [lane_frame.values[s] for s in new]
         batched = [v for v, r in zip(values, replicated) if not r]
         shared = [v for v, r in zip(values, replicated) if r]
         return out, batched, shared
 
-    out, batched, shared = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
-        lane,
-        in_axes=(0, arrays_only(axes)),
-        out_axes=(arrays_only(out_axes), 0, None),
-        axis_name=axis_name,
-        axis_size=size,
-        spmd_axis_name=spmd_axis_name,
-    )(lane_keys, args)
+    return lane
+
+
+def _check_same_in_every_lane(state: State, value: Any) -> None:
+    """Raises `BatchAxisError` if `value`, of a state created once for every lane,
+    differs across lanes."""
+    if _batched(value):
+        non_batch = isinstance(state, NonBatchState)
+        raise BatchAxisError(
+            _REPLICATED_BUT_BATCHED.format(
+                label=state_label(state),
+                why="a NonBatchState" if non_batch else "in `state_to_exclude`",
+                how="" if non_batch else " (drop it from `state_to_exclude`)",
+            )
+        )
+
+
+def _with_values(
+    new: list[State], replicated: list[bool], batched: list, shared: list
+) -> list[tuple[State, Any]]:
+    """The new states paired with their values, taken in order from `batched` or,
+    for replicated ones, from `shared`."""
     batched_iter, shared_iter = iter(batched), iter(shared)
-    new = [
+    return [
         (s, next(shared_iter) if r else next(batched_iter))
-        for s, r in zip(box["new"], box["replicated"])
+        for s, r in zip(new, replicated)
     ]
-    frame.commit({DEFAULT: outer_key}, new)
-    return out
 
 
 @overload

@@ -1,7 +1,7 @@
 """shard_map: `jax.shard_map` over a function that uses states."""
 
 import functools as ft
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,6 +20,7 @@ from .._state_dict import state_dict_of
 from ._common import hide_static, show_static
 from ._decorator import decorator_form
 from ._discovery import Discovery, traces_for
+from ._function_traces import FunctionTraces
 from ._view import View
 from ._vmap import placeholder
 
@@ -73,6 +74,118 @@ class _ShardView(View):
             return value
         spec = self.specs(state, value)
         return jtu.tree_map(lambda x: _local(x, spec, self.mesh), value)
+
+
+def _state_spec_rule(state_specs: Any) -> Callable[[State, Any], PartitionSpec]:
+    """`state_specs` as a function of `(state, value)`; unmatched states are
+    replicated."""
+    rule = spec_rule(PartitionSpec() if state_specs is None else state_specs)
+
+    def spec_of(state: State, value: Any) -> PartitionSpec:
+        spec = rule(state, value)
+        return PartitionSpec() if spec is None else spec
+
+    return spec_of
+
+
+def _per_argument_specs(in_specs: Any) -> tuple:
+    return tuple(in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
+
+
+def _local_args(args: tuple, specs: tuple, mesh: Mesh) -> tuple:
+    """The per-device abstract values of `args`, each split by its (prefix) spec."""
+    return tuple(
+        jtu.tree_map(
+            lambda s, a: jtu.tree_map(lambda x: _local(x, s, mesh), a),
+            spec,
+            arg,
+            is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+        )
+        for spec, arg in zip(specs, args)
+    )
+
+
+def _placed(values: list, specs: list[PartitionSpec], mesh: Mesh) -> list:
+    """Eagerly, `values` moved to their sharding on `mesh`; inside a trace, as they
+    are."""
+    if not compat.is_top_level():
+        return list(values)
+    return [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(values, specs)]
+
+
+def _check_replicated_write(state: State, value: Any, spec: PartitionSpec) -> None:
+    """Raises `BatchAxisError` if `value`, written to `state` inside `shard_map`,
+    differs across devices along a mesh axis where `spec` keeps one copy."""
+    varying = set().union(*(compat.varying_axes(x) for x in jtu.tree_leaves(value)))
+    differs = varying - _axes_of(spec)
+    if differs:
+        raise BatchAxisError(
+            f"{state_label(state)} is written inside `shard_map` with a value that "
+            f"differs across devices along mesh axes {sorted(differs)}, but its "
+            f"PartitionSpec {spec} keeps one copy there. Reduce it first (e.g. "
+            "`jax.lax.pmean(value, axis)`), or split it with `state_specs`."
+        )
+
+
+def _per_device_body(
+    fun: Callable,
+    states: Sequence[State],
+    written: Sequence[State],
+    state_spec: dict[State, PartitionSpec],
+    check_vma: bool,
+) -> Callable:
+    """What each device runs: `fun` on its shard of the states and arguments,
+    returning its output and the new values of the `written` states."""
+
+    def body(state_values, *args):
+        # `fun` runs again here rather than its jaxpr being evaluated: shard_map
+        # types every value as varying or not across devices, and only tracing
+        # under it inserts the conversions that typing needs.
+        states_in = state_dict_of(dict(zip(states, state_values)))
+        states_out, out = run(fun, states_in, *show_static(args))
+        new = [states_out[s] for s in written]
+        if check_vma:
+            for state, value in zip(written, new):
+                _check_replicated_write(state, value, state_spec[state])
+        return hide_static(out), new
+
+    return body
+
+
+def _call_sharded(
+    fun: Callable,
+    traces: FunctionTraces,
+    args: tuple,
+    *,
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    spec_of: Callable[[State, Any], PartitionSpec],
+    check_vma: bool,
+) -> Any:
+    """One call of a `shard_map` function: find its states on one device's shard,
+    then run it under `jax.shard_map` and write back the states it wrote."""
+    args = hide_static(args)  # a model's handles ride in the tree structure
+    specs = _per_argument_specs(in_specs)
+    traced = Discovery(
+        fun,
+        show_static(_local_args(args, specs, mesh)),
+        traces=traces,
+        discover_in=_ShardView(_context.current_frame(), spec_of, mesh),
+    )
+    traced.refuse_new_states("`shard_map`")
+    states, written = traced.states, traced.written
+    state_spec = {s: spec_of(s, v) for s, v in zip(states, traced.values)}
+    values = _placed(traced.values, [state_spec[s] for s in states], mesh)
+    out, new_values = jax.shard_map(
+        _per_device_body(fun, states, written, state_spec, check_vma),
+        mesh=mesh,
+        in_specs=([state_spec[s] for s in states], *specs),
+        out_specs=(out_specs, [state_spec[s] for s in written]),
+        check_vma=check_vma,
+    )(values, *args)
+    traced.commit(dict(zip(written, new_values)))
+    return show_static(out)
 
 
 @decorator_form
@@ -130,12 +243,7 @@ def shard_map(
         assert (y == 2 * jnp.arange(2.0 * n)).all() and seen.value == jnp.arange(2.0 * n).sum()
         ```
     """
-    rule = spec_rule(PartitionSpec() if state_specs is None else state_specs)
-
-    def spec_of(state: State, value: Any) -> PartitionSpec:
-        spec = rule(state, value)
-        return PartitionSpec() if spec is None else spec
-
+    spec_of = _state_spec_rule(state_specs)
     # The mesh axes are in scope while tracing, so that collectives trace.
     traces = traces_for(
         fun, getattr(fun, "__name__", None), axis_env=list(mesh.shape.items())
@@ -143,64 +251,9 @@ def shard_map(
 
     @ft.wraps(fun)
     def sharded(*args: Any) -> Any:
-        frame = _context.current_frame()
-        args = hide_static(args)  # a model's handles ride in the tree structure
-        specs = tuple(in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
-        local_args = tuple(
-            jtu.tree_map(
-                lambda s, a: jtu.tree_map(lambda x: _local(x, s, mesh), a),
-                spec,
-                arg,
-                is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
-            )
-            for spec, arg in zip(specs, args)
-        )
-        traced = Discovery(
-            fun,
-            show_static(local_args),
-            traces=traces,
-            discover_in=_ShardView(frame, spec_of, mesh),
-        )
-        traced.refuse_new_states("`shard_map`")
-        states, written = traced.states, traced.written
-        state_spec = {s: spec_of(s, v) for s, v in zip(states, traced.values)}
-        values = [
-            jax.device_put(v, NamedSharding(mesh, state_spec[s]))
-            if compat.is_top_level()
-            else v
-            for s, v in zip(states, traced.values)
-        ]
-
-        def body(state_values, *args):
-            # `fun` runs again here rather than its jaxpr being evaluated: shard_map
-            # types every value as varying or not across devices, and only tracing
-            # under it inserts the conversions that typing needs.
-            states_in = state_dict_of(dict(zip(states, state_values)))
-            states_out, out = run(fun, states_in, *show_static(args))
-            new = [states_out[s] for s in written]
-            for state, value in zip(written, new):
-                kept_apart = _axes_of(state_spec[state])
-                varying = set().union(
-                    *(compat.varying_axes(x) for x in jtu.tree_leaves(value))
-                )
-                if check_vma and varying - kept_apart:
-                    raise BatchAxisError(
-                        f"{state_label(state)} is written inside `shard_map` with a value "
-                        f"that differs across devices along mesh axes "
-                        f"{sorted(varying - kept_apart)}, but its PartitionSpec "
-                        f"{state_spec[state]} keeps one copy there. Reduce it first (e.g. "
-                        "`jax.lax.pmean(value, axis)`), or split it with `state_specs`."
-                    )
-            return hide_static(out), new
-
-        out, new_values = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=([state_spec[s] for s in states], *specs),
-            out_specs=(out_specs, [state_spec[s] for s in written]),
-            check_vma=check_vma,
-        )(values, *args)
-        traced.commit(dict(zip(written, new_values)))
-        return show_static(out)
+        return _call_sharded(
+            fun, traces, args, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+            spec_of=spec_of, check_vma=check_vma,
+        )  # fmt: skip
 
     return sharded

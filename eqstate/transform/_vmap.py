@@ -1,7 +1,8 @@
 """vmap: `jax.vmap` over a function that uses pre-existing states."""
 
+import dataclasses
 import functools as ft
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -72,30 +73,39 @@ def axis_size_of(
     check_axis_size(axis_size)
     sizes: dict[str, int] = {} if axis_size is None else {"axis_size": axis_size}
     sizes.update(extra or {})
-
-    def collect(axis: Any, subtree: Any, where: str) -> None:
-        if axis is None:
-            return
-        for path, leaf in jtu.tree_leaves_with_path(subtree):
-            shape = getattr(leaf, "shape", None)
-            if shape is None:
-                continue
-            if not -len(shape) <= axis < len(shape):
-                raise ValueError(
-                    f"`in_axes` maps {where}{jtu.keystr(path)} along axis {axis}, but it "
-                    f"has shape {tuple(shape)}, without that axis. Give it the mapped "
-                    "axis, or broadcast it to every lane with `None` as its entry of "
-                    "`in_axes`."
-                )
-            sizes[f"{where}{jtu.keystr(path)}"] = shape[axis]
-
     for i, (axis, arg) in enumerate(zip(axes, args)):
         jtu.tree_map(
-            lambda a, sub, i=i: collect(a, sub, f"argument {i}"),
+            lambda a, sub, i=i: sizes.update(_sizes_along(a, sub, f"argument {i}")),
             axis,
             arg,
             is_leaf=lambda x: x is None,
         )
+    return _the_one_size(sizes, required)
+
+
+def _sizes_along(axis: int | None, subtree: Any, where: str) -> dict[str, int]:
+    """The length of axis `axis` of every array in `subtree`, by its path."""
+    sizes: dict[str, int] = {}
+    if axis is None:
+        return sizes
+    for path, leaf in jtu.tree_leaves_with_path(subtree):
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            continue
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(
+                f"`in_axes` maps {where}{jtu.keystr(path)} along axis {axis}, but it "
+                f"has shape {tuple(shape)}, without that axis. Give it the mapped "
+                "axis, or broadcast it to every lane with `None` as its entry of "
+                "`in_axes`."
+            )
+        sizes[f"{where}{jtu.keystr(path)}"] = shape[axis]
+    return sizes
+
+
+def _the_one_size(sizes: dict[str, int], required: bool) -> int | None:
+    """The size all of `sizes` agree on (`None` if there are none and it is not
+    `required`)."""
     if not sizes:
         if not required:
             return None
@@ -264,10 +274,33 @@ def vmap(
         ```
     """
     check_axis_size(axis_size)
-    in_pairs = parse_state_axes(in_states, "in_states")
+    mapped_axis = ft.partial(axis_of, pairs=parse_state_axes(in_states, "in_states"))
     out_pairs = parse_state_axes(out_states, "out_states")
+    traces_of_size = _traces_by_size(fun, axis_name)
+
+    @ft.wraps(fun)
+    def vmapped(*args: Any, **kwargs: Any) -> Any:
+        axes = per_argument_axes(in_axes, len(args))
+        traced, size = _discover_lane(
+            fun, traces_of_size, args, kwargs, axes, mapped_axis,
+            axis_size=axis_size, axis_name=axis_name,
+        )  # fmt: skip
+        return _call_vmapped(
+            traced, args, kwargs, axes, mapped_axis, out_pairs,
+            out_axes=out_axes, axis_name=axis_name, axis_size=size,
+            spmd_axis_name=spmd_axis_name,
+        )  # fmt: skip
+
+    return vmapped
+
+
+def _traces_by_size(
+    fun: Callable, axis_name: Hashable | None
+) -> Callable[[int | None], FunctionTraces]:
+    """The discovery traces of `fun` for a given axis size. With `axis_name`, a trace
+    needs the axis (and its size) in scope, so each size has its own; without, one
+    serves all."""
     name = getattr(fun, "__name__", None)
-    # With `axis_name`, the discovery trace needs the axis (and its size) in scope.
     traces: dict[int | None, FunctionTraces] = {}
 
     def traces_of_size(size: int | None) -> FunctionTraces:
@@ -277,42 +310,47 @@ def vmap(
             traces[key] = traces_for(fun, name, axis_env=axis_env)
         return traces[key]
 
-    @ft.wraps(fun)
-    def vmapped(*args: Any, **kwargs: Any) -> Any:
-        frame = _context.current_frame()
-        axes = per_argument_axes(in_axes, len(args))
-        # None if only states are mapped: their values give the size. Computed first,
-        # as it checks that every mapped argument has its mapped axis.
-        size = axis_size_of((*axes, 0), (*args, kwargs), axis_size, required=False)
-        lane_args = tuple(_lane_args(a, ax) for a, ax in zip(args, axes))
-        lane_kwargs = {k: _lane_args(v, 0) for k, v in kwargs.items()}
+    return traces_of_size
 
-        def mapped_axis(state: State) -> int | None:
-            return axis_of(state, in_pairs)
 
-        def discover(size: int | None) -> Discovery:
-            return Discovery(
-                fun,
-                lane_args,
-                lane_kwargs,
-                traces=traces_of_size(size),
-                discover_in=_LaneView(frame, mapped_axis),
-            )
+def _discover_lane(
+    fun: Callable,
+    traces_of_size: Callable[[int | None], FunctionTraces],
+    args: tuple,
+    kwargs: dict,
+    axes: tuple,
+    mapped_axis: Callable[[State], int | None],
+    *,
+    axis_size: int | None,
+    axis_name: Hashable | None,
+) -> tuple[Discovery, int | None]:
+    """`fun` traced on one lane of its arguments and mapped states, to find the
+    states it uses; with the axis size known so far (`None` if only states are
+    mapped and there is no `axis_name`)."""
+    frame = _context.current_frame()
+    # None if only states are mapped: their values give the size. Computed first,
+    # as it checks that every mapped argument has its mapped axis.
+    size = axis_size_of((*axes, 0), (*args, kwargs), axis_size, required=False)
+    lane_args = tuple(_lane_args(a, ax) for a, ax in zip(args, axes))
+    lane_kwargs = {k: _lane_args(v, 0) for k, v in kwargs.items()}
 
-        if size is None and axis_name is not None:
-            # Only states are mapped, so their values give the size: find them with
-            # a stand-in size, then trace again with the real one.
-            first = discover(1)
-            size = axis_size_of(axes, args, None, _state_sizes(first, mapped_axis))
-        traced = discover(size)
-        traced.refuse_new_states("`vmap` (use `vmap_new_states` to create states)")
-        return _call_vmapped(
-            traced, args, kwargs, axes, mapped_axis, out_pairs,
-            out_axes=out_axes, axis_name=axis_name, axis_size=size,
-            spmd_axis_name=spmd_axis_name,
-        )  # fmt: skip
+    def discover(size: int | None) -> Discovery:
+        return Discovery(
+            fun,
+            lane_args,
+            lane_kwargs,
+            traces=traces_of_size(size),
+            discover_in=_LaneView(frame, mapped_axis),
+        )
 
-    return vmapped
+    if size is None and axis_name is not None:
+        # Only states are mapped, so their values give the size: find them with
+        # a stand-in size, then trace again with the real one.
+        first = discover(1)
+        size = axis_size_of(axes, args, None, _state_sizes(first, mapped_axis))
+    traced = discover(size)
+    traced.refuse_new_states("`vmap` (use `vmap_new_states` to create states)")
+    return traced, size
 
 
 def _lane_args(tree: Any, axis: Any) -> Any:
@@ -334,17 +372,20 @@ def _lane_args(tree: Any, axis: Any) -> Any:
     return jtu.tree_map(strip, axis, tree, is_leaf=lambda x: x is None)
 
 
-def _call_vmapped(
-    traced: Discovery,
-    args: tuple,
-    kwargs: dict,
-    axes: tuple,
-    mapped_axis: Callable[[State], int | None],
-    out_pairs: list,
-    **vmap_options: Any,
-) -> Any:
+@dataclasses.dataclass(frozen=True)
+class _StateRoles:
+    """How `vmap` treats each state a call uses."""
+
+    mapped: dict[State, int]  # declared in `in_states`, with their batch axis
+    randoms: Sequence[State]  # broadcast random keys, split per lane
+    mapped_written: Sequence[State]
+    broadcast_written: Sequence[State]  # must be written alike in every lane
+
+
+def _state_roles(
+    traced: Discovery, values: dict[State, Any], mapped_axis: Callable
+) -> _StateRoles:
     states = traced.states
-    values = dict(zip(states, traced.values))
     mapped = {s: a for s in states if (a := mapped_axis(s)) is not None}
     randoms = [
         s
@@ -352,55 +393,97 @@ def _call_vmapped(
         if isinstance(s, RandomState) and s not in mapped and jnp.ndim(values[s]) == 0
     ]
     written = set(traced.written)
-    mapped_written = [s for s in states if s in mapped and s in written]
-    broadcast_written = [
-        s for s in states if s in written and s not in mapped and s not in randoms
-    ]
-    size = axis_size_of(
-        axes, args, vmap_options.pop("axis_size"), _state_sizes(traced, mapped_axis)
+    return _StateRoles(
+        mapped=mapped,
+        randoms=randoms,
+        mapped_written=[s for s in states if s in mapped and s in written],
+        broadcast_written=[
+            s for s in states if s in written and s not in mapped and s not in randoms
+        ],
     )
 
-    outer_keys, lane_keys = [], []
-    for s in randoms:
-        outer_key, keys = split_and_advance(values[s], size)
-        outer_keys.append(outer_key)
-        lane_keys.append(keys)
 
-    mapped_states = list(mapped)
+def _split_keys(keys: list, size: int) -> tuple[list, list]:
+    """Each key's successor, and `size` keys split from it, one per lane."""
+    outer_keys, lane_keys = [], []
+    for key in keys:
+        outer_key, keys_per_lane = split_and_advance(key, size)
+        outer_keys.append(outer_key)
+        lane_keys.append(keys_per_lane)
+    return outer_keys, lane_keys
+
+
+def _lane_function(
+    traced: Discovery, values: dict[State, Any], roles: _StateRoles
+) -> Callable:
+    """One lane of the call: `traced` evaluated on the lane's slice of the mapped
+    states, its random keys and its arguments."""
 
     def lane(mapped_values, keys, args, kwargs):
         current = dict(values)
-        current.update(zip(mapped_states, mapped_values))
-        current.update(zip(randoms, keys))
-        out, updates, _ = traced.evaluate([current[s] for s in states], args, kwargs)
-        for s in broadcast_written:
-            if any(compat.is_batched_here(x) for x in jtu.tree_leaves(updates[s])):
-                raise BatchAxisError(
-                    _UNDECLARED_BATCHED_WRITE.format(label=state_label(s))
-                )
+        current.update(zip(roles.mapped, mapped_values))
+        current.update(zip(roles.randoms, keys))
+        out, updates, _ = traced.evaluate(
+            [current[s] for s in traced.states], args, kwargs
+        )
+        for s in roles.broadcast_written:
+            _check_written_alike(s, updates[s])
         return (
             out,
-            [updates[s] for s in mapped_written],
-            [updates[s] for s in broadcast_written],
+            [updates[s] for s in roles.mapped_written],
+            [updates[s] for s in roles.broadcast_written],
         )
 
-    out_state_axes = [axis_of(s, out_pairs) for s in mapped_written]
-    out_state_axes = [
-        mapped[s] if a is None else a for s, a in zip(mapped_written, out_state_axes)
+    return lane
+
+
+def _check_written_alike(state: State, value: Any) -> None:
+    """Raises `BatchAxisError` if `value`, written to a broadcast state, differs
+    across lanes."""
+    if any(compat.is_batched_here(x) for x in jtu.tree_leaves(value)):
+        raise BatchAxisError(_UNDECLARED_BATCHED_WRITE.format(label=state_label(state)))
+
+
+def _out_state_axes(roles: _StateRoles, out_pairs: list) -> list[int]:
+    """The output axis of each written mapped state: from `out_states`, else its
+    input axis."""
+    axes = [axis_of(s, out_pairs) for s in roles.mapped_written]
+    return [
+        roles.mapped[s] if a is None else a for s, a in zip(roles.mapped_written, axes)
     ]
-    in_vmap_axes = ([mapped[s] for s in mapped_states], 0, arrays_only(axes), 0)
-    out, new_mapped, new_broadcast = eqx.filter_vmap(
-        lane,
-        in_axes=in_vmap_axes,
-        out_axes=(arrays_only(vmap_options.pop("out_axes")), out_state_axes, None),
+
+
+def _call_vmapped(
+    traced: Discovery,
+    args: tuple,
+    kwargs: dict,
+    axes: tuple,
+    mapped_axis: Callable[[State], int | None],
+    out_pairs: list,
+    *,
+    out_axes: AxisSpec,
+    axis_name: Hashable | None,
+    axis_size: int | None,
+    spmd_axis_name: Hashable | tuple[Hashable, ...] | None,
+) -> Any:
+    """`traced` run under `eqx.filter_vmap`, its states' new values written back."""
+    values = dict(zip(traced.states, traced.values))
+    roles = _state_roles(traced, values, mapped_axis)
+    size = axis_size_of(axes, args, axis_size, _state_sizes(traced, mapped_axis))
+    outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
+    out, new_mapped, new_broadcast = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
+        _lane_function(traced, values, roles),
+        in_axes=(list(roles.mapped.values()), 0, arrays_only(axes), 0),
+        out_axes=(arrays_only(out_axes), _out_state_axes(roles, out_pairs), None),
+        axis_name=axis_name,
         axis_size=size,
-        **vmap_options,
-    )([values[s] for s in mapped_states], lane_keys, args, kwargs)
-    updates = dict(zip(broadcast_written, new_broadcast))
-    for state, value in zip(mapped_written, new_mapped):
+        spmd_axis_name=spmd_axis_name,
+    )([values[s] for s in roles.mapped], lane_keys, args, kwargs)
+    updates = dict(zip(roles.broadcast_written, new_broadcast))
+    for state, value in zip(roles.mapped_written, new_mapped):
         _check_same_shape(state, values[state], value)
         updates[state] = value
-    updates.update(zip(randoms, outer_keys))
+    updates.update(zip(roles.randoms, outer_keys))
     traced.commit(updates)
     return out
 
