@@ -143,6 +143,24 @@ def jit(
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
+def _jax_jit_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The `jax.jit` options of `jit`'s for the function's own arguments and output,
+    as `JitDispatch` takes them: unset ones left out, and `out_shardings` for the
+    output only (the jitted body returns `(out, written values)`)."""
+    names = ("keep_unused", "inline", "compiler_options")
+    jit_kwargs: dict[str, Any] = {k: options[k] for k in names}
+    for name in ("device", "backend", "in_shardings"):
+        if options[name] is not None:
+            jit_kwargs[name] = options[name]
+    donated = options["donate_argnums"]
+    donated = (donated,) if isinstance(donated, int) else tuple(donated)
+    if donated:
+        jit_kwargs["donate_argnums"] = donated
+    if options["out_shardings"] is not None:
+        jit_kwargs["out_shardings"] = (options["out_shardings"], None)
+    return jit_kwargs
+
+
 @decorator_form
 def jit(
     fun: Any = MISSING,
@@ -252,20 +270,7 @@ def jit(
         state_returns="write",
         cache_type="jit",
     )
-    jit_kwargs: dict[str, Any] = dict(
-        keep_unused=keep_unused, inline=inline, compiler_options=compiler_options
-    )
-    if device is not None:
-        jit_kwargs["device"] = device
-    if backend is not None:
-        jit_kwargs["backend"] = backend
-    donated = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
-    if donated:
-        jit_kwargs["donate_argnums"] = tuple(donated)
-    if in_shardings is not None:
-        jit_kwargs["in_shardings"] = in_shardings
-    if out_shardings is not None:
-        jit_kwargs["out_shardings"] = (out_shardings, None)
+    jit_kwargs = _jax_jit_options(options)
     return JittedFunction(
         fun,
         sf,
