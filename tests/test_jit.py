@@ -417,3 +417,26 @@ def test_make_jaxpr_names_its_function_as_jax_does():
 
     assert es.transform.make_jaxpr(step).__name__ == jax.make_jaxpr(step).__name__
     assert es.transform.make_jaxpr(step).__name__ == "make_jaxpr(step)"
+
+
+def test_the_stateful_function_of_a_jit_takes_its_options():
+    # `jit`'s options hold for its `stateful_function` too: one set of plans and one
+    # flat `jax.jit` per trace, whichever is called first.
+    jitted = es.transform.jit(lambda x: es.State(x).value * 2, donate_states=True)
+    sf = jitted.stateful_function
+    with pytest.raises(NotImplementedError, match="creates no states"):
+        sf.jaxpr_call(es.StateDict(), jnp.ones(2))
+    with pytest.raises(NotImplementedError, match="creates no states"):
+        jitted(jnp.ones(2))
+
+    count = es.ShortTermState(jnp.array(0))
+
+    def step(x):
+        count.value = count.value + 1
+        return x * 2
+
+    plain = es.transform.jit(step)
+    plain(1.0)
+    plain.stateful_function(2.0)  # through the same plan: no other trace
+    assert count.value == 2
+    assert plain.get_cache_stats()["traces"] == 1

@@ -395,11 +395,9 @@ class JitDispatch:
         values = _WORLD_VALUES
         written = [values[k] for k in plan.written_keys]
         read = [values[k] for k in plan.read_keys]
-        jitted = plan.function_for(written) if plan.donates else plan.jitted
-        fn = jitted.get(key) or jitted.make(key)
-        out, updated = fn(written, read, dynamic)
-        if not plan.simple_out:
-            out = self._splitter.output(key, out)
+        jitted = plan.function_for(written)
+        split = (key, dynamic)
+        out, updated = _run_split(plan, jitted, written, read, split, self._splitter)
         if updated:
             _store_in_world(plan, updated)
         return out

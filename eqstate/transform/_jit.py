@@ -11,7 +11,7 @@ from .. import _jax_compat as compat
 from .._custom_types import MISSING, Missing
 from ._decorator import decorator_form
 from ._dispatch import JitDispatch
-from ._stateful_function import StatefulFunction, traces_of
+from ._stateful_function import calls_through, StatefulFunction, traces_of
 
 
 compat.hide_from_tracebacks(__file__)
@@ -270,11 +270,12 @@ def jit(
         state_returns="write",
         cache_type="jit",
     )
-    jit_kwargs = _jax_jit_options(options)
-    return JittedFunction(
+    jitted = JittedFunction(
         fun,
         sf,
         donate_states=donate_states,
-        jit_kwargs=jit_kwargs,
+        jit_kwargs=_jax_jit_options(options),
         state_shardings=state_shardings,
     )
+    calls_through(sf, jitted)
+    return jitted

@@ -147,8 +147,9 @@ class StatefulFunction:
         """Drops every cached trace and compiled executable, and resets the counts of
         [`eqstate.transform.StatefulFunction.get_cache_stats`][]."""
         if self._dispatch is not None:
-            self._dispatch.clear()
-        self._traces.clear()
+            self._dispatch.clear()  # its plans, and the traces
+        else:
+            self._traces.clear()
 
     # ----------------------------------------------------------------- inspection
 
@@ -569,12 +570,21 @@ class StatefulFunction:
         return self._traces.trace_for(call, _context.current_frame())
 
     def _jit_options(self) -> dict | None:
-        return {} if self.cache_type == "jit" else None
+        # The options of the flat `jax.jit` that a trace keeps: those of the plans
+        # calls go through (`jit`'s own, for its `stateful_function`).
+        return None if self._dispatch is None else self._dispatch.flat_options()
 
 
 def traces_of(sf: StatefulFunction) -> FunctionTraces:
     """The traces behind `sf`, for transforms that call its pure form themselves."""
     return sf._traces
+
+
+def calls_through(sf: StatefulFunction, dispatch: JitDispatch) -> None:
+    """Sends the eager calls of `sf` (made with `cache_type='jit'`) through
+    `dispatch`'s plans, and gives its flat `jax.jit` the same options: `jit` shares
+    its plans with its `stateful_function`."""
+    sf._dispatch = dispatch
 
 
 def make_jaxpr(
