@@ -135,14 +135,12 @@ class Discovery:
 
         try:
             trace, _ = self.traces.lookup(call, inner, values_of)
-        except StaleTrace:
-            trace = None
-        if trace is None or trace.states != states:
+        except StaleTrace:  # `values_of` refuses a trace of other states
             raise UnstableStatesError(
                 f"{self.name} touched different states when traced inside the "
                 "transform than before it. Its states must not depend on the values "
                 "of its arguments."
-            )
+            ) from None
         return trace
 
     def commit(
