@@ -19,7 +19,7 @@ import contextvars
 import functools
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -398,9 +398,9 @@ _current: contextvars.ContextVar[Frame] = contextvars.ContextVar(
 )
 
 
-def current_frame() -> Frame:
-    """The innermost frame of this thread or task."""
-    return _current.get()
+# Read on every call of a jitted function, so bound once rather than wrapped.
+current_frame: Callable[[], Frame] = _current.get
+"""The innermost frame of this thread or task."""
 
 
 def enter(frame: Frame) -> contextvars.Token:

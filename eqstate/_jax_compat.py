@@ -90,10 +90,24 @@ def _is_top_level_public() -> bool:
     return _current_trace_public() is _EVAL_TRACE
 
 
-# Called on every eager state access, so bound once rather than wrapped.
-is_top_level: "Callable[[], bool]" = (
-    _trace_ctx.is_top_level if _trace_ctx is not None else _is_top_level_public
-)
+def _top_level_check() -> "Callable[[], bool]":
+    """`trace_ctx.is_top_level` without its two property calls (it runs on every
+    call of a jitted function and every eager state access)."""
+    try:
+        trace, axis_env = _core.trace_state_strong_ref, _core.axis_env_state
+        eval_trace, top_axis_env = _core.eval_trace, _core.top_axis_env
+    except AttributeError:  # pragma: no cover - depends on the JAX release
+        if _trace_ctx is not None:
+            return _trace_ctx.is_top_level
+        return _is_top_level_public
+
+    def is_top_level() -> bool:
+        return trace.value is eval_trace and axis_env.value is top_axis_env
+
+    return is_top_level
+
+
+is_top_level = _top_level_check()
 """Whether code runs eagerly, outside every JAX transform."""
 
 

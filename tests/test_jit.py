@@ -92,6 +92,17 @@ def _donating_increment(s):
     return increment
 
 
+def test_donation_reuses_the_buffer_of_a_single_written_state():
+    s = es.State(jnp.ones(3), name="s")
+    increment = _donating_increment(s)
+    increment()
+    buffer = s.value.unsafe_buffer_pointer()
+    for _ in range(3):
+        increment()
+        assert s.value.unsafe_buffer_pointer() == buffer
+    assert (s.value == 5).all()
+
+
 def test_donation_never_deletes_a_value_the_caller_holds():
     s = es.State(jnp.ones(3), name="s")
     increment = _donating_increment(s)

@@ -36,8 +36,8 @@ compat.hide_from_tracebacks(__file__)
 
 _WORLD_VALUES = WORLD.by_id
 _WORLD_LOCK = WORLD.lock
-# The values of a plan without read-only states (never changed).
-_NO_VALUES: list = []
+# The split (see `_split_args`) of a call that is not split.
+_UNSPLIT: tuple[int, list] = (-1, [])
 
 
 class _PlanMismatch(Exception):
@@ -53,10 +53,10 @@ def _mark_from_trace(exc: BaseException) -> None:
 
 class _Plan:
     __slots__ = (
+        "bare_written",
         "donates",
         "in_constraints",
         "jitted",
-        "one_written",
         "out_constraints",
         "read_keys",
         "read_states",
@@ -81,7 +81,7 @@ class _Plan:
     in_constraints: dict[State, Any]
     out_constraints: dict[State, Any]
 
-    def __init__(self, trace: Trace, split: bool):
+    def __init__(self, trace: Trace, split: bool, donates: bool):
         # Calls pass their arguments split (see `_split_args`): they hold leaves that
         # `jax.jit` does not take (handles, strings), or the output does.
         self.split = split
@@ -94,10 +94,26 @@ class _Plan:
         # The plan holds the handles, so their ids stay valid world keys.
         self.written_keys = [id(s) for s in trace.updated_states]
         self.read_keys = [id(s) for s in self.read_states]
-        # The key of the only written state, if there is one (a faster hot path).
-        self.one_written = self.written_keys[0] if len(self.written_keys) == 1 else None
-        self.donates = False
+        self.donates = donates
         self.undonated = None
+        # The key of the only written state, if there is one and it is not donated:
+        # the jitted function takes and returns its value bare, not in a list, which
+        # JAX dispatches faster. (Donation checks the references to a list's values.)
+        one = len(self.written_keys) == 1 and not donates
+        self.bare_written = self.written_keys[0] if one else None
+
+    def pack(self, written: list) -> Any:
+        """The written states' values as the jitted function takes them."""
+        return written[0] if self.bare_written is not None else written
+
+    def unpack(self, updated: Any) -> list:
+        """The written states' new values from what the jitted function returns."""
+        return [updated] if self.bare_written is not None else updated
+
+    def read_from(self, frame: _context.Frame) -> list | None:
+        """The values of the read-only states in `frame`; `None` if there are none
+        (cheaper than an empty list for `jax.jit` to dispatch)."""
+        return frame.read_many(self.read_states) if self.read_states else None
 
     def function_for(self, written: list) -> Any:
         """The jitted function for a call whose written states hold `written`: the
@@ -109,15 +125,16 @@ class _Plan:
     def evaluate(
         self,
         traces: FunctionTraces,
-        written: list,
-        read: list,
+        written: Any,
+        read: list | None,
         args: tuple,
         kwargs: dict,
-    ) -> tuple[Any, list]:
+    ) -> tuple[Any, Any]:
         """The body of the plan's `jax.jit` (run when JAX traces it): finds the trace
-        for the call and evaluates it. Raises `_PlanMismatch` if the call needs other
-        states than the plan's."""
-        values = self._in_trace_order(written, read)
+        for the call and evaluates it. Takes and returns the written states' values
+        packed (see `pack`). Raises `_PlanMismatch` if the call needs other states
+        than the plan's."""
+        values = self._in_trace_order(self.unpack(written), read)
 
         def values_of(trace: Trace) -> list | None:
             return values if trace.states == self.states else None
@@ -140,13 +157,13 @@ class _Plan:
             _constrained(v, constraints[s]) if s in constraints else v
             for s, v in zip(self.updated_states, updated)
         ]
-        return trace.build_output(out, ()), updated
+        return trace.build_output(out, ()), self.pack(updated)
 
-    def _in_trace_order(self, written: list, read: list) -> list:
+    def _in_trace_order(self, written: list, read: list | None) -> list:
         """The values of the plan's states in the order of `states`, constrained to
         their input shardings."""
         by_state = dict(
-            zip((*self.updated_states, *self.read_states), (*written, *read))
+            zip((*self.updated_states, *self.read_states), (*written, *(read or ())))
         )
         values = [by_state[s] for s in self.states]
         for i, state in enumerate(self.states):
@@ -255,12 +272,14 @@ def _needs_split(call_all_dynamic: bool, trace: Trace) -> bool:
 def _run_split(
     plan: _Plan,
     jitted: "_PerKey",
-    written: list,
-    read: list,
-    split: tuple[int, list],
+    written: Any,
+    read: list | None,
+    key: int,
+    dynamic: list,
     splitter: ArgSplitter,
-) -> tuple[Any, list]:
-    key, dynamic = split
+) -> tuple[Any, Any]:
+    """Calls the jitted function for `key` (written values packed, see `_Plan.pack`),
+    and rebuilds the output if the trace recorded how."""
     fn = jitted.get(key)
     if fn is None:
         fn = jitted.make(key)
@@ -352,20 +371,34 @@ class JitDispatch:
         try:
             if frame is not WORLD or not is_top_level():
                 return self._call_in_frame(plan, frame, args, kwargs)
-            if plan.split:
-                return self._call_split_in_world(args, kwargs)
+            split = plan.split
+            key, dynamic = self._splitter.split(args, kwargs) if split else _UNSPLIT
+            if split:
+                # Each argument structure (a model's handles) has a plan of its own.
+                plan = self._plans_by_key.get(key)
+                if plan is None:
+                    raise _PlanMismatch
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
-            one = plan.one_written
+            one = plan.bare_written
             if one is not None:
-                written = [values[one]]
+                written = values[one]
+                jitted = plan.jitted
             else:
                 written = [values[k] for k in plan.written_keys]
+                jitted = plan.function_for(written) if plan.donates else plan.jitted
             read_keys = plan.read_keys
-            read = [values[k] for k in read_keys] if read_keys else _NO_VALUES
-            jitted = plan.function_for(written) if plan.donates else plan.jitted
-            if kwargs:
+            read = [values[k] for k in read_keys] if read_keys else None
+            if split:
+                splitter = self._splitter
+                out, updated = _run_split(
+                    plan, jitted, written, read, key, dynamic, splitter
+                )
+            elif kwargs:
                 out, updated = jitted(written, read, *args, **kwargs)
+            elif len(args) == 1:
+                # Spelled out: a call through `*args` builds JAX's dispatch a tuple.
+                out, updated = jitted(written, read, args[0])
             else:
                 out, updated = jitted(written, read, *args)
         except _PlanMismatch:
@@ -380,25 +413,8 @@ class JitDispatch:
             self._raise_if_planned(exc, args, kwargs)
             return self._call_unplanned(args, kwargs)
         if one is not None:
-            values[one] = updated[0]
+            values[one] = updated
         elif updated:
-            _store_in_world(plan, updated)
-        return out
-
-    def _call_split_in_world(self, args: tuple, kwargs: dict) -> Any:
-        """The hot path of a call whose arguments are split: each argument structure
-        (a model's handles) has its own plan and its own jitted function."""
-        key, dynamic = self._splitter.split(args, kwargs)
-        plan = self._plans_by_key.get(key)
-        if plan is None:
-            raise _PlanMismatch
-        values = _WORLD_VALUES
-        written = [values[k] for k in plan.written_keys]
-        read = [values[k] for k in plan.read_keys]
-        jitted = plan.function_for(written)
-        split = (key, dynamic)
-        out, updated = _run_split(plan, jitted, written, read, split, self._splitter)
-        if updated:
             _store_in_world(plan, updated)
         return out
 
@@ -440,17 +456,20 @@ class JitDispatch:
         split: tuple[int, list] | None = None,
     ) -> tuple[Any, list]:
         written = frame.read_many(plan.updated_states)
-        read = frame.read_many(plan.read_states)
+        read = plan.read_from(frame)
         jitted = plan.function_for(written)
         if not plan.split:
-            return jitted(written, read, *args, **kwargs)
+            out, updated = jitted(plan.pack(written), read, *args, **kwargs)
+            return out, plan.unpack(updated)
         if split is None:
             split = self._splitter.split(args, kwargs)
-        result = _run_split(plan, jitted, written, read, split, self._splitter)
+        splitter = self._splitter
+        packed = plan.pack(written)
+        out, updated = _run_split(plan, jitted, packed, read, *split, splitter)
         if len(self._plans_by_key) >= KEYS_KEPT:
             self._plans_by_key.clear()
         self._plans_by_key[split[0]] = plan
-        return result
+        return out, plan.unpack(updated)
 
     def _raise_if_planned(self, exc: Exception, args: tuple, kwargs: dict) -> None:
         """Re-raises `exc` if the call fits the current plan: then the error came from
@@ -499,8 +518,8 @@ class JitDispatch:
             values = frame.read_many(trace.states)
             return flat_jit(trace, self.flat_options()).lower(call.leaves, values)
         plan = self._plan_for(trace, frame, _needs_split(call.all_dynamic, trace))
-        written = frame.read_many(plan.updated_states)
-        read = frame.read_many(plan.read_states)
+        written = plan.pack(frame.read_many(plan.updated_states))
+        read = plan.read_from(frame)
         if plan.split:
             key, dynamic = self._splitter.split(args, kwargs)
             return plan.jitted.make(key).lower(written, read, dynamic)
@@ -513,15 +532,14 @@ class JitDispatch:
             if plan is None:
                 if split:
                     self._refuse_positional_options()
-                plan = self._plans[key] = _Plan(trace, split)
-                self._constrain(plan, frame)
                 donate = self._donate and bool(trace.updated_states)
                 if donate and may_fail_at_run_time(trace.jaxpr.jaxpr):
                     self._warn_not_donating()
                     donate = False
+                plan = self._plans[key] = _Plan(trace, split, donate)
+                self._constrain(plan, frame)
                 plan.jitted = self._make_jitted(plan, donate)
                 if donate:
-                    plan.donates = True
                     plan.undonated = self._make_jitted(plan, False)
         return plan
 
