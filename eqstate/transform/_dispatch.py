@@ -14,7 +14,8 @@ import functools as ft
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any
 
 import jax
@@ -55,10 +56,11 @@ class _Plan:
     __slots__ = (
         "bare_written",
         "donates",
+        "get_read",
+        "get_written",
         "in_constraints",
         "jitted",
         "out_constraints",
-        "read_keys",
         "read_states",
         "simple_out",
         "single_leaf",
@@ -93,27 +95,30 @@ class _Plan:
         self.single_leaf = trace.single_leaf_states
         # The plan holds the handles, so their ids stay valid world keys.
         self.written_keys = [id(s) for s in trace.updated_states]
-        self.read_keys = [id(s) for s in self.read_states]
+        read_keys = [id(s) for s in self.read_states]
         self.donates = donates
         self.undonated = None
-        # The key of the only written state, if there is one and it is not donated:
-        # the jitted function takes and returns its value bare, not in a list, which
-        # JAX dispatches faster. (Donation checks the references to a list's values.)
+        # The jitted function takes the states' values packed (see `_packed`), and
+        # returns the written ones so; donated ones go in a list, whose references
+        # `_unsafe_to_donate` counts. These read them from the world, packed.
+        self.get_written = None if donates else _packed_getter(self.written_keys)
+        self.get_read = _packed_getter(read_keys) if read_keys else None
         one = len(self.written_keys) == 1 and not donates
         self.bare_written = self.written_keys[0] if one else None
 
     def pack(self, written: list) -> Any:
         """The written states' values as the jitted function takes them."""
-        return written[0] if self.bare_written is not None else written
+        return written if self.donates else _packed(written)
 
     def unpack(self, updated: Any) -> list:
         """The written states' new values from what the jitted function returns."""
-        return [updated] if self.bare_written is not None else updated
+        if self.donates:
+            return updated
+        return _unpacked(updated, len(self.updated_states))
 
-    def read_from(self, frame: _context.Frame) -> list | None:
-        """The values of the read-only states in `frame`; `None` if there are none
-        (cheaper than an empty list for `jax.jit` to dispatch)."""
-        return frame.read_many(self.read_states) if self.read_states else None
+    def read_from(self, frame: _context.Frame) -> Any:
+        """The values of the read-only states in `frame`, packed."""
+        return _packed(frame.read_many(self.read_states))
 
     def function_for(self, written: list) -> Any:
         """The jitted function for a call whose written states hold `written`: the
@@ -126,7 +131,7 @@ class _Plan:
         self,
         traces: FunctionTraces,
         written: Any,
-        read: list | None,
+        read: Any,
         args: tuple,
         kwargs: dict,
     ) -> tuple[Any, Any]:
@@ -134,6 +139,7 @@ class _Plan:
         for the call and evaluates it. Takes and returns the written states' values
         packed (see `pack`). Raises `_PlanMismatch` if the call needs other states
         than the plan's."""
+        read = _unpacked(read, len(self.read_states))
         values = self._in_trace_order(self.unpack(written), read)
 
         def values_of(trace: Trace) -> list | None:
@@ -159,11 +165,11 @@ class _Plan:
         ]
         return trace.build_output(out, ()), self.pack(updated)
 
-    def _in_trace_order(self, written: list, read: list | None) -> list:
+    def _in_trace_order(self, written: list, read: list) -> list:
         """The values of the plan's states in the order of `states`, constrained to
         their input shardings."""
         by_state = dict(
-            zip((*self.updated_states, *self.read_states), (*written, *(read or ())))
+            zip((*self.updated_states, *self.read_states), (*written, *read))
         )
         values = [by_state[s] for s in self.states]
         for i, state in enumerate(self.states):
@@ -178,6 +184,30 @@ class _Plan:
             and not trace.new_states
             and trace.simple_out == self.simple_out
         )
+
+
+def _packed(values: Sequence[Any]) -> Any:
+    """Values as the jitted functions take them, the cheapest for JAX to dispatch:
+    `None` for none, one value bare, several in a tuple."""
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _unpacked(packed: Any, n: int) -> list:
+    """The `n` values that `_packed` packed."""
+    if n == 0:
+        return []
+    return [packed] if n == 1 else list(packed)
+
+
+def _packed_getter(keys: list[int]) -> Callable[[dict], Any]:
+    """Reads the values under `keys` from a dict, packed (see `_packed`)."""
+    return itemgetter(*keys) if keys else _nothing
+
+
+def _nothing(values: dict) -> None:
+    return None
 
 
 def _constrained(value: Any, sharding: Any) -> Any:
@@ -255,7 +285,7 @@ def can_plan(trace: Trace) -> bool:
     return not trace.new_states
 
 
-def _store_in_world(plan: _Plan, updated: list) -> None:
+def _store_in_world(plan: _Plan, updated: Sequence[Any]) -> None:
     """Writes the new values of a plan's written states to the world, together."""
     if len(updated) == 1:
         _WORLD_VALUES[plan.written_keys[0]] = updated[0]
@@ -273,7 +303,7 @@ def _run_split(
     plan: _Plan,
     jitted: "_PerKey",
     written: Any,
-    read: list | None,
+    read: Any,
     key: int,
     dynamic: list,
     splitter: ArgSplitter,
@@ -380,15 +410,15 @@ class JitDispatch:
                     raise _PlanMismatch
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
-            one = plan.bare_written
-            if one is not None:
-                written = values[one]
+            get = plan.get_written
+            if get is not None:
+                written = get(values)
                 jitted = plan.jitted
-            else:
+            else:  # donated
                 written = [values[k] for k in plan.written_keys]
-                jitted = plan.function_for(written) if plan.donates else plan.jitted
-            read_keys = plan.read_keys
-            read = [values[k] for k in read_keys] if read_keys else None
+                jitted = plan.function_for(written)
+            get = plan.get_read
+            read = get(values) if get is not None else None
             if split:
                 splitter = self._splitter
                 out, updated = _run_split(
@@ -412,6 +442,7 @@ class JitDispatch:
                 raise
             self._raise_if_planned(exc, args, kwargs)
             return self._call_unplanned(args, kwargs)
+        one = plan.bare_written
         if one is not None:
             values[one] = updated
         elif updated:
