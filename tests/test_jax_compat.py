@@ -1,4 +1,5 @@
 import importlib
+import threading
 import types
 
 import jax
@@ -15,6 +16,27 @@ def test_top_level_is_detected_outside_and_inside_transforms():
     jax.jit(lambda x: inside.append(compat.is_top_level()) or x)(1.0)
     jax.vmap(lambda x: inside.append(compat.is_top_level()) or x)(jnp.ones(2))
     assert inside == [False, False]
+
+
+def test_top_level_is_per_thread_and_restored_after_a_failed_transform():
+    seen = []
+
+    def in_a_thread(x):
+        worker = threading.Thread(target=lambda: seen.append(compat.is_top_level()))
+        worker.start()
+        worker.join()
+        seen.append(compat.is_top_level())
+        return x
+
+    jax.jit(in_a_thread)(1.0)
+    assert seen == [True, False]  # another thread is not inside this one's trace
+
+    def fails(x):
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError):
+        jax.grad(fails)(1.0)
+    assert compat.is_top_level()
 
 
 def test_current_trace_differs_inside_a_transform_and_is_stable_within_it():
