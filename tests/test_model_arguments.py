@@ -346,8 +346,8 @@ def test_vmap_maps_a_stacked_mixed_model_and_keeps_its_flags_static(getkey):
     mapped = es.transform.vmap(lambda m: m(xs), in_states={0: es.states_of(ensemble)})
     lanes = mapped(ensemble)
     for i in range(4):
-        h = xs @ ensemble.linear.weight[i].T + ensemble.linear.bias[i]
-        ref = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5)
+        h = xs @ ensemble.linear.weight[i].T + ensemble.linear.bias[i][None]
+        ref = (h - h.mean(0, keepdims=True)) / jnp.sqrt(h.var(0, keepdims=True) + 1e-5)
         assert tree_allclose(lanes[i], ref, rtol=1e-4, atol=1e-5)
     assert ensemble.bn.running_mean.value.shape == (4, 3)
     assert not (ensemble.bn.running_mean.value == 0).any()
