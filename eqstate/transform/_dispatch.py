@@ -45,6 +45,13 @@ class _PlanMismatch(Exception):
     """The call needs other states than the plan's (raised while JAX traces)."""
 
 
+# What a call through a plan raises when it must take the unplanned path instead: a
+# mismatch, a state missing from the world (the unplanned path names it), an output
+# that cannot be rebuilt from its key (`OutputMismatch`), or arguments that `jax.jit`
+# refuses (`TypeError`, `ValueError`; see `JitDispatch._raise_if_planned`).
+_REFUSALS = (_PlanMismatch, KeyError, OutputMismatch, TypeError, ValueError)
+
+
 def _mark_from_trace(exc: BaseException) -> None:
     try:
         exc._eqstate_from_trace = True  # pyright: ignore[reportAttributeAccessIssue]
@@ -100,8 +107,9 @@ class _Plan:
         self.undonated = None
         # The jitted function takes the states' values packed (see `_packed`), and
         # returns the written ones so; donated ones go in a list, whose references
-        # `_unsafe_to_donate` counts. These read them from the world, packed.
-        self.get_written = None if donates else _packed_getter(self.written_keys)
+        # `_unsafe_to_donate` counts. These read them from the world so.
+        keys = self.written_keys
+        self.get_written = _list_getter(keys) if donates else _packed_getter(keys)
         self.get_read = _packed_getter(read_keys) if read_keys else None
         one = len(self.written_keys) == 1 and not donates
         self.bare_written = self.written_keys[0] if one else None
@@ -208,6 +216,11 @@ def _packed_getter(keys: list[int]) -> Callable[[dict], Any]:
 
 def _nothing(values: dict) -> None:
     return None
+
+
+def _list_getter(keys: list[int]) -> Callable[[dict], list]:
+    """Reads the values under `keys` from a dict, in a list."""
+    return lambda values: [values[k] for k in keys]
 
 
 def _constrained(value: Any, sharding: Any) -> Any:
@@ -410,13 +423,8 @@ class JitDispatch:
                     raise _PlanMismatch
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
-            get = plan.get_written
-            if get is not None:
-                written = get(values)
-                jitted = plan.jitted
-            else:  # donated
-                written = [values[k] for k in plan.written_keys]
-                jitted = plan.function_for(written)
+            written = plan.get_written(values)
+            jitted = plan.function_for(written) if plan.donates else plan.jitted
             get = plan.get_read
             read = get(values) if get is not None else None
             if split:
@@ -431,23 +439,23 @@ class JitDispatch:
                 out, updated = jitted(written, read, args[0])
             else:
                 out, updated = jitted(written, read, *args)
-        except _PlanMismatch:
-            return self._call_unplanned(args, kwargs)
-        except (KeyError, OutputMismatch):
-            # A state missing from the world (the unplanned path names it), or an
-            # output that cannot be rebuilt from the key.
-            return self._call_unplanned(args, kwargs)
-        except (TypeError, ValueError) as exc:
-            if getattr(exc, "_eqstate_from_trace", False):
-                raise
-            self._raise_if_planned(exc, args, kwargs)
-            return self._call_unplanned(args, kwargs)
+        except _REFUSALS as exc:
+            return self._after_refusal(exc, args, kwargs)
         one = plan.bare_written
         if one is not None:
             values[one] = updated
         elif updated:
             _store_in_world(plan, updated)
         return out
+
+    def _after_refusal(self, exc: Exception, args: tuple, kwargs: dict) -> Any:
+        """Takes the unplanned path for a call the plan refused (one of `_REFUSALS`).
+        Re-raises the errors of the function itself."""
+        if isinstance(exc, (TypeError, ValueError)):
+            if getattr(exc, "_eqstate_from_trace", False):
+                raise exc
+            self._raise_if_planned(exc, args, kwargs)
+        return self._call_unplanned(args, kwargs)
 
     def _call_in_frame(
         self, plan: _Plan, frame: _context.Frame, args: tuple, kwargs: dict
