@@ -11,6 +11,9 @@ median per-call time (and min-max over the rounds) of:
 - `jit(closed)` and `jit(model, x)`: an `eqx.Module` holding the N states and an
   array, closed over by the step or passed to it as an argument (the handles are
   static leaves, the array is traced);
+- `jax.jit(module)` and `eqx.filter_jit(module)`: what plain JAX and Equinox pay for
+  a module argument: the floor's function taking an `eqx.Module` that holds the array,
+  through `jax.jit` and `eqx.filter_jit`;
 
 with each system's ratio to the floor, all measured side by side in one run. It also
 prints the first trace of `f` (eqstate) against `jax.make_jaxpr` of the pure function,
@@ -54,6 +57,21 @@ def _systems(n: int) -> dict:
         box["dict"], out = pure(box["dict"], x)
         return out
 
+    def pure_with_module(module, values, x):
+        return {k: v * module.decay + x for k, v in values.items()}, x.sum()
+
+    module = _Module(jnp.full(4, 0.5))
+    jax_module = jax.jit(pure_with_module)
+    eqx_module = eqx.filter_jit(pure_with_module)
+
+    def via_jax_module():
+        box["dict"], out = jax_module(module, box["dict"], x)
+        return out
+
+    def via_eqx_module():
+        box["dict"], out = eqx_module(module, box["dict"], x)
+        return out
+
     def via_jaxpr_call():
         box["sd"], out = pure_via_eqstate(box["sd"], x)
         return out
@@ -71,7 +89,13 @@ def _systems(n: int) -> dict:
         passed = es.transform.jit(lambda model, x: model(x))
         systems["jit(closed)"] = lambda: closed(x)
         systems["jit(model, x)"] = lambda: passed(model, x)
+    systems["jax.jit(module)"] = via_jax_module
+    systems["eqx.filter_jit(module)"] = via_eqx_module
     return systems
+
+
+class _Module(eqx.Module):
+    decay: jax.Array
 
 
 class _Model(eqx.Module):
