@@ -111,6 +111,7 @@ class _Plan:
         keys = self.written_keys
         self.get_written = _list_getter(keys) if donates else _packed_getter(keys)
         self.get_read = _packed_getter(read_keys) if read_keys else None
+        # The key of the only written state, when its value travels bare.
         one = len(self.written_keys) == 1 and not donates
         self.bare_written = self.written_keys[0] if one else None
 
