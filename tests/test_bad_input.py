@@ -403,17 +403,7 @@ def checkpoint_unknown_backend():
     return lambda: es.save(path, es.values_of(model), backend="zip"), []
 
 
-def _orbax_case(fn):
-    def guarded():
-        pytest.importorskip("orbax.checkpoint")
-        return fn()
-
-    guarded.__name__ = fn.__name__
-    return guarded
-
-
 @case("an Orbax checkpoint with a flipped byte", es.CheckpointError, "corrupted")
-@_orbax_case
 def orbax_flipped_byte():
     model = {"w": es.ParamState(jnp.arange(1000.0), name="w")}
     path = os.path.join(tempfile.mkdtemp(), "model")
@@ -429,7 +419,6 @@ def orbax_flipped_byte():
 
 
 @case("a checkpoint step that does not increase", es.CheckpointError, "must increase")
-@_orbax_case
 def manager_step_not_increasing():
     w = _w()
     manager = es.CheckpointManager(tempfile.mkdtemp(), async_save=False)
@@ -440,7 +429,6 @@ def manager_step_not_increasing():
 @case(
     "resuming from a directory without checkpoints", es.CheckpointError, "No checkpoint"
 )
-@_orbax_case
 def manager_nothing_to_resume():
     w = _w()
     manager = es.CheckpointManager(tempfile.mkdtemp())

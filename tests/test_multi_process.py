@@ -478,11 +478,6 @@ def test_single_file_save_of_a_sharded_state_names_it_and_the_fix(run):
         assert not result["written"]
 
 
-def _needs_orbax(run):
-    if "manager" not in run["processes"][0]:
-        pytest.skip("orbax-checkpoint is not installed (`pip install eqstate[orbax]`)")
-
-
 def _expected_checkpoint_values() -> dict:
     import jax
     import jax.numpy as jnp
@@ -499,21 +494,18 @@ def _expected_checkpoint_values() -> dict:
 
 
 def test_orbax_checkpoint_of_one_process_restores_in_two(run):
-    _needs_orbax(run)
     for result in _both(run, "orbax_restore_from_one_process"):
         assert result["values"] == _expected_checkpoint_values()
         assert result["w_spec"] == "('d',)"
 
 
 def test_orbax_checkpoint_of_two_processes_round_trips_onto_another_layout(run):
-    _needs_orbax(run)
     for result in _both(run, "orbax_round_trip"):
         assert result["values"] == result["saved"] == _expected_checkpoint_values()
         assert result["w_spec"] == "(None,)"
 
 
 def test_orbax_checkpoint_of_two_processes_restores_in_one(run):
-    _needs_orbax(run)
     import eqstate as es
     import jax
     from jax.sharding import PartitionSpec as P
@@ -532,7 +524,6 @@ def test_orbax_checkpoint_of_two_processes_restores_in_one(run):
 
 
 def test_orbax_mismatch_gives_eqstates_error_in_every_process(run):
-    _needs_orbax(run)
     for message in _both(run, "orbax_mismatch"):
         assert "does not match the model" in message
         assert "`w` holds shape (16,) and dtype float32" in message
@@ -540,7 +531,6 @@ def test_orbax_mismatch_gives_eqstates_error_in_every_process(run):
 
 
 def test_manager_keeps_the_last_two_and_resumes_from_the_latest(run):
-    _needs_orbax(run)
     for result in _both(run, "manager"):
         assert result["steps"] == [2, 3] and result["latest"] == 3
         # Checkpoint 3 holds the values when it was saved, not those after it.
@@ -552,7 +542,6 @@ def test_manager_keeps_the_last_two_and_resumes_from_the_latest(run):
 
 
 def test_async_save_overlaps_training_steps(run):
-    _needs_orbax(run)
     for result in _both(run, "manager"):
         assert result["overlapped"] > 0  # of 60 steps run during three saves
 

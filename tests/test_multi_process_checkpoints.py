@@ -7,13 +7,12 @@ import eqstate as es
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from .helpers import tree_bitwise_equal
 
-
-ocp = pytest.importorskip("orbax.checkpoint")
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint32, jnp.bool_)
 

@@ -14,9 +14,6 @@ import pytest
 from eqstate._launch import local_processes, wait_all
 
 
-pytest.importorskip("optax")
-pytest.importorskip("orbax.checkpoint")
-
 _EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "multi_process_train.py"
 _TIMEOUT = 240.0
 
