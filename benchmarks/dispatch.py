@@ -134,6 +134,7 @@ def main(sizes: tuple[int, ...] = (1, 10, 100, 1000), quick: bool = False) -> No
     )
     print("| N | system | median us | min-max us | ratio |")
     print("| --- | --- | --- | --- | --- |")
+    model_ratios = {}
     for n in sizes:
         rounds = 5 if quick else (60 if n < 1000 else 15)
         calls = 5 if quick else (50 if n < 100 else (20 if n < 1000 else 5))
@@ -144,6 +145,14 @@ def main(sizes: tuple[int, ...] = (1, 10, 100, 1000), quick: bool = False) -> No
                 f"| {n} | {name} | {t.median:.1f} | {t.min:.1f}-{t.max:.1f} "
                 f"| {t.ratio_to(floor):.2f} |"
             )
+        if "jit(model, x)" in results:
+            passed, closed = results["jit(model, x)"], results["jit(closed)"]
+            model_ratios[n] = passed.ratio_to(closed)
+    print("\na model as an argument: jit(model, x) / jit(closed), paired by round\n")
+    print("| N | ratio |")
+    print("| --- | --- |")
+    for n, ratio in model_ratios.items():
+        print(f"| {n} | {ratio:.2f} |")
     print("\nfirst trace, ms (eqstate traces the stateful function once)\n")
     print("| N | jax.make_jaxpr(pure) | StatefulFunction.make_jaxpr | us per state |")
     print("| --- | --- | --- | --- |")

@@ -32,8 +32,13 @@ settings.register_profile(
     suppress_health_check=_SLOW_OK,
     derandomize=True,
 )
+# Its own parent would be the "default" profile above, fixed programs included.
 settings.register_profile(
-    "long", max_examples=10_000, deadline=None, suppress_health_check=_SLOW_OK
+    "long",
+    max_examples=10_000,
+    deadline=None,
+    suppress_health_check=_SLOW_OK,
+    derandomize=False,
 )
 settings.load_profile("default")
 
