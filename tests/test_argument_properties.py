@@ -1,0 +1,173 @@
+"""A law for models passed as arguments: however a model is built, edited in place
+between calls, or swapped for another, `jit(f)(model, x)` gives what `f(model, x)`
+gives eagerly, in its output and in the value of every state.
+
+A jitted function reuses the split of an argument that is the very object of its
+previous call, after checking that the lists and dicts inside it still hold what they
+held; the random edits here are what that check must catch. One jitted function and
+one pool of states serve every example, so structures recur across examples and the
+function's caches fill and evict as in a long run.
+"""
+
+from typing import Any
+
+import eqstate as es
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, note, settings
+
+from .helpers import tree_allclose
+
+
+class Node(eqx.Module):
+    """A module around any content: its Python numbers are static fields."""
+
+    content: Any
+
+
+POOL = [es.ShortTermState(jnp.zeros(2), name=f"s{i}") for i in range(4)]
+
+
+def f(model, x):
+    """Reads and writes every state in `model`, and sums every other leaf."""
+    acc = jnp.sum(x)
+    for leaf in jax.tree_util.tree_leaves(model):
+        if isinstance(leaf, es.State):
+            value = leaf.value
+            leaf.value = value * 0.5 + acc
+            acc = acc + jnp.sum(value)
+        elif isinstance(leaf, str):
+            acc = acc + len(leaf)
+        else:
+            acc = acc + jnp.sum(jnp.asarray(leaf)) * 0.25
+    return acc
+
+
+JITTED = es.transform.jit(f)
+
+leaves = st.one_of(
+    st.tuples(st.just("array"), st.integers(-3, 3), st.sampled_from([(), (2,)])),
+    st.tuples(st.just("state"), st.integers(0, len(POOL) - 1)),
+    st.tuples(st.just("number"), st.sampled_from([0.5, 2.0, 3])),
+    st.tuples(st.just("string"), st.sampled_from(["a", "bcd"])),
+    st.just(("none",)),
+)
+trees = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.tuples(st.just("list"), st.lists(children, max_size=3)),
+        st.tuples(st.just("tuple"), st.lists(children, max_size=3)),
+        st.tuples(
+            st.just("dict"), st.dictionaries(st.sampled_from("abc"), children, max_size=3)
+        ),
+        st.tuples(st.just("module"), children),
+    ),
+    max_leaves=6,
+)
+# A model: a module around a list, so that it always has a list to edit.
+models = st.lists(trees, max_size=4).map(lambda children: ("module", ("list", children)))
+edits = st.one_of(
+    st.just(("repeat",)),  # the same call again
+    st.tuples(st.just("set item"), st.integers(0, 9), st.integers(0, 9), leaves),
+    st.tuples(st.just("append"), st.integers(0, 9), leaves),
+    st.tuples(st.just("pop"), st.integers(0, 9)),
+    st.tuples(st.just("set key"), st.integers(0, 9), st.sampled_from("abd"), leaves),
+    st.tuples(st.just("new model"), models),
+    st.just(("first model",)),
+)
+
+
+def build(spec) -> Any:
+    kind = spec[0]
+    if kind == "array":
+        return jnp.full(spec[2], float(spec[1]))
+    if kind == "state":
+        return POOL[spec[1]]
+    if kind in ("number", "string"):
+        return spec[1]
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [build(c) for c in spec[1]]
+    if kind == "tuple":
+        return tuple(build(c) for c in spec[1])
+    if kind == "dict":
+        return {k: build(c) for k, c in spec[1].items()}
+    return Node(build(spec[1]))
+
+
+def containers(tree) -> list:
+    """The lists and dicts inside `tree` (the model itself if it is one)."""
+    found, pending = [], [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            found.append(node)
+            pending.extend(node)
+        elif isinstance(node, dict):
+            found.append(node)
+            pending.extend(node.values())
+        elif isinstance(node, tuple):
+            pending.extend(node)
+        elif isinstance(node, Node):
+            pending.append(node.content)
+    return found
+
+
+def edit(model, step) -> None:
+    """Applies an in-place edit to a list or dict of `model`, if it has one (and
+    nothing for a repeat)."""
+    found = containers(model)
+    lists = [c for c in found if isinstance(c, list)]
+    filled = [c for c in lists if c]
+    dicts = [c for c in found if isinstance(c, dict)]
+    kind = step[0]
+    if kind == "set item" and filled:
+        target = filled[step[1] % len(filled)]
+        target[step[2] % len(target)] = build(step[3])
+    elif kind == "append" and lists:
+        lists[step[1] % len(lists)].append(build(step[2]))
+    elif kind == "pop" and filled:
+        filled[step[1] % len(filled)].pop()
+    elif kind == "set key" and dicts:
+        dicts[step[1] % len(dicts)][step[2]] = build(step[3])
+
+
+def state_values() -> list:
+    return [np.asarray(s.value) for s in POOL]
+
+
+def check_call(model, x, by_keyword: bool) -> None:
+    before = es.values_of(POOL)
+    out = JITTED(model=model, x=x) if by_keyword else JITTED(model, x)
+    after = state_values()
+    es.assign(before)
+    expected = f(model, x)
+    note(f"model {model}: jitted {out}, eager {expected}")
+    assert tree_allclose(out, expected, rtol=1e-5)
+    assert tree_allclose(after, state_values(), rtol=1e-5)
+
+
+@settings(max_examples=max(20, settings().max_examples // 2))
+@given(
+    first=models,
+    steps=st.lists(st.tuples(edits, st.booleans()), max_size=8),
+    x=st.sampled_from([0.0, 1.0, -2.0]),
+)
+def test_jit_of_a_model_argument_equals_the_eager_call_across_edits(first, steps, x):
+    es.assign(es.StateDict({s: jnp.zeros(2) for s in POOL}))
+    first_model = model = build(first)
+    x = jnp.full(2, x)
+    check_call(model, x, by_keyword=False)
+    for step, by_keyword in steps:
+        note(f"edit: {step}")
+        if step[0] == "new model":
+            model = build(step[1])
+        elif step[0] == "first model":
+            model = first_model
+        else:
+            edit(model, step)
+        check_call(model, x, by_keyword)
