@@ -1,10 +1,13 @@
 """One transformed function shared by threads whose states have different shapes: each
 thread gets its own answer, and each distinct shape is traced once."""
 
+import sys
 import threading
 from collections import Counter
 
 import eqstate as es
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -139,3 +142,45 @@ def test_world_states_written_by_threads_stay_consistent():
 
     assert _run_in_threads(work, 2) == []
     np.testing.assert_allclose(np.asarray(total.value), 2 * 50 * N_THREADS)
+
+
+class _Holder(eqx.Module):
+    content: list
+
+
+def test_threads_passing_models_that_need_and_need_not_a_split_get_their_answers():
+    """Two threads alternate between a model of arrays alone (its calls go to
+    `jax.jit` as they are) and one holding a string (its calls are split). A call
+    can find the other kind's plan current, and must recover from `jax.jit` refusing
+    it, whatever plan the other thread has made current by then."""
+
+    def f(model, x):
+        leaves = jax.tree_util.tree_leaves(model)
+        return x + sum(len(v) if isinstance(v, str) else v for v in leaves)
+
+    jitted = es.transform.jit(f)
+    models = [_Holder([jnp.ones(())]), _Holder(["ab"])]
+    barrier = threading.Barrier(2)
+    failures: list[BaseException] = []
+
+    def run(first):
+        x = jnp.zeros(())
+        try:
+            barrier.wait()
+            for i in range(300):
+                model = models[(first + i) % 2]
+                assert jitted(model, x) == f(model, x)
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns within calls
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not failures, failures[0]

@@ -419,9 +419,10 @@ class JitDispatch:
             key, dynamic = self._splitter.split(args, kwargs) if split else _UNSPLIT
             if split:
                 # Each argument structure (a model's handles) has a plan of its own.
-                plan = self._plans_by_key.get(key)
-                if plan is None:
+                found = self._plans_by_key.get(key)
+                if found is None:
                     raise _PlanMismatch
+                plan = found
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
             written = plan.get_written(values)
@@ -441,7 +442,7 @@ class JitDispatch:
             else:
                 out, updated = jitted(written, read, *args)
         except _REFUSALS as exc:
-            return self._after_refusal(exc, args, kwargs)
+            return self._after_refusal(exc, plan, args, kwargs)
         one = plan.bare_written
         if one is not None:
             values[one] = updated
@@ -449,13 +450,15 @@ class JitDispatch:
             _store_in_world(plan, updated)
         return out
 
-    def _after_refusal(self, exc: Exception, args: tuple, kwargs: dict) -> Any:
-        """Takes the unplanned path for a call the plan refused (one of `_REFUSALS`).
-        Re-raises the errors of the function itself."""
+    def _after_refusal(
+        self, exc: Exception, plan: _Plan, args: tuple, kwargs: dict
+    ) -> Any:
+        """Takes the unplanned path for a call that `plan` refused (one of
+        `_REFUSALS`). Re-raises the errors of the function itself."""
         if isinstance(exc, (TypeError, ValueError)):
             if getattr(exc, "_eqstate_from_trace", False):
                 raise exc
-            self._raise_if_planned(exc, args, kwargs)
+            self._raise_if_planned(exc, plan, args, kwargs)
         return self._call_unplanned(args, kwargs)
 
     def _call_in_frame(
@@ -511,18 +514,19 @@ class JitDispatch:
         self._plans_by_key[split[0]] = plan
         return out, plan.unpack(updated)
 
-    def _raise_if_planned(self, exc: Exception, args: tuple, kwargs: dict) -> None:
-        """Re-raises `exc` if the call fits the current plan: then the error came from
-        running it (JAX reports some runtime errors as `ValueError`), and the
-        unplanned path would only run it again. Otherwise `jax.jit` refused the
-        arguments (a static leaf, a handle, ...): returns, and the unplanned path
-        gives the answer or a clear error."""
+    def _raise_if_planned(
+        self, exc: Exception, plan: _Plan, args: tuple, kwargs: dict
+    ) -> None:
+        """Re-raises `exc` if the call fits `plan`, the plan it went through: then the
+        error came from running it (JAX reports some runtime errors as
+        `ValueError`), and the unplanned path would only run it again. Otherwise
+        `jax.jit` refused the arguments (a static leaf, a handle, ...): returns, and
+        the unplanned path gives the answer or a clear error. Not the current plan:
+        another thread may have changed it meanwhile, to one that fits."""
         call = self._traces.parse(args, kwargs)
         trace = self._traces.trace_for(call, _context.current_frame())
-        plan = self._current
         if (
-            plan is not None
-            and can_plan(trace)
+            can_plan(trace)
             and plan.split == _needs_split(call.all_dynamic, trace)
             and plan.fits(trace)
         ):
