@@ -9,6 +9,7 @@ one pool of states serve every example, so structures recur across examples and 
 function's caches fill and evict as in a long run.
 """
 
+import threading
 from typing import Any
 
 import eqstate as es
@@ -28,7 +29,12 @@ class Node(eqx.Module):
     content: Any
 
 
-POOL = [es.ShortTermState(jnp.zeros(2), name=f"s{i}") for i in range(4)]
+POOL_SIZE = 4
+# One pool for the law, and one for each thread of the threaded law.
+POOLS = [
+    [es.ShortTermState(jnp.zeros(2), name=f"p{p}s{i}") for i in range(POOL_SIZE)]
+    for p in range(3)
+]
 
 
 def f(model, x):
@@ -50,7 +56,7 @@ JITTED = es.transform.jit(f)
 
 leaves = st.one_of(
     st.tuples(st.just("array"), st.integers(-3, 3), st.sampled_from([(), (2,)])),
-    st.tuples(st.just("state"), st.integers(0, len(POOL) - 1)),
+    st.tuples(st.just("state"), st.integers(0, POOL_SIZE - 1)),
     st.tuples(st.just("number"), st.sampled_from([0.5, 2.0, 3])),
     st.tuples(st.just("string"), st.sampled_from(["a", "bcd"])),
     st.just(("none",)),
@@ -61,14 +67,17 @@ trees = st.recursive(
         st.tuples(st.just("list"), st.lists(children, max_size=3)),
         st.tuples(st.just("tuple"), st.lists(children, max_size=3)),
         st.tuples(
-            st.just("dict"), st.dictionaries(st.sampled_from("abc"), children, max_size=3)
+            st.just("dict"),
+            st.dictionaries(st.sampled_from("abc"), children, max_size=3),
         ),
         st.tuples(st.just("module"), children),
     ),
     max_leaves=6,
 )
 # A model: a module around a list, so that it always has a list to edit.
-models = st.lists(trees, max_size=4).map(lambda children: ("module", ("list", children)))
+models = st.lists(trees, max_size=4).map(
+    lambda children: ("module", ("list", children))
+)
 edits = st.one_of(
     st.just(("repeat",)),  # the same call again
     st.tuples(st.just("set item"), st.integers(0, 9), st.integers(0, 9), leaves),
@@ -80,23 +89,23 @@ edits = st.one_of(
 )
 
 
-def build(spec) -> Any:
+def build(spec, pool: list) -> Any:
     kind = spec[0]
     if kind == "array":
         return jnp.full(spec[2], float(spec[1]))
     if kind == "state":
-        return POOL[spec[1]]
+        return pool[spec[1]]
     if kind in ("number", "string"):
         return spec[1]
     if kind == "none":
         return None
     if kind == "list":
-        return [build(c) for c in spec[1]]
+        return [build(c, pool) for c in spec[1]]
     if kind == "tuple":
-        return tuple(build(c) for c in spec[1])
+        return tuple(build(c, pool) for c in spec[1])
     if kind == "dict":
-        return {k: build(c) for k, c in spec[1].items()}
-    return Node(build(spec[1]))
+        return {k: build(c, pool) for k, c in spec[1].items()}
+    return Node(build(spec[1], pool))
 
 
 def containers(tree) -> list:
@@ -117,7 +126,7 @@ def containers(tree) -> list:
     return found
 
 
-def edit(model, step) -> None:
+def edit(model, step, pool: list) -> None:
     """Applies an in-place edit to a list or dict of `model`, if it has one (and
     nothing for a repeat)."""
     found = containers(model)
@@ -127,47 +136,81 @@ def edit(model, step) -> None:
     kind = step[0]
     if kind == "set item" and filled:
         target = filled[step[1] % len(filled)]
-        target[step[2] % len(target)] = build(step[3])
+        target[step[2] % len(target)] = build(step[3], pool)
     elif kind == "append" and lists:
-        lists[step[1] % len(lists)].append(build(step[2]))
+        lists[step[1] % len(lists)].append(build(step[2], pool))
     elif kind == "pop" and filled:
         filled[step[1] % len(filled)].pop()
     elif kind == "set key" and dicts:
-        dicts[step[1] % len(dicts)][step[2]] = build(step[3])
+        dicts[step[1] % len(dicts)][step[2]] = build(step[3], pool)
 
 
-def state_values() -> list:
-    return [np.asarray(s.value) for s in POOL]
-
-
-def check_call(model, x, by_keyword: bool) -> None:
-    before = es.values_of(POOL)
+def check_call(model, x, by_keyword: bool, pool: list, log=note) -> None:
+    before = es.values_of(pool)
     out = JITTED(model=model, x=x) if by_keyword else JITTED(model, x)
-    after = state_values()
+    after = [np.asarray(s.value) for s in pool]
     es.assign(before)
     expected = f(model, x)
-    note(f"model {model}: jitted {out}, eager {expected}")
+    log(f"model {model}: jitted {out}, eager {expected}")
     assert tree_allclose(out, expected, rtol=1e-5)
-    assert tree_allclose(after, state_values(), rtol=1e-5)
+    assert tree_allclose(after, [np.asarray(s.value) for s in pool], rtol=1e-5)
 
 
-@settings(max_examples=max(20, settings().max_examples // 2))
-@given(
-    first=models,
-    steps=st.lists(st.tuples(edits, st.booleans()), max_size=8),
-    x=st.sampled_from([0.0, 1.0, -2.0]),
-)
-def test_jit_of_a_model_argument_equals_the_eager_call_across_edits(first, steps, x):
-    es.assign(es.StateDict({s: jnp.zeros(2) for s in POOL}))
-    first_model = model = build(first)
+def run_sequence(first, steps, x: float, pool: list, log=note) -> None:
+    """Calls after building the first model and after each step; `log` takes the
+    notes to show if the law fails."""
+    es.assign(es.StateDict({s: jnp.zeros(2) for s in pool}))
+    first_model = model = build(first, pool)
     x = jnp.full(2, x)
-    check_call(model, x, by_keyword=False)
+    check_call(model, x, False, pool, log)
     for step, by_keyword in steps:
-        note(f"edit: {step}")
+        log(f"edit: {step}")
         if step[0] == "new model":
-            model = build(step[1])
+            model = build(step[1], pool)
         elif step[0] == "first model":
             model = first_model
         else:
-            edit(model, step)
-        check_call(model, x, by_keyword)
+            edit(model, step, pool)
+        check_call(model, x, by_keyword, pool, log)
+
+
+sequences = st.tuples(
+    models,
+    st.lists(st.tuples(edits, st.booleans()), max_size=8),
+    st.sampled_from([0.0, 1.0, -2.0]),
+)
+
+
+@settings(max_examples=max(20, settings().max_examples // 2))
+@given(sequences)
+def test_jit_of_a_model_argument_equals_the_eager_call_across_edits(sequence):
+    run_sequence(*sequence, POOLS[0])
+
+
+@settings(max_examples=max(10, settings().max_examples // 8))
+@given(sequences, sequences)
+def test_the_law_holds_with_two_threads_calling_one_jitted_function(first, second):
+    """Each thread edits and calls models of its own states, at the same time."""
+    barrier = threading.Barrier(2)
+    failures: list[BaseException] = []
+
+    def run(sequence, pool):
+        log: list[str] = []  # hypothesis takes notes only from the test's thread
+        try:
+            barrier.wait()
+            for _ in range(2):
+                run_sequence(*sequence, pool, log.append)
+        except BaseException as e:
+            e.add_note("\n".join(log))
+            failures.append(e)
+
+    threads = [
+        threading.Thread(target=run, args=(sequence, pool))
+        for sequence, pool in ((first, POOLS[1]), (second, POOLS[2]))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
