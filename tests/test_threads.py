@@ -1,5 +1,6 @@
-"""One transformed function shared by threads whose states have different shapes: each
-thread gets its own answer, and each distinct shape is traced once."""
+"""One transformed function shared by threads whose states have different shapes, or
+whose models call for different plans: each thread gets its own answer, and each
+distinct shape is traced once."""
 
 import sys
 import threading
