@@ -1,5 +1,7 @@
 import functools
 import inspect
+import threading
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,3 +69,24 @@ def traces_per_key() -> int:
     from eqstate import _jax_compat
 
     return 1 if _jax_compat.single_pass_enabled() else 2
+
+
+def run_in_threads(*works: Callable[[], object]) -> list[BaseException]:
+    """Runs each of `works` in a thread of its own, all released together by a
+    barrier; returns the exceptions they raised."""
+    barrier = threading.Barrier(len(works))
+    errors: list[BaseException] = []
+
+    def target(work):
+        try:
+            barrier.wait()
+            work()
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(work,)) for work in works]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

@@ -9,7 +9,7 @@ one pool of states serve every example, so structures recur across examples and 
 function's caches fill and evict as in a long run.
 """
 
-import threading
+import functools
 from typing import Any
 
 import eqstate as es
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, note, settings
 
-from .helpers import tree_allclose
+from .helpers import run_in_threads, tree_allclose
 
 
 class Node(eqx.Module):
@@ -191,26 +191,19 @@ def test_jit_of_a_model_argument_equals_the_eager_call_across_edits(sequence):
 @given(sequences, sequences)
 def test_the_law_holds_with_two_threads_calling_one_jitted_function(first, second):
     """Each thread edits and calls models of its own states, at the same time."""
-    barrier = threading.Barrier(2)
-    failures: list[BaseException] = []
 
     def run(sequence, pool):
         log: list[str] = []  # hypothesis takes notes only from the test's thread
         try:
-            barrier.wait()
             for _ in range(2):
                 run_sequence(*sequence, pool, log.append)
         except BaseException as e:
             e.add_note("\n".join(log))
-            failures.append(e)
+            raise
 
-    threads = [
-        threading.Thread(target=run, args=(sequence, pool))
-        for sequence, pool in ((first, POOLS[1]), (second, POOLS[2]))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    failures = run_in_threads(
+        functools.partial(run, first, POOLS[1]),
+        functools.partial(run, second, POOLS[2]),
+    )
     if failures:
         raise failures[0]

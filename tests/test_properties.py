@@ -13,7 +13,7 @@ The CI profile runs a few hundred examples; `pytest tests/test_properties.py
 """
 
 import contextvars
-import threading
+import functools
 
 import eqstate as es
 import hypothesis.strategies as st
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import example, given, note, settings
 
-from .helpers import tree_allclose, tree_bitwise_equal
+from .helpers import run_in_threads, tree_allclose, tree_bitwise_equal
 
 
 SHAPES = [(), (2,), (3,)]
@@ -31,6 +31,14 @@ LANES = 2
 
 class InjectedError(Exception):
     pass
+
+
+def _call_expecting_injected_error(f, x) -> None:
+    try:
+        f(x)
+    except InjectedError:
+        return
+    raise AssertionError("the injected exception did not propagate")
 
 
 def interpret(ops, shapes, get, put, x):
@@ -185,12 +193,7 @@ def test_random_programs_obey_the_laws(program):
     f, pure = _build(shapes, ops, chain, states)
 
     if ("raise",) in ops:
-        try:
-            f(x)
-        except InjectedError:
-            pass
-        else:
-            raise AssertionError("the injected exception did not propagate")
+        _call_expecting_injected_error(f, x)
         values = [s.value for s in states]
         assert tree_bitwise_equal(values, initial)  # law 2
         assert not any(
@@ -237,8 +240,6 @@ def test_random_programs_obey_the_laws_in_threads(program):
     lead = (LANES,) if "vmap" in chain else ()
     states = [es.State(jnp.zeros(lead + s), name=f"s{i}") for i, s in enumerate(shapes)]
     f, _ = _build(_ThreadShapes(), ops, chain, states)
-    barrier = threading.Barrier(N_THREADS)
-    failures: list[BaseException] = []
 
     def run(k):
         rng = np.random.default_rng(seed + k)
@@ -247,31 +248,18 @@ def test_random_programs_obey_the_laws_in_threads(program):
         initial = [jnp.asarray(rng.normal(size=lead + s), jnp.float32) for s in mine]
         x = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
         _ThreadShapes.current.set(mine)
-        try:
-            barrier.wait()
-            with es.scope(es.StateDict(dict(zip(states, initial)))):
-                if ("raise",) in ops:
-                    try:
-                        f(x)
-                    except InjectedError:
-                        pass
-                    else:
-                        raise AssertionError("the injected exception did not propagate")
-                    assert tree_bitwise_equal([s.value for s in states], initial)
-                    return
-                out = f(x)
-                values = [s.value for s in states]
-            _, pure = _build(mine, ops, chain, states)
-            ref_values, ref_out = pure(tuple(initial), x)
-            assert tree_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
-            assert tree_allclose(values, list(ref_values), rtol=1e-5, atol=1e-5)
-        except BaseException as e:
-            failures.append(e)
+        with es.scope(es.StateDict(dict(zip(states, initial)))):
+            if ("raise",) in ops:
+                _call_expecting_injected_error(f, x)
+                assert tree_bitwise_equal([s.value for s in states], initial)
+                return
+            out = f(x)
+            values = [s.value for s in states]
+        _, pure = _build(mine, ops, chain, states)
+        ref_values, ref_out = pure(tuple(initial), x)
+        assert tree_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+        assert tree_allclose(values, list(ref_values), rtol=1e-5, atol=1e-5)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(N_THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    failures = run_in_threads(*(functools.partial(run, k) for k in range(N_THREADS)))
     if failures:
         raise failures[0]

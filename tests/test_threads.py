@@ -2,6 +2,7 @@
 whose models call for different plans: each thread gets its own answer, and each
 distinct shape is traced once."""
 
+import functools
 import sys
 import threading
 from collections import Counter
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import traces_per_key
+from .helpers import run_in_threads, traces_per_key
 
 
 N_THREADS = 8
@@ -24,22 +25,8 @@ def _run_in_threads(work, rounds: int) -> list[BaseException]:
     times; returns the exceptions they raised."""
     errors: list[BaseException] = []
     for _ in range(rounds):
-        barrier = threading.Barrier(N_THREADS)
-
-        def target(n, barrier=barrier):
-            try:
-                barrier.wait()
-                work(n)
-            except BaseException as e:  # reported by the test
-                errors.append(e)
-
-        threads = [
-            threading.Thread(target=target, args=(n,)) for n in range(1, N_THREADS + 1)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        works = [functools.partial(work, n) for n in range(1, N_THREADS + 1)]
+        errors += run_in_threads(*works)
     return errors
 
 
@@ -161,27 +148,17 @@ def test_threads_passing_models_that_need_and_need_not_a_split_get_their_answers
 
     jitted = es.transform.jit(f)
     models = [_Holder([jnp.ones(())]), _Holder(["ab"])]
-    barrier = threading.Barrier(2)
-    failures: list[BaseException] = []
 
     def run(first):
         x = jnp.zeros(())
-        try:
-            barrier.wait()
-            for i in range(300):
-                model = models[(first + i) % 2]
-                assert jitted(model, x) == f(model, x)
-        except BaseException as e:
-            failures.append(e)
+        for i in range(300):
+            model = models[(first + i) % 2]
+            assert jitted(model, x) == f(model, x)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # the threads take turns within calls
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        failures = run_in_threads(functools.partial(run, 0), functools.partial(run, 1))
     finally:
         sys.setswitchinterval(switch)
     assert not failures, failures[0]
