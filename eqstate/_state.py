@@ -112,6 +112,14 @@ class State(Generic[_Value]):
     def __delattr__(self, name: str) -> NoReturn:
         raise AttributeError(f"Cannot delete `{name}` of {label_here(self)}.")
 
+    def __eq__(self, other: object) -> bool:
+        # Identity, as by default, but answered here rather than deferred to `other`:
+        # `==` on a list of handles then compares them by identity, in C (see
+        # `transform._split_args`).
+        return self is other
+
+    __hash__ = object.__hash__
+
     def __copy__(self) -> "State[_Value]":
         return self
 

@@ -374,3 +374,31 @@ def test_a_list_or_dict_changed_in_place_between_calls_is_seen(container):
     if container == "list":
         parts.append(a)  # a longer list: another structure
         assert read(model, 0.0) == 10.0
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_a_handle_replaced_by_an_object_claiming_equality_is_seen(container):
+    # Lists and dicts of handles are compared with `==`; an object that calls itself
+    # equal to anything must still count as a change.
+    class EqualToAll:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = object.__hash__
+
+    class Model(eqx.Module):
+        parts: Any
+
+    a, b = es.State(jnp.array(1.0), name="a"), es.State(jnp.array(10.0), name="b")
+    parts = [a, b] if container == "list" else {"a": a, "b": b}
+    model = Model(parts)
+    key = 0 if container == "list" else "a"
+
+    @es.transform.jit
+    def total(model):
+        items = model.parts if container == "list" else model.parts.values()
+        return sum(x.value for x in items if es.is_state(x))
+
+    assert total(model) == 11.0
+    parts[key] = EqualToAll()
+    assert total(model) == 10.0

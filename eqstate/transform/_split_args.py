@@ -27,6 +27,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from .._custom_types import PyTreeDef
+from .._state import State
 from ._leaves import ArrayImpl, dynamic_mask, in_module, is_traced
 
 
@@ -66,8 +67,9 @@ class ArgSplitter:
     def __init__(self, static_positions: Sequence[int], static_names: Sequence[str]):
         self._static_positions = tuple(static_positions)
         self._static_names = tuple(static_names)
-        # position -> (argument, part, dynamic leaves, its lists and dicts as they were)
-        self._last: dict[int, tuple[Any, int, list, list]] = {}
+        # position -> (argument, part, dynamic leaves, *its lists and dicts as they
+        # were: see `_mutable_containers`)
+        self._last: dict[int, tuple[Any, int, list, tuple, tuple, list]] = {}
         # One argument's structure, and a call's (the numbers of its arguments').
         self._parts = _Numbering(on_forget=self._last.clear)
         self._keys = _Numbering(on_forget=self._forget_last_call)
@@ -92,7 +94,8 @@ class ArgSplitter:
             if (
                 last is not None
                 and last[0] is arg
-                and (not last[3] or _unchanged(last[3]))
+                and last[3] == last[4]
+                and (not last[5] or _unchanged(last[5]))
             ):
                 parts.append(last[1])
                 dynamic.extend(last[2])
@@ -131,9 +134,10 @@ class ArgSplitter:
         frozen = self._frozen.get(treedef)
         if frozen is None:
             frozen = self._frozen[treedef] = _is_frozen(treedef)
-        watched = [] if frozen else _mutable_containers(arg)
+        watched = ((), (), []) if frozen else _mutable_containers(arg)
         if watched is not None:
-            self._last[position] = (arg, part, leaves, watched)
+            copies, containers, others = watched
+            self._last[position] = (arg, part, leaves, copies, containers, others)
         return part, leaves
 
     def _split_tree(self, tree: Any) -> tuple[int, list]:
@@ -255,20 +259,30 @@ def _is_frozen(treedef: PyTreeDef) -> bool:
     return all(_is_frozen(child) for child in treedef.children())
 
 
-def _mutable_containers(tree: Any) -> list[tuple[Any, tuple]] | None:
-    """The lists and dicts in `tree`, each with the objects it holds now (see
-    `_unchanged`); `None` if the tree has a node that is none of list, dict, tuple,
-    `None` or `eqx.Module` (its contents could change unseen)."""
-    found: list[tuple[Any, tuple]] = []
+def _mutable_containers(tree: Any) -> tuple[tuple, tuple, list] | None:
+    """The lists and dicts in `tree` as they are now, to tell later whether they
+    changed; `None` if the tree has a node that is none of list, dict, tuple, `None`
+    or `eqx.Module` (its contents could change unseen).
+
+    Returns `(copies, containers, others)`: copies of the lists and dicts that hold
+    only handles and those containers, which are unchanged if `copies == containers`
+    (a handle is equal to itself alone, and, on the left of `==`, answers without
+    asking the other object: so this compares by identity, in C); and the other lists
+    and dicts, each with the objects it holds (see `_unchanged`)."""
+    copies, containers, others = [], [], []
     pending = [tree]
     while pending:
         node = pending.pop()
-        if type(node) is list:
-            found.append((node, tuple(node)))
-            pending.extend(node)
-        elif type(node) is dict:
-            found.append((node, (tuple(node), tuple(node.values()))))
-            pending.extend(node.values())
+        if type(node) is list or type(node) is dict:
+            items = tuple(node.values()) if isinstance(node, dict) else node
+            if all(isinstance(x, State) for x in items):
+                copies.append(node.copy())
+                containers.append(node)
+            elif type(node) is list:
+                others.append((node, tuple(node)))
+            else:
+                others.append((node, (tuple(node), items)))
+            pending.extend(items)
         elif isinstance(node, tuple):
             pending.extend(node)
         elif isinstance(node, eqx.Module):
@@ -277,16 +291,16 @@ def _mutable_containers(tree: Any) -> list[tuple[Any, tuple]] | None:
             continue
         elif node is not None:
             return None
-    return found
+    return tuple(copies), tuple(containers), others
 
 
 def _fields(module: eqx.Module) -> tuple:
     return dataclasses.fields(module)
 
 
-def _unchanged(watched: list[tuple[Any, tuple]]) -> bool:
-    """Whether every watched list and dict still holds the objects it held."""
-    for container, held in watched:
+def _unchanged(others: list[tuple[Any, tuple]]) -> bool:
+    """Whether each list and dict still holds the very objects it held."""
+    for container, held in others:
         if type(container) is list:
             if len(container) != len(held) or not all(map(is_, container, held)):
                 return False
