@@ -324,10 +324,7 @@ def _run_split(
 ) -> tuple[Any, Any]:
     """Calls the jitted function for `key` (written values packed, see `_Plan.pack`),
     and rebuilds the output if the trace recorded how."""
-    fn = jitted.get(key)
-    if fn is None:
-        fn = jitted.make(key)
-    out, updated = fn(written, read, dynamic)
+    out, updated = jitted[key](written, read, dynamic)
     if not plan.simple_out:
         out = splitter.output(key, out)
     return out, updated
@@ -342,11 +339,9 @@ class _PerKey(dict):
         self._body = body
         self._options = options
 
-    def make(self, key: int) -> Callable:
+    def __missing__(self, key: int) -> Callable:
         """The jitted function for `key`, made on first use."""
-        fn = self.get(key)
-        if fn is None:
-            fn = self[key] = jax.jit(ft.partial(self._body, key), **self._options)
+        fn = self[key] = jax.jit(ft.partial(self._body, key), **self._options)
         return fn
 
 
@@ -418,11 +413,9 @@ class JitDispatch:
             split = plan.split
             key, dynamic = self._splitter.split(args, kwargs) if split else _UNSPLIT
             if split:
-                # Each argument structure (a model's handles) has a plan of its own.
-                found = self._plans_by_key.get(key)
-                if found is None:
-                    raise _PlanMismatch
-                plan = found
+                # Each argument structure (a model's handles) has a plan of its own;
+                # a `KeyError` sends a new one down the unplanned path.
+                plan = self._plans_by_key[key]
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
             written = plan.get_written(values)
@@ -430,10 +423,9 @@ class JitDispatch:
             get = plan.get_read
             read = get(values) if get is not None else None
             if split:
-                splitter = self._splitter
-                out, updated = _run_split(
-                    plan, jitted, written, read, key, dynamic, splitter
-                )
+                out, updated = jitted[key](written, read, dynamic)
+                if not plan.simple_out:
+                    out = self._splitter.output(key, out)
             elif kwargs:
                 out, updated = jitted(written, read, *args, **kwargs)
             elif len(args) == 1:
@@ -566,7 +558,7 @@ class JitDispatch:
         read = plan.read_from(frame)
         if plan.split:
             key, dynamic = self._splitter.split(args, kwargs)
-            return plan.jitted.make(key).lower(written, read, dynamic)
+            return plan.jitted[key].lower(written, read, dynamic)
         return plan.jitted.lower(written, read, *args, **kwargs)
 
     def _plan_for(self, trace: Trace, frame: _context.Frame, split: bool) -> _Plan:
