@@ -423,6 +423,7 @@ class JitDispatch:
             get = plan.get_read
             read = get(values) if get is not None else None
             if split:
+                # `_run_split`, inlined (about 1% of a call at ten states).
                 out, updated = jitted[key](written, read, dynamic)
                 if not plan.simple_out:
                     out = self._splitter.output(key, out)
