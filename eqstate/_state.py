@@ -27,9 +27,9 @@ _CREATION_ORDER = itertools.count()
 class State(Generic[_Value]):
     """A handle that names a piece of state.
 
-    A handle is immutable and hashable by identity, and it is a PyTree *leaf*: it never
-    holds a value. Its value lives in the innermost context (the world, a
-    [`eqstate.scope`][], or the trace of an eqstate transform), which
+    A handle is immutable, equal only to itself and hashed by identity, and it is a
+    PyTree *leaf*: it never holds a value. Its value lives in the innermost context
+    (the world, a [`eqstate.scope`][], or the trace of an eqstate transform), which
     [`eqstate.State.value`][] reads and writes.
 
     The class is the state's *kind*; subclasses ([`eqstate.ParamState`][],

@@ -42,6 +42,13 @@ def test_handles_hash_and_compare_by_identity():
     assert len({a, b, a}) == 2
     assert hash(a) == hash(a)
 
+    class EqualToAll:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+    # A handle answers `==` itself rather than deferring to the other object.
+    assert not a == EqualToAll()
+
 
 def test_handle_is_a_pytree_leaf():
     s = es.ParamState(jnp.zeros(2))
