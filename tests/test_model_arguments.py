@@ -1,6 +1,8 @@
 """Models holding handles passed into every transform: a handle in an argument is a
 static leaf, and its state is read and written exactly as if closed over."""
 
+import collections
+import dataclasses
 import warnings
 from typing import Any
 
@@ -402,3 +404,45 @@ def test_a_handle_replaced_by_an_object_claiming_equality_is_seen(container):
     assert total(model) == 11.0
     parts[key] = EqualToAll()
     assert total(model) == 10.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Config:
+    scale: float = dataclasses.field(metadata=dict(static=True))
+
+
+@pytest.mark.parametrize("container", ["ordered_dict", "defaultdict", "metadata"])
+def test_a_node_without_children_changed_in_place_is_seen(container):
+    # Empty containers and nodes of metadata only have no leaves, but they are not
+    # leaves: an in-place change to one is a new structure.
+    class Model(eqx.Module):
+        part: Any
+        weight: es.ParamState  # a handle: the call is split
+
+    if container == "metadata":
+        part: Any = _Config(1.0)
+    elif container == "ordered_dict":
+        part = collections.OrderedDict()
+    else:
+        part = collections.defaultdict(list)
+    model = Model(part, es.ParamState(jnp.array(2.0), name="weight"))
+
+    @es.transform.jit
+    def step(model):
+        if container == "metadata":
+            return model.weight.value * model.part.scale
+        for s in model.part.values():
+            s.value = s.value + 1
+        return model.weight.value + sum(s.value for s in model.part.values())
+
+    assert step(model) == 2.0
+    assert step(model) == 2.0  # the same objects: the split may be reused
+    added = es.State(jnp.array(10.0), name="added")
+    if container == "metadata":
+        part.scale = 10.0
+        assert step(model) == 20.0
+    else:
+        part["a"] = added
+        assert step(model) == 13.0
+        assert added.value == 11.0

@@ -287,11 +287,18 @@ def _mutable_containers(tree: Any) -> tuple[tuple, tuple, list] | None:
             pending.extend(node)
         elif isinstance(node, eqx.Module):
             pending.extend(getattr(node, f.name, None) for f in _fields(node))
-        elif node is not None and jtu.treedef_is_leaf(jtu.tree_structure(node)):
+        elif node is not None and _is_leaf(node):
             continue
         elif node is not None:
             return None
     return tuple(copies), tuple(containers), others
+
+
+def _is_leaf(node: Any) -> bool:
+    """Whether `node` is a leaf. Not an empty container, nor a node with no
+    children (a dataclass of metadata only): those can change in place unseen."""
+    treedef = jtu.tree_structure(node)
+    return treedef.num_nodes == 1 and treedef.num_leaves == 1
 
 
 def _fields(module: eqx.Module) -> tuple:
