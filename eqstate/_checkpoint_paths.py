@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._errors import CheckpointError
+from ._jax_compat import weakly_typed
 from ._pretty_print import first_and_more, state_label
 from ._run import states_of
 from ._state import is_state, State
@@ -175,7 +176,11 @@ def values_from_arrays(
     A `StateDict` from each state of `expected` to its value rebuilt from `arrays`.
     """
     loaded: dict[State, list[Any]] = {state: [] for state in expected}
-    for (spec, _), array in zip(specs, arrays, strict=True):
+    for (spec, leaf), array in zip(specs, arrays, strict=True):
+        if getattr(leaf, "weak_type", False):
+            # Files hold dtypes only: without this, a value made from a Python scalar
+            # would come back strongly typed and promote differently.
+            array = weakly_typed(array)
         loaded[spec.state].append(array)
     return state_dict_of(
         {

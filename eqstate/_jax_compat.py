@@ -8,6 +8,8 @@ makes eqstate slower or its errors less precise, never wrong:
   to discover the states, once with their values as inputs.
 - the current trace (`current_trace`, `is_top_level`, `in_trace`) is read through
   `jax.extend.core` (JAX 0.10 on) when the private module is missing.
+- a value loaded from a checkpoint is made weakly typed again (`weakly_typed`) when
+  the state's value was; without the internal it stays strongly typed.
 
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
@@ -30,9 +32,11 @@ try:  # JAX 0.10: the internals that make single-pass tracing possible.
     _traceback_util: Any = importlib.import_module("jax._src.traceback_util")
     _pe: Any = importlib.import_module("jax._src.interpreters.partial_eval")
     _trace_ctx: Any = _core.trace_ctx
+    _lax_internal: Any = importlib.import_module("jax._src.lax.lax")
     _HAS_NEW_ARG = callable(getattr(_pe.DynamicJaxprTrace, "new_arg", None))
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
     _core = _source_info_util = _traceback_util = _pe = _trace_ctx = None
+    _lax_internal = None
     _HAS_NEW_ARG = False
 
 
@@ -214,3 +218,12 @@ def varying_axes(x: Any) -> frozenset:
     if varying is None:
         varying = getattr(jax.typeof(x), "vma", frozenset())
     return frozenset(varying)
+
+
+def weakly_typed(x: jax.Array) -> jax.Array:
+    """`x`, weakly typed (as a value made from a Python scalar is). Without JAX's
+    internal conversion, `x` as it is: a loaded value then promotes as its dtype says."""
+    convert = getattr(_lax_internal, "_convert_element_type", None)
+    if convert is None or x.weak_type:  # pragma: no cover - depends on the JAX release
+        return x
+    return convert(x, weak_type=True)

@@ -960,3 +960,37 @@ def test_optimiser_state_of_state_dicts_loads_into_a_fresh_model(tmp_path, backe
     mu = fresh.opt_state.value[0].mu
     assert (mu[fresh.w] == 1).all() and (mu[fresh.b] == 1).all()
     assert (fresh.w.value == 2).all()
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_round_trip_keeps_weak_types(backend, tmp_path):
+    # A value made from a Python scalar is weakly typed: it takes the dtype of what
+    # it meets. Loaded strongly typed, it would turn bfloat16 products into float32.
+    def build():
+        return {
+            "w": es.ParamState(jnp.full(3, 1.5, jnp.bfloat16), name="w"),
+            "scale": es.State(1.0039, name="scale"),
+            "steps": es.ShortTermState(jnp.array(0), name="steps"),
+        }
+
+    def forward(model, x):
+        return model["w"].value * model["scale"].value * x
+
+    old, x = build(), jnp.ones(3, jnp.bfloat16)
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqstate")
+    es.save(path, es.values_of(old), model=old, backend=backend)
+    new = build()
+    es.assign(es.load(path, new, backend=backend))
+    assert new["scale"].value.weak_type and new["steps"].value.weak_type
+    assert not new["w"].value.weak_type
+    assert forward(new, x).dtype == jnp.bfloat16
+    assert tree_bitwise_equal(forward(new, x), forward(old, x))
+
+
+def test_weakly_typed_keeps_value_dtype_and_device():
+    from eqstate._jax_compat import weakly_typed
+
+    x = jnp.arange(3.0)
+    weak = weakly_typed(x)
+    assert weak.weak_type and weak.dtype == x.dtype and weak.sharding == x.sharding
+    assert (weak == x).all()
