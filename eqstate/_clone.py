@@ -1,6 +1,7 @@
 """Copies of models holding handles: `clone` and `member`."""
 
 import operator
+import weakref
 from typing import TypeVar
 
 import equinox as eqx
@@ -115,6 +116,20 @@ def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
     return next(iter(sizes.values()))
 
 
+# The states that `vmap_new_states` replicated rather than stacked (its outermost call
+# decides): `member` copies them whole, whatever `shared` says and whatever their tag
+# became.
+_REPLICATED: "weakref.WeakSet[State]" = weakref.WeakSet()
+
+
+def mark_replicated(state: State, replicated: bool) -> None:
+    """Records whether `vmap_new_states` replicated `state` (see `member`)."""
+    if replicated:
+        _REPLICATED.add(state)
+    else:
+        _REPLICATED.discard(state)
+
+
 def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     """Member `index` of an ensemble, as a standalone model with its own states.
 
@@ -141,9 +156,11 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     - `ensemble`: a PyTree holding the ensemble's handles, e.g. the module returned
         by `vmap_new_states`.
     - `index`: which member, in `[-K, K)` for an ensemble of K members.
-    - `shared`: a filter selecting the states that are not stacked. By default the
-        [`eqstate.NonBatchState`][]s; pass the `state_to_exclude` given to
-        `vmap_new_states` as well, e.g. `shared=(eqstate.NonBatchState, "hyper")`.
+    - `shared`: a filter selecting the states that are not stacked, by default the
+        [`eqstate.NonBatchState`][]s. The states that `vmap_new_states` replicated
+        (its `NonBatchState`s and those matching its `state_to_exclude`) are copied
+        whole whatever this filter says, even after `state_tag` replaced their
+        tags; pass a filter for ensembles stacked some other way.
         (Keyword only argument.)
 
     **Returns:**
@@ -177,7 +194,11 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     index = operator.index(index)
     states = states_of(ensemble)
     values = _context.current_frame().read_many(states) if states else []
-    is_shared = to_predicate(shared)
+    chosen = to_predicate(shared)
+
+    def is_shared(path: tuple, state: State) -> bool:
+        return state in _REPLICATED or chosen(path, state)
+
     stacked = [
         (state_label(s), v) for s, v in zip(states, values) if not is_shared((), s)
     ]

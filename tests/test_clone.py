@@ -182,7 +182,7 @@ def test_member_of_an_ensemble_in_a_state_dict_with_run(getkey):
     )
 
 
-def test_member_with_excluded_states_needs_them_in_shared(getkey):
+def test_member_copies_excluded_states_whole_without_being_told(getkey):
     def make():
         return {
             "w": es.ParamState(es.random.normal((2,)), name="w"),
@@ -192,11 +192,21 @@ def test_member_with_excluded_states_needs_them_in_shared(getkey):
     ensemble = es.transform.vmap_new_states(
         make, axis_size=4, state_to_exclude="hyper"
     )()
+    for shared in (es.NonBatchState, (es.NonBatchState, "hyper")):
+        one = es.member(ensemble, 3, shared=shared)
+        assert tree_bitwise_equal(one["lr"].value, ensemble["lr"].value)
+        assert tree_bitwise_equal(one["w"].value, ensemble["w"].value[3])
+
+
+def test_member_of_a_hand_stacked_ensemble_needs_its_shared_states_named():
+    stacked = {
+        "w": es.ParamState(jnp.zeros((4, 2)), name="w"),
+        "lr": es.State(jnp.array([0.1, 0.2, 0.3]), name="lr", tag="hyper"),
+    }
     with pytest.raises(ValueError, match=r"different sizes .*State 'lr'.*shared="):
-        es.member(ensemble, 0)
-    one = es.member(ensemble, 3, shared=(es.NonBatchState, "hyper"))
-    assert tree_bitwise_equal(one["lr"].value, ensemble["lr"].value)
-    assert tree_bitwise_equal(one["w"].value, ensemble["w"].value[3])
+        es.member(stacked, 0)
+    one = es.member(stacked, 3, shared="hyper")
+    assert tree_bitwise_equal(one["lr"].value, stacked["lr"].value)
 
 
 # --- Equinox serialisation ------------------------------------------------------------
@@ -242,3 +252,22 @@ def test_a_handle_is_not_array_like_to_equinox_or_jax(getkey):
     assert not eqx.is_array_like(w) and not hasattr(w, "__jax_array__")
     arrays, static = eqx.partition({"w": w, "x": jnp.ones(2)}, eqx.is_array_like)
     assert arrays["w"] is None and static["w"] is w
+
+
+def test_member_copies_whole_a_state_excluded_by_tag_and_then_retagged():
+    # `state_tag` replaces the tag `state_to_exclude` matched on; the member must
+    # still know the state was replicated, even when its first axis has K entries.
+    def make():
+        return {
+            "w": es.ParamState(es.random.normal((3,)), name="w"),
+            "lr": es.State(jnp.array([0.1, 0.2, 0.3, 0.4]), name="lr", tag="hyper"),
+        }
+
+    ensemble = es.transform.vmap_new_states(
+        make, axis_size=4, state_tag="ensemble", state_to_exclude="hyper"
+    )()
+    assert ensemble["lr"].tag == "ensemble"
+    for shared in (es.NonBatchState, (es.NonBatchState, "hyper")):
+        one = es.member(ensemble, 1, shared=shared)
+        assert (one["lr"].value == jnp.array([0.1, 0.2, 0.3, 0.4])).all()
+        assert (one["w"].value == ensemble["w"].value[1]).all()

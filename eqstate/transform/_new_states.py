@@ -10,6 +10,7 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
+from .._clone import mark_replicated
 from .._context import check_write
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
 from .._errors import BatchAxisError, TraceContextError
@@ -130,8 +131,10 @@ class _LaneFrame(_context.Frame):
         self.check_trace(state, creates=True)
         # Exclusion is decided on the state as its creator made it, before
         # `state_tag` replaces its tag.
-        if isinstance(state, NonBatchState) or self.excluded((), state):
+        replicated = isinstance(state, NonBatchState) or self.excluded((), state)
+        if replicated:
             self.replicated.add(state)
+        mark_replicated(state, replicated)
         if self.tag is not None:
             retag(state, self.tag)
         if isinstance(state, RandomState) and not _batched(value):
