@@ -446,3 +446,23 @@ def test_a_node_without_children_changed_in_place_is_seen(container):
         part["a"] = added
         assert step(model) == 13.0
         assert added.value == 11.0
+
+
+def test_vmap_maps_a_model_passed_by_keyword(getkey):
+    # Keyword arguments are mapped along axis 0: their arrays, not their handles.
+    class Member(eqx.Module):
+        linear: eqx.nn.Linear
+        scale: es.ParamState
+
+    keys = jr.split(getkey(), 4)
+    linears = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 2, key=k))(keys)
+    model = Member(linears, es.ParamState(jnp.array(2.0), name="scale"))
+    xs = jr.normal(getkey(), (4, 3))
+
+    def apply(x, m):
+        return m.linear(x) * m.scale.value
+
+    by_keyword = es.transform.vmap(apply)(xs, m=model)
+    assert tree_allclose(by_keyword, es.transform.vmap(apply)(xs, model))
+    want = jnp.stack([2.0 * (linears.weight[i] @ xs[i] + linears.bias[i]) for i in range(4)])
+    assert tree_allclose(by_keyword, want, rtol=1e-5, atol=1e-6)

@@ -247,7 +247,7 @@ def vmap(
 
     - `fun`: the function to vectorise. If omitted, `vmap` returns a decorator.
     - `in_axes`, `out_axes`, `axis_name`, `axis_size`, `spmd_axis_name`: as in
-        `jax.vmap` (keyword arguments of the call are mapped along axis 0).
+        `jax.vmap` (the arrays in keyword arguments of the call are mapped along axis 0).
     - `in_states`: the states to map, as `{axis: filter}` (a bare filter means axis
         0); filters as in [`eqstate.filters`][], e.g. `{0: ensemble_states}`.
     - `out_states`: the axis of mapped states in the output, as `{axis: filter}`;
@@ -473,7 +473,7 @@ def _call_vmapped(
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
     out, new_mapped, new_broadcast = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
         _lane_function(traced, values, roles),
-        in_axes=(list(roles.mapped.values()), 0, arrays_only(axes), 0),
+        in_axes=(list(roles.mapped.values()), 0, arrays_only(axes), eqx.if_array(0)),
         out_axes=(arrays_only(out_axes), _out_state_axes(roles, out_pairs), None),
         axis_name=axis_name,
         axis_size=size,
