@@ -464,5 +464,7 @@ def test_vmap_maps_a_model_passed_by_keyword(getkey):
 
     by_keyword = es.transform.vmap(apply)(xs, m=model)
     assert tree_allclose(by_keyword, es.transform.vmap(apply)(xs, model))
-    want = jnp.stack([2.0 * (linears.weight[i] @ xs[i] + linears.bias[i]) for i in range(4)])
+    want = jnp.stack(
+        [2.0 * (linears.weight[i] @ xs[i] + linears.bias[i]) for i in range(4)]
+    )
     assert tree_allclose(by_keyword, want, rtol=1e-5, atol=1e-6)
