@@ -149,6 +149,7 @@ def _save_args(
     """Orbax's save arguments for `states`, and the eqstate entries they describe."""
     values = {state: to_value(value) for state, value in states.items()}
     leaves = stored_leaves(state_paths(tuple(values), model, "save"), values)
+    _refuse_empty_arrays(leaves)
     arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
@@ -175,6 +176,19 @@ def _save_args(
         }
     )
     return args, entries
+
+
+def _refuse_empty_arrays(leaves: list[tuple[Leaf, Any]]) -> None:
+    """Raises `CheckpointError`, before anything is written or removed, for an array
+    with no elements: Orbax cannot save those."""
+    for spec, _ in leaves:
+        if 0 in spec.shape:
+            raise CheckpointError(
+                f"Cannot save entry `{spec.path}` (shape {tuple(spec.shape)}, dtype "
+                f"{spec.dtype}) with the Orbax backend: Orbax cannot save arrays with "
+                "no elements. Nothing was written. Save with "
+                "`backend='single-file'`, or leave the empty state out of `states`."
+            )
 
 
 def save_orbax(

@@ -994,3 +994,18 @@ def test_weakly_typed_keeps_value_dtype_and_device():
     weak = weakly_typed(x)
     assert weak.weak_type and weak.dtype == x.dtype and weak.sharding == x.sharding
     assert (weak == x).all()
+
+
+def test_orbax_refuses_an_empty_array_before_touching_the_old_checkpoint(tmp_path):
+    model = {
+        "w": es.ParamState(jnp.arange(3.0), name="w"),
+        "empty": es.State(jnp.zeros((0, 2)), name="empty"),
+    }
+    path = tmp_path / "ckpt"
+    es.save(path, es.values_of(model["w"]), model=model, backend="orbax")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(es.CheckpointError, match=r"`empty` \(shape \(0, 2\).*single-file"):
+        es.save(path, es.values_of(model), model=model, backend="orbax")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    loaded = es.load(path, es.values_of(model["w"]), model=model, backend="orbax")
+    assert (loaded[model["w"]] == jnp.arange(3.0)).all()
