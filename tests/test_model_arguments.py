@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
@@ -468,3 +469,35 @@ def test_vmap_maps_a_model_passed_by_keyword(getkey):
         [2.0 * (linears.weight[i] @ xs[i] + linears.bias[i]) for i in range(4)]
     )
     assert tree_allclose(by_keyword, want, rtol=1e-5, atol=1e-6)
+
+
+def test_numpy_scalar_fields_are_arrays_as_in_equinox():
+    # `eqx.filter_grad` differentiates a NumPy scalar field and `es.trainable` hands
+    # it to the optimiser: eqstate's grad must give its gradient, not `None`.
+    class Model(eqx.Module):
+        w: jax.Array
+        s: np.float32
+        p: es.ParamState
+
+    model = Model(jnp.array(2.0), np.float32(3.0), es.ParamState(jnp.array(1.0)))
+
+    def loss(model, x):
+        return model.w * model.s * model.p.value * x
+
+    grad = es.transform.grad(loss, grad_states=es.ParamState, argnums=0)
+    state_grads, model_grads = grad(model, 1.0)
+    assert model_grads.s == 2.0 and model_grads.w == 3.0
+    assert state_grads[model.p] == 6.0
+    assert es.trainable(model)[1].s == 3.0
+
+    runs = []
+
+    @es.transform.jit
+    def scaled(model):
+        runs.append(None)
+        return model.s * model.p.value
+
+    assert scaled(model) == 3.0
+    traced = len(runs)
+    assert scaled(eqx.tree_at(lambda m: m.s, model, np.float32(5.0))) == 5.0
+    assert len(runs) == traced  # traced, so a new value does not retrace

@@ -28,7 +28,8 @@ def is_dynamic(x: Any) -> bool:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+    # NumPy scalars count as arrays, as in `eqx.is_array`: traced and differentiated.
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 def _is_module(x: Any) -> bool:
@@ -50,7 +51,8 @@ def in_module(tree: Any) -> list[bool]:
 def is_traced(x: Any, module_field: bool) -> bool:
     """Whether an argument or output leaf is traced. Arrays are; so are Python
     scalars, as in `jax.jit`, except the fields of an `eqx.Module` (a layer's
-    `inference: bool`, a rate), which are static as in `eqx.filter_jit`. Everything
+    `inference: bool`, a rate), which are static as in `eqx.filter_jit` (NumPy
+    scalars are arrays there, as in Equinox). Everything
     else (state handles, strings, functions) is static."""
     return _is_array(x) if module_field else is_dynamic(x)
 
