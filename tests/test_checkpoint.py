@@ -1004,7 +1004,9 @@ def test_orbax_refuses_an_empty_array_before_touching_the_old_checkpoint(tmp_pat
     path = tmp_path / "ckpt"
     es.save(path, es.values_of(model["w"]), model=model, backend="orbax")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    with pytest.raises(es.CheckpointError, match=r"`empty` \(shape \(0, 2\).*single-file"):
+    with pytest.raises(
+        es.CheckpointError, match=r"`empty` \(shape \(0, 2\).*single-file"
+    ):
         es.save(path, es.values_of(model), model=model, backend="orbax")
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     loaded = es.load(path, es.values_of(model["w"]), model=model, backend="orbax")

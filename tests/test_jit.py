@@ -137,6 +137,45 @@ def test_donation_never_deletes_a_pytree_leaf_another_state_holds():
     assert (b.value["x"] == 2).all() and (a.value["x"] == 3).all()
 
 
+@pytest.mark.parametrize("holder", ["snapshot", "run", "nested"])
+def test_donation_never_deletes_arrays_in_a_container_the_caller_holds(holder):
+    # The caller holds the tuple, not its arrays: their own counts do not show it.
+    value = (jnp.ones(2), jnp.full(2, 2.0))
+    hc = es.State(value if holder != "nested" else {"hc": value}, name="hc")
+
+    @es.transform.jit(donate_states=True)
+    def step():
+        hc.value = jax.tree.map(lambda v: v * 2, hc.value)
+
+    step()
+    if holder == "run":
+        mine = es.StateDict({hc: (jnp.ones(2), jnp.full(2, 2.0))})
+        es.run(step, mine)
+        kept = mine[hc]
+    elif holder == "snapshot":
+        snapshot = es.values_of(hc)  # holds the tuple
+        step()
+        kept = snapshot[hc]
+    else:
+        kept = hc.value["hc"]  # the tuple inside the state's dict
+        step()
+    assert not any(x.is_deleted() for x in kept)
+    assert (kept[0] == (1 if holder == "run" else 2)).all()
+
+
+def test_donation_reuses_the_buffers_of_a_tuple_nobody_else_holds():
+    hc = es.State((jnp.ones(2), jnp.full(2, 2.0)), name="hc")
+
+    @es.transform.jit(donate_states=True)
+    def step():
+        hc.value = (hc.value[0] * 2, hc.value[1] * 2)
+
+    step()
+    buffers = [x.unsafe_buffer_pointer() for x in hc.value]
+    step()
+    assert [x.unsafe_buffer_pointer() for x in hc.value] == buffers
+
+
 def test_donated_state_also_passed_as_an_argument():
     s = es.State(jnp.ones(3), name="s")
     increment = _donating_increment(s)

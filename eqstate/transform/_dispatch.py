@@ -265,8 +265,36 @@ def _unsafe_to_donate(written: list, single_leaf: bool) -> bool:
         return False  # JAX ignores donation inside a trace.
     if compat.nan_checks_enabled():
         return True
-    leaves = written if single_leaf else jax.tree_util.tree_leaves(written)
-    return _refcounts_above(leaves, _HELD_ONCE)
+    if single_leaf:
+        return _refcounts_above(written, _HELD_ONCE)
+    roots, nested = _containers(written)
+    if roots is None:
+        return True
+    # A container held elsewhere (a snapshot such as `values_of(...)`, the caller's
+    # `StateDict`) keeps its arrays alive without raising their counts.
+    if _refcounts_above(roots, _HELD_ONCE + 1) or _refcounts_above(nested, _HELD_ONCE):
+        return True
+    return _refcounts_above(jax.tree_util.tree_leaves(written), _HELD_ONCE)
+
+
+def _containers(values: list) -> tuple[list | None, list]:
+    """The values of `values` that are tuples, lists or dicts, and the containers
+    nested in them; `(None, [])` if one holds another kind of node."""
+    roots = [v for v in values if isinstance(v, (tuple, list, dict))]
+    nested: list = []
+    pending = list(roots)
+    while pending:
+        items = pending.pop()
+        for item in items.values() if isinstance(items, dict) else items:
+            if isinstance(item, (tuple, list, dict)):
+                nested.append(item)
+                pending.append(item)
+            elif item is not None and not isinstance(item, jax.Array):
+                return None, []
+    for v in values:
+        if not isinstance(v, (tuple, list, dict, jax.Array)) and v is not None:
+            return None, []
+    return roots, nested
 
 
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback"})
