@@ -501,3 +501,70 @@ def test_numpy_scalar_fields_are_arrays_as_in_equinox():
     traced = len(runs)
     assert scaled(eqx.tree_at(lambda m: m.s, model, np.float32(5.0))) == 5.0
     assert len(runs) == traced  # traced, so a new value does not retrace
+
+
+class _Gate(eqx.Module):
+    weight: jax.Array
+    on: bool
+
+
+def test_a_module_flag_after_array_only_calls_stays_a_python_bool(getkey):
+    # The first calls pass only arrays, which `jax.jit` takes as they are; a later
+    # Module's `bool` field must still be static, not a traced bool.
+    count = es.State(jnp.array(0))
+
+    @es.transform.jit
+    def scaled(gate, x):
+        count.value += 1
+        if isinstance(gate, _Gate):
+            return x * gate.weight if gate.on is True else x
+        return x * gate
+
+    x = jnp.full(3, 2.0)
+    assert (scaled(jnp.ones(3), x) == x).all()
+    assert (scaled(_Gate(jnp.full(3, 3.0), True), x) == 3 * x).all()
+    assert (scaled(_Gate(jnp.full(3, 3.0), False), x) == x).all()
+    assert (scaled(jnp.full(3, 5.0), x) == 5 * x).all()
+    assert count.value == 4
+
+
+def test_an_equinox_dropout_after_array_only_calls_is_not_traced(getkey):
+    count = es.State(jnp.array(0))
+    model = eqx.nn.Sequential(
+        [eqx.nn.Linear(3, 3, key=getkey()), eqx.nn.Dropout(0.5, inference=True)]
+    )
+    runs = []
+
+    @es.transform.jit
+    def apply(m, x):
+        runs.append(None)
+        count.value += 1
+        return m(x) if isinstance(m, eqx.Module) else x * m
+
+    x = jr.normal(getkey(), (3,))
+    apply(jnp.ones(3), x)
+    assert tree_allclose(apply(model, x), model(x))
+    traced = len(runs)
+    for _ in range(3):  # the split plan is kept: no trace per call
+        assert tree_allclose(apply(model, x), model(x))
+    assert len(runs) == traced
+
+
+def test_a_scalar_bool_array_field_is_traced_like_any_array(getkey):
+    # `jax.jit` cannot tell it from a Python bool, so it takes the split path, where
+    # it is an array: traced, and a new value does not retrace.
+    runs = []
+
+    @es.transform.jit
+    def pick(gate, x):
+        runs.append(None)
+        return jnp.where(gate.on, x * gate.weight, x)
+
+    x = jnp.full(3, 2.0)
+    on = _Gate(jnp.full(3, 3.0), jnp.array(True))  # pyright: ignore[reportArgumentType]
+    off = _Gate(jnp.full(3, 3.0), jnp.array(False))  # pyright: ignore[reportArgumentType]
+    assert (pick(on, x) == 3 * x).all()
+    traced = len(runs)
+    assert (pick(off, x) == x).all()
+    assert (pick(on, x) == 3 * x).all()
+    assert len(runs) == traced

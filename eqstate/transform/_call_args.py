@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from ._leaves import dynamic_mask, signature
+from ._leaves import in_module, is_traced, jax_jit_sees_as_eqstate, signature
 
 
 class CallArgs:
@@ -19,15 +19,19 @@ class CallArgs:
         "_static_kw",
         "_template",
         "_treedef",
-        "all_dynamic",
+        "jit_as_is",
         "key",
         "leaves",
     )
 
-    def __init__(self, key, leaves, treedef, template, index, static, static_kw):
+    def __init__(
+        self, key, leaves, treedef, template, index, static, static_kw, jit_as_is
+    ):
         self.key: Hashable = key
         self.leaves: list = leaves
-        self.all_dynamic = len(leaves) == len(template)
+        # Whether `jax.jit` can take the (non-static) arguments as they are (see
+        # `jax_jit_sees_as_eqstate`).
+        self.jit_as_is: bool = jit_as_is
         self._treedef = treedef
         self._template = template
         self._index = index
@@ -88,7 +92,8 @@ class ArgParser:
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static_index)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         leaves, treedef = jtu.tree_flatten((dyn_args, dyn_kwargs))
-        mask = dynamic_mask((dyn_args, dyn_kwargs))
+        fields = in_module((dyn_args, dyn_kwargs))
+        mask = [is_traced(x, m) for x, m in zip(leaves, fields)]
         sigs, dynamic_index, dynamic, template = [], [], [], []
         for i, (leaf, traced) in enumerate(zip(leaves, mask)):
             if traced:
@@ -100,8 +105,9 @@ class ArgParser:
                 sigs.append(("static", _hashable(leaf, "an argument leaf", self.name)))
                 template.append(leaf)
         key = (tuple(static), static_kw, treedef, tuple(sigs))
+        jit_as_is = jax_jit_sees_as_eqstate(leaves, fields)
         return CallArgs(
-            key, dynamic, treedef, template, dynamic_index, static, static_kw
+            key, dynamic, treedef, template, dynamic_index, static, static_kw, jit_as_is
         )
 
 

@@ -28,6 +28,7 @@ from .._state import State
 from .._state_dict import sharding_rule
 from ._call_args import CallArgs
 from ._function_traces import FunctionTraces
+from ._leaves import in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
 from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch
 from ._trace import flat_jit, StaleTrace, Trace
@@ -322,6 +323,13 @@ def _sub_jaxprs(params: dict) -> list:
     return found
 
 
+def _jit_took_as_is(args: tuple, kwargs: dict) -> bool:
+    """Whether a plan's `jax.jit` took these arguments (tracers) as eqstate would
+    have: see `jax_jit_sees_as_eqstate`."""
+    tree = (args, kwargs)
+    return jax_jit_sees_as_eqstate(jax.tree_util.tree_leaves(tree), in_module(tree))
+
+
 def can_plan(trace: Trace) -> bool:
     """Whether calls of `trace` can take the plan path: it creates no states."""
     return not trace.new_states
@@ -337,8 +345,8 @@ def _store_in_world(plan: _Plan, updated: Sequence[Any]) -> None:
             _WORLD_VALUES[key] = value
 
 
-def _needs_split(call_all_dynamic: bool, trace: Trace) -> bool:
-    return not (call_all_dynamic and trace.simple_out)
+def _needs_split(call: CallArgs, trace: Trace) -> bool:
+    return not (call.jit_as_is and trace.simple_out)
 
 
 def _run_split(
@@ -548,7 +556,7 @@ class JitDispatch:
         trace = self._traces.trace_for(call, _context.current_frame())
         if (
             can_plan(trace)
-            and plan.split == _needs_split(call.all_dynamic, trace)
+            and plan.split == _needs_split(call, trace)
             and plan.fits(trace)
         ):
             raise exc
@@ -563,7 +571,7 @@ class JitDispatch:
     ) -> tuple[bool, Any]:
         """Calls through the plan for `trace` and makes it current. Returns
         `(False, None)` if the call turns out not to fit it."""
-        plan = self._plan_for(trace, frame, _needs_split(call.all_dynamic, trace))
+        plan = self._plan_for(trace, frame, _needs_split(call, trace))
         try:
             out, updated = self._call_plan(plan, frame, args, kwargs)
         except (_PlanMismatch, OutputMismatch):
@@ -582,7 +590,7 @@ class JitDispatch:
         if not can_plan(trace):
             values = frame.read_many(trace.states)
             return flat_jit(trace, self.flat_options()).lower(call.leaves, values)
-        plan = self._plan_for(trace, frame, _needs_split(call.all_dynamic, trace))
+        plan = self._plan_for(trace, frame, _needs_split(call, trace))
         written = plan.pack(frame.read_many(plan.updated_states))
         read = plan.read_from(frame)
         if plan.split:
@@ -641,6 +649,10 @@ class JitDispatch:
         traces, splitter = self._traces, self._splitter
 
         def body(written, read, *args, **kwargs):
+            if not _jit_took_as_is(args, kwargs):
+                # A call whose arguments `jax.jit` traces where eqstate would not
+                # (e.g. a Module's `inference: bool`): it takes a split plan.
+                raise _PlanMismatch
             return plan.evaluate(traces, written, read, args, kwargs)
 
         def split_body(key, written, read, dynamic):
