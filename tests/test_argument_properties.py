@@ -39,7 +39,11 @@ POOLS = [
 
 def f(model, x):
     """Reads and writes every state in `model`, and sums every other leaf."""
-    acc = jnp.sum(x)
+    # `is True` tells a static flag (a Python bool in a Module) from a traced one.
+    acc = sum(
+        10.0 if leaf is True else jnp.sum(jnp.asarray(leaf))
+        for leaf in jax.tree_util.tree_leaves(x)
+    )
     for leaf in jax.tree_util.tree_leaves(model):
         if isinstance(leaf, es.State):
             value = leaf.value
@@ -78,6 +82,21 @@ trees = st.recursive(
 models = st.lists(trees, max_size=4).map(
     lambda children: ("module", ("list", children))
 )
+X_KINDS = ["array", "tuple", "numpy", "float", "module", "module with a flag"]
+
+
+def build_x(kind: str, x: float) -> Any:
+    array = jnp.full(2, x)
+    return {
+        "array": array,
+        "tuple": (array, array + 1),
+        "numpy": np.full(2, x, np.float32),
+        "float": x,
+        "module": Node(array),
+        "module with a flag": Node((array, 2.0, True)),
+    }[kind]
+
+
 edits = st.one_of(
     st.just(("repeat",)),  # the same call again
     st.tuples(st.just("set item"), st.integers(0, 9), st.integers(0, 9), leaves),
@@ -86,6 +105,8 @@ edits = st.one_of(
     st.tuples(st.just("set key"), st.integers(0, 9), st.sampled_from("abd"), leaves),
     st.tuples(st.just("new model"), models),
     st.just(("first model",)),
+    # The other argument, usually a bare array, becomes something else.
+    st.tuples(st.just("new x"), st.sampled_from(X_KINDS)),
 )
 
 
@@ -161,7 +182,7 @@ def run_sequence(first, steps, x: float, pool: list, log=note) -> None:
     notes to show if the law fails."""
     es.assign(es.StateDict({s: jnp.zeros(2) for s in pool}))
     first_model = model = build(first, pool)
-    x = jnp.full(2, x)
+    x_value, x = x, jnp.full(2, x)
     check_call(model, x, False, pool, log)
     for step, by_keyword in steps:
         log(f"edit: {step}")
@@ -169,6 +190,8 @@ def run_sequence(first, steps, x: float, pool: list, log=note) -> None:
             model = build(step[1], pool)
         elif step[0] == "first model":
             model = first_model
+        elif step[0] == "new x":
+            x = build_x(step[1], x_value)
         else:
             edit(model, step, pool)
         check_call(model, x, by_keyword, pool, log)
