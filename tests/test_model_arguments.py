@@ -568,3 +568,25 @@ def test_a_scalar_bool_array_field_is_traced_like_any_array(getkey):
     assert (pick(off, x) == x).all()
     assert (pick(on, x) == 3 * x).all()
     assert len(runs) == traced
+
+
+def test_a_module_int_too_large_for_jax_after_array_only_calls_stays_static():
+    # `jax.jit` refuses the int (it overflows int32) where eqstate keeps it static.
+    class Config(eqx.Module):
+        weight: jax.Array
+        seed: int
+
+    count = es.State(jnp.array(0))
+
+    @es.transform.jit
+    def shifted(config, x):
+        count.value += 1
+        if isinstance(config, Config):
+            return x * config.weight + config.seed % 7
+        return x * config
+
+    x = jnp.full(3, 2.0)
+    assert (shifted(jnp.ones(3), x) == x).all()
+    big = Config(jnp.full(3, 3.0), 2**40)
+    assert (shifted(big, x) == 3 * x + 2**40 % 7).all()
+    assert count.value == 2

@@ -49,8 +49,10 @@ class _PlanMismatch(Exception):
 # What a call through a plan raises when it must take the unplanned path instead: a
 # mismatch, a state missing from the world (the unplanned path names it), an output
 # that cannot be rebuilt from its key (`OutputMismatch`), or arguments that `jax.jit`
-# refuses (`TypeError`, `ValueError`; see `JitDispatch._raise_if_planned`).
-_REFUSALS = (_PlanMismatch, KeyError, OutputMismatch, TypeError, ValueError)
+# refuses (see `JitDispatch._raise_if_planned`): e.g. a Python `int` field of a Module,
+# static for eqstate, too large for `jax.jit`'s int32 (`OverflowError`).
+_JIT_REFUSALS = (TypeError, ValueError, OverflowError)
+_REFUSALS = (_PlanMismatch, KeyError, OutputMismatch, *_JIT_REFUSALS)
 
 
 def _mark_from_trace(exc: BaseException) -> None:
@@ -484,7 +486,7 @@ class JitDispatch:
     ) -> Any:
         """Takes the unplanned path for a call that `plan` refused (one of
         `_REFUSALS`). Re-raises the errors of the function itself."""
-        if isinstance(exc, (TypeError, ValueError)):
+        if isinstance(exc, _JIT_REFUSALS):
             if getattr(exc, "_eqstate_from_trace", False):
                 raise exc
             self._raise_if_planned(exc, plan, args, kwargs)
