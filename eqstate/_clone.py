@@ -1,7 +1,6 @@
 """Copies of models holding handles: `clone` and `member`."""
 
 import operator
-import weakref
 from typing import TypeVar
 
 import equinox as eqx
@@ -116,18 +115,12 @@ def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
     return next(iter(sizes.values()))
 
 
-# The states that `vmap_new_states` replicated rather than stacked (its outermost call
-# decides): `member` copies them whole, whatever `shared` says and whatever their tag
-# became.
-_REPLICATED: "weakref.WeakSet[State]" = weakref.WeakSet()
-
-
 def mark_replicated(state: State, replicated: bool) -> None:
-    """Records whether `vmap_new_states` replicated `state` (see `member`)."""
-    if replicated:
-        _REPLICATED.add(state)
-    else:
-        _REPLICATED.discard(state)
+    """Records on the handle whether `vmap_new_states` replicated `state` rather than
+    stacked it (its outermost call decides): `member` copies such states whole,
+    whatever `shared` says and whatever their tag became. The handles a jitted build
+    returns, and clones, are copies that keep the record."""
+    object.__setattr__(state, "_replicated", replicated)
 
 
 def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
@@ -160,7 +153,8 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         [`eqstate.NonBatchState`][]s. The states that `vmap_new_states` replicated
         (its `NonBatchState`s and those matching its `state_to_exclude`) are copied
         whole whatever this filter says, even after `state_tag` replaced their
-        tags; pass a filter for ensembles stacked some other way.
+        tags, and also in an ensemble returned by a jitted build or by
+        [`eqstate.clone`][]; pass a filter for ensembles stacked some other way.
         (Keyword only argument.)
 
     **Returns:**
@@ -197,7 +191,7 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     chosen = to_predicate(shared)
 
     def is_shared(path: tuple, state: State) -> bool:
-        return state in _REPLICATED or chosen(path, state)
+        return state._replicated or chosen(path, state)
 
     stacked = [
         (state_label(s), v) for s, v in zip(states, values) if not is_shared((), s)

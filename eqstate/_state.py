@@ -48,7 +48,16 @@ class State(Generic[_Value]):
         ```
     """
 
-    __slots__ = ("__weakref__", "_expired_in", "_name", "_order", "_tag")
+    # `_replicated`: `vmap_new_states` gave every member this state's one value rather
+    # than a stacked one (see `eqstate.member`); copies of the handle keep it.
+    __slots__ = (
+        "__weakref__",
+        "_expired_in",
+        "_name",
+        "_order",
+        "_replicated",
+        "_tag",
+    )
 
     def __init__(
         self,
@@ -75,6 +84,7 @@ class State(Generic[_Value]):
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_expired_in", None)
         object.__setattr__(self, "_order", next(_CREATION_ORDER))
+        object.__setattr__(self, "_replicated", False)
         current_frame().add_new(self, to_value(value))
 
     @property
@@ -308,6 +318,7 @@ def lazy_world_state(
     object.__setattr__(state, "_name", name)
     object.__setattr__(state, "_expired_in", None)
     object.__setattr__(state, "_order", next(_CREATION_ORDER))
+    object.__setattr__(state, "_replicated", False)
     _context.WORLD.add_lazy(state, make_value)
     return state
 

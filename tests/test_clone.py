@@ -271,3 +271,38 @@ def test_member_copies_whole_a_state_excluded_by_tag_and_then_retagged():
         one = es.member(ensemble, 1, shared=shared)
         assert (one["lr"].value == jnp.array([0.1, 0.2, 0.3, 0.4])).all()
         assert (one["w"].value == ensemble["w"].value[1]).all()
+
+
+@pytest.mark.parametrize("route", ["jitted build", "clone", "jitted clone"])
+def test_member_copies_replicated_states_whole_after_jit_or_clone(route):
+    # The handles a jitted build returns, and clones, are new handles: they must keep
+    # the record that `vmap_new_states` replicated the state, even when its first axis
+    # has as many entries as the ensemble has members.
+    def make():
+        return {
+            "w": es.ParamState(es.random.normal((3,)), name="w"),
+            "table": es.State(jnp.arange(4.0) * 10, name="table", tag="shared"),
+        }
+
+    build = es.transform.vmap_new_states(make, axis_size=4, state_to_exclude="shared")
+    if route == "jitted build":
+        ensemble = es.transform.jit(build)()
+    elif route == "clone":
+        ensemble = es.clone(build())
+    else:
+        ensemble = es.transform.jit(es.clone)(build())
+    one = es.member(ensemble, 2)
+    assert tree_bitwise_equal(one["table"].value, jnp.arange(4.0) * 10)
+    assert tree_bitwise_equal(one["w"].value, ensemble["w"].value[2])
+    again = es.member(one, 0)  # still whole: a member's copy keeps the record
+    assert tree_bitwise_equal(again["table"].value, jnp.arange(4.0) * 10)
+
+
+def test_member_of_a_tree_holding_the_default_random_state():
+    tree = {"w": es.ParamState(jnp.arange(8.0).reshape(4, 2)), "rng": es.random.DEFAULT}
+    one = es.member(tree, 1, shared=es.RandomState)
+    assert (one["w"].value == jnp.array([2.0, 3.0])).all()
+    assert tree_bitwise_equal(
+        jax.random.key_data(one["rng"].value),
+        jax.random.key_data(es.random.DEFAULT.value),
+    )
