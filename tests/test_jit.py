@@ -1,4 +1,5 @@
 import re
+from typing import Any
 
 import eqstate as es
 import equinox as eqx
@@ -490,3 +491,32 @@ def test_the_stateful_function_of_a_jit_takes_its_options():
     plain.stateful_function(2.0)  # through the same plan: no other trace
     assert count.value == 2
     assert plain.get_cache_stats()["traces"] == 1
+
+
+@pytest.mark.parametrize("how", ["static_argnums", "static_argnames", "module field"])
+def test_equal_static_values_of_other_types_trace_apart(how):
+    # `1 == 1.0 == True`, but they trace to other dtypes (and `is True` tells them
+    # apart): as `jax.jit` does, a static value's type is part of the cache key.
+    class Scale(eqx.Module):
+        value: Any
+
+    bias = es.ParamState(jnp.zeros(3, jnp.int32))
+
+    def f(x, scale):
+        scale = scale.value if isinstance(scale, Scale) else scale
+        flag = 10 if scale is True else 0
+        return x * scale + bias.value + flag
+
+    if how == "static_argnums":
+        jitted = es.transform.jit(f, static_argnums=1)
+        call = lambda x, s: jitted(x, s)  # noqa: E731
+    elif how == "static_argnames":
+        jitted = es.transform.jit(f, static_argnames="scale")
+        call = lambda x, s: jitted(x, scale=s)  # noqa: E731
+    else:
+        jitted = es.transform.jit(f)
+        call = lambda x, s: jitted(x, Scale(s))  # noqa: E731
+    x = jnp.arange(3)
+    for scale in (1, 1.0, True, 1):
+        got, want = call(x, scale), f(x, scale)
+        assert got.dtype == want.dtype and (got == want).all(), (scale, got, want)

@@ -102,9 +102,14 @@ class ArgParser:
                 dynamic.append(leaf)
                 template.append(None)
             else:
-                sigs.append(("static", _hashable(leaf, "an argument leaf", self.name)))
+                leaf = _hashable(leaf, "an argument leaf", self.name)
+                sigs.append(("static", type(leaf), leaf))
                 template.append(leaf)
-        key = (tuple(static), static_kw, treedef, tuple(sigs))
+        # Static values with their types, as `jax.jit` keys them: `1`, `1.0` and
+        # `True` are equal, but may trace differently (dtypes, `is True`).
+        typed = tuple((i, type(v), v) for i, v in static)
+        typed_kw = tuple((k, type(v), v) for k, v in static_kw)
+        key = (typed, typed_kw, treedef, tuple(sigs))
         jit_as_is = jax_jit_sees_as_eqstate(leaves, fields)
         return CallArgs(
             key, dynamic, treedef, template, dynamic_index, static, static_kw, jit_as_is

@@ -57,7 +57,12 @@ class _Static:
         return hash(self.value)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and self.value == other.value
+        # Typed, as `jax.jit` keys static arguments: `1 == 1.0 == True`.
+        return (
+            isinstance(other, _Static)
+            and type(self.value) is type(other.value)
+            and self.value == other.value
+        )
 
 
 class ArgSplitter:
@@ -148,7 +153,9 @@ class ArgSplitter:
         mask = [is_traced(x, f) for x, f in zip(leaves, fields)]
         static = tuple(i for i, traced in enumerate(mask) if not traced)
         dynamic = [x for x, traced in zip(leaves, mask) if traced]
-        part = (treedef, static, tuple(leaves[i] for i in static))
+        static_leaves = tuple(leaves[i] for i in static)
+        types = tuple(map(type, static_leaves))  # see `_Static.__eq__`
+        part = (treedef, static, static_leaves, types)
         return self._parts.number(part), dynamic
 
     def rebuild(self, key: int, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
@@ -164,7 +171,7 @@ class ArgSplitter:
             if spec[0] == "static":
                 trees.append(spec[1].value)
                 continue
-            treedef, static, static_leaves = spec
+            treedef, static, static_leaves, _ = spec
             full = [next(rest) for _ in range(treedef.num_leaves - len(static))]
             for i, leaf in zip(static, static_leaves):
                 full.insert(i, leaf)
