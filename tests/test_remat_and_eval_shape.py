@@ -1,4 +1,5 @@
 import eqstate as es
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -77,3 +78,34 @@ def test_eval_shape_touches_no_value():
 def test_eval_shape_of_a_constructor_keeps_handles():
     out = es.transform.eval_shape(lambda: es.ParamState(jnp.zeros(4), name="p"))
     assert isinstance(out, es.ParamState) and out.name == "p"
+
+
+class _Out(eqx.Module):
+    y: jax.Array
+    training: bool
+    rate: float
+
+
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_checkpoint_returns_a_modules_python_fields_as_they_are(under_jit):
+    # Static, as in every other transform and in `eqx.filter_checkpoint`: not arrays.
+    layer = es.transform.checkpoint(lambda x: _Out(x * 2, True, 0.5))
+
+    def pick(x):
+        out = layer(x)
+        assert out.training is True and type(out.rate) is float
+        return out.y
+
+    x = jnp.arange(3.0)
+    got = es.transform.jit(pick)(x) if under_jit else pick(x)
+    assert (got == 2 * x).all()
+
+
+def test_grad_aux_returns_a_modules_python_fields_as_they_are():
+    w = es.ParamState(jnp.array(2.0))
+    grad = es.transform.grad(
+        lambda: (w.value**2, _Out(w.value, True, 0.5)), grad_states=[w], has_aux=True
+    )
+    grads, aux = grad()
+    assert grads[w] == 4.0
+    assert aux.training is True and type(aux.rate) is float

@@ -101,11 +101,13 @@ def partition(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
     """Splits a PyTree into its array leaves, which can cross a JAX transform, and a
     function that puts them back with the other leaves (handles, static values)."""
     leaves, treedef = jtu.tree_flatten(tree)
-    index = [i for i, x in enumerate(leaves) if is_dynamic(x)]
+    # Traced as everywhere else (`is_traced`): a Module's Python scalars stay static.
+    mask = dynamic_mask(tree)
+    index = [i for i, traced in enumerate(mask) if traced]
     dynamic = [leaves[i] for i in index]
     # `rebuild` may outlive a trace (JAX caches the traced function), so it keeps only
     # the static leaves: the dynamic ones may be that trace's tracers.
-    static = [None if is_dynamic(x) else x for x in leaves]
+    static = [None if traced else x for x, traced in zip(leaves, mask)]
 
     def rebuild(new_dynamic: Sequence[Any]) -> Any:
         full = list(static)
