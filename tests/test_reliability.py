@@ -139,3 +139,52 @@ def test_a_call_that_xla_refuses_to_run_keeps_every_value():
     with pytest.raises(Exception, match=r"(?i)memory|RESOURCE_EXHAUSTED"):
         too_big()
     assert (jax.random.key_data(es.random.DEFAULT.value) == key_before).all()
+
+
+_CURRENT = {"x": jnp.ones(2), "double": False}
+
+
+@pytest.mark.parametrize(
+    "transform", ["grad", "value_and_grad", "jacrev", "vmap", "checkpoint"]
+)
+def test_an_eager_transform_sees_the_globals_of_each_call(transform):
+    # As with `jax.grad` or `jax.vmap` called eagerly, the function's Python runs on
+    # each call: arrays and flags it reads from globals are the current ones, not
+    # the first call's constants. (A jitted function keeps them, as `jax.jit` does.)
+    w = es.ParamState(jnp.array([1.0, 2.0]))
+
+    def loss():
+        y = w.value * _CURRENT["x"]
+        return jnp.sum(2 * y if _CURRENT["double"] else y)
+
+    if transform == "vmap":
+        mapped = es.transform.vmap(lambda z: loss() * z)
+        run = lambda: mapped(jnp.ones(3))[0]  # noqa: E731
+    elif transform == "checkpoint":
+        run = es.transform.checkpoint(loss)
+    else:
+        made = getattr(es.transform, transform)(loss, grad_states=[w])
+        run = lambda: jax.tree_util.tree_leaves(made())  # noqa: E731
+
+    try:
+        for x, double in [
+            (jnp.ones(2), False),
+            (jnp.full(2, 3.0), False),
+            (jnp.full(2, 3.0), True),
+        ]:
+            _CURRENT.update(x=x, double=double)
+            scale = 2.0 if double else 1.0
+            value = jnp.sum(w.value * x) * scale
+            want = {
+                "grad": [x * scale],
+                "value_and_grad": [value, x * scale],
+                "jacrev": [x * scale],
+                "vmap": value,
+                "checkpoint": value,
+            }[transform]
+            got = run()
+            assert jax.tree_util.tree_all(
+                jax.tree_util.tree_map(lambda a, b: bool(jnp.allclose(a, b)), got, want)
+            ), (transform, x, double, got, want)
+    finally:
+        _CURRENT.update(x=jnp.ones(2), double=False)

@@ -24,7 +24,7 @@ from .._state import is_state, State
 from .._state_dict import state_dict_of, StateDict
 from ._common import partition, select_states
 from ._decorator import decorator_form
-from ._discovery import Discovery, traces_for
+from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._leaves import dynamic_mask
 
 
@@ -271,7 +271,7 @@ class _GradientTransform:
         if self._grad_states is not None and not self._argnums and not self._warned:
             self._warned = True
             _warn_if_arrays_closed_over(self.fun, self._traces.name)
-        traced = Discovery(self.fun, args, kwargs, traces=self._traces)
+        traced = Discovery(self.fun, args, kwargs, traces=kept_or_fresh(self._traces))
         diff = _Differentiable(traced, self._grad_states, self._check_states)
         pure = diff.pure(kwargs, self._has_aux)
 

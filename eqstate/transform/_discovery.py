@@ -33,6 +33,19 @@ def traces_for(
     return FunctionTraces(fun, label, parser, ("write",), env)
 
 
+def kept_or_fresh(traces: FunctionTraces) -> FunctionTraces:
+    """The trace cache a transformed function's call uses: `traces`, kept across
+    calls, inside an enclosing trace; a new, empty one at top level. A call at top
+    level runs the function's Python again, as JAX's eager transforms do, so that the
+    arrays and flags it reads from globals or closures are the current ones (a kept
+    trace holds their first values as constants)."""
+    if not compat.is_top_level():
+        return traces
+    return FunctionTraces(
+        traces.fun, traces.name, traces.parser, traces.state_returns, traces.axis_env
+    )
+
+
 class Discovery:
     """A function traced for one call: its states, and their values in the calling
     frame. `evaluate` then runs it inside a JAX transform with other values.

@@ -10,7 +10,7 @@ from .. import _jax_compat as compat
 from .._custom_types import MISSING
 from ._common import hide_static, partition, show_static
 from ._decorator import decorator_form
-from ._discovery import Discovery, traces_for
+from ._discovery import Discovery, kept_or_fresh, traces_for
 
 
 compat.hide_from_tracebacks(__file__)
@@ -59,7 +59,7 @@ def checkpoint(
 
     @ft.wraps(fun)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        traced = Discovery(fun, args, kwargs, traces=traces)
+        traced = Discovery(fun, args, kwargs, traces=kept_or_fresh(traces))
         box: dict[str, Any] = {}
 
         def pure(values, *args):

@@ -19,7 +19,7 @@ from .._state import State
 from .._state_dict import state_dict_of
 from ._common import hide_static, show_static
 from ._decorator import decorator_form
-from ._discovery import Discovery, traces_for
+from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._function_traces import FunctionTraces
 from ._view import View
 from ._vmap import placeholder
@@ -170,7 +170,7 @@ def _call_sharded(
     traced = Discovery(
         fun,
         show_static(_local_args(args, specs, mesh)),
-        traces=traces,
+        traces=kept_or_fresh(traces),
         discover_in=_ShardView(_context.current_frame(), spec_of, mesh),
     )
     traced.refuse_new_states("`shard_map`")

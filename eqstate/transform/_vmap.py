@@ -19,7 +19,7 @@ from .._shapes import shape_dtype
 from .._state import RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._decorator import decorator_form
-from ._discovery import Discovery, traces_for
+from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._function_traces import FunctionTraces
 from ._view import View
 
@@ -308,7 +308,7 @@ def _traces_by_size(
         if key not in traces:
             axis_env = None if key is None else [(axis_name, key)]
             traces[key] = traces_for(fun, name, axis_env=axis_env)
-        return traces[key]
+        return kept_or_fresh(traces[key])
 
     return traces_of_size
 
