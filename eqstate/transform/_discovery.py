@@ -25,8 +25,9 @@ def traces_for(
     axis_env: Sequence[tuple[Hashable, int]] | None = None,
 ) -> FunctionTraces:
     """A trace cache for `fun` that returns the states it writes, for a transform
-    that calls it many times (`grad`, `checkpoint`, `vmap`): each call then reuses
-    the traces of the last. `axis_env` puts named axes in scope while tracing."""
+    that calls it many times (`grad`, `checkpoint`, `vmap`): inside an enclosing
+    trace, each call reuses the traces of the last (see `kept_or_fresh`). `axis_env`
+    puts named axes in scope while tracing."""
     label: str = name or getattr(fun, "__name__", type(fun).__name__)
     parser = ArgParser(fun, label, tuple(static_argnums))
     env = None if axis_env is None else tuple(axis_env)
