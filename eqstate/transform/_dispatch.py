@@ -578,6 +578,12 @@ class JitDispatch:
             out, updated = self._call_plan(plan, frame, args, kwargs)
         except (_PlanMismatch, OutputMismatch):
             return False, None
+        except KeyError as exc:
+            if getattr(exc, "_eqstate_from_trace", False):
+                raise
+            # Another thread made the splitter forget a part of this call's key
+            # before JAX traced it: the call takes the path without a plan.
+            return False, None
         self._current = plan
         if updated:
             frame.commit_values(plan.updated_states, updated)

@@ -76,7 +76,8 @@ class ArgSplitter:
         # were: see `_mutable_containers`)
         self._last: dict[int, tuple[Any, int, list, tuple, tuple, list]] = {}
         # One argument's structure, and a call's (the numbers of its arguments').
-        self._parts = _Numbering(on_forget=self._last.clear)
+        self._forgotten = 0  # how many times a numbering forgot its oldest value
+        self._parts = _Numbering(on_forget=self._forget_parts)
         self._keys = _Numbering(on_forget=self._forget_last_call)
         self._last_call: tuple[list[int] | None, int] = (None, -1)
         self._outputs: dict[int, tuple] = {}
@@ -84,8 +85,9 @@ class ArgSplitter:
         self._fields: dict[PyTreeDef, list[bool]] = {}  # see `in_module`
         self._lock = threading.Lock()
 
-    def split(self, args: tuple, kwargs: dict) -> tuple[int, list]:
+    def split(self, args: tuple, kwargs: dict, again: bool = True) -> tuple[int, list]:
         """`(key, dynamic leaves)` of a call."""
+        forgotten = self._forgotten
         static = self._static_of(len(args)) if self._static_positions else ()
         parts: list[int] = []
         dynamic: list[Any] = []
@@ -119,13 +121,23 @@ class ArgSplitter:
         # A call like the last (the usual case) skips numbering its parts.
         last_parts, last_key = self._last_call
         if parts == last_parts:
-            return last_key, dynamic
-        key = self._keys.number(tuple(parts))
-        self._last_call = (parts, key)
+            key = last_key
+        else:
+            key = self._keys.number(tuple(parts))
+            self._last_call = (parts, key)
+        if self._forgotten != forgotten and again:
+            # Numbering forgot an old part or key, maybe one this call used: split
+            # again, now that nothing is remembered from before.
+            return self.split(args, kwargs, again=False)
         return key, dynamic
 
     def _forget_last_call(self) -> None:
+        self._forgotten += 1
         self._last_call = (None, -1)
+
+    def _forget_parts(self) -> None:
+        self._forgotten += 1
+        self._last.clear()
 
     def _static_of(self, n: int) -> set[int]:
         """The static positions of a call with `n` positional arguments."""
