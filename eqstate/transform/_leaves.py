@@ -12,8 +12,7 @@ import numpy as np
 from .._custom_types import PyTreeDef
 
 
-_PYTHON_SCALARS = (bool, int, float, complex)
-_SCALAR_TYPES = (*_PYTHON_SCALARS, np.generic)
+_SCALAR_TYPES = (bool, int, float, complex, np.generic)
 # The concrete array class, for a fast path in `signature`. Found without making an
 # array: that would start JAX's backend on import, and `jax.distributed.initialize()`
 # must run before. (If it is not found, `signature` takes its general path.)
