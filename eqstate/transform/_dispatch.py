@@ -30,7 +30,7 @@ from ._call_args import CallArgs
 from ._function_traces import FunctionTraces
 from ._leaves import in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
-from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch
+from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch, Static
 from ._trace import flat_jit, StaleTrace, Trace
 
 
@@ -332,6 +332,10 @@ def _jit_took_as_is(args: tuple, kwargs: dict) -> bool:
     return jax_jit_sees_as_eqstate(jax.tree_util.tree_leaves(tree), in_module(tree))
 
 
+def _untyped(value: Any) -> Any:
+    return value.value if isinstance(value, Static) else value
+
+
 def can_plan(trace: Trace) -> bool:
     """Whether calls of `trace` can take the plan path: it creates no states."""
     return not trace.new_states
@@ -466,6 +470,7 @@ class JitDispatch:
                 if not plan.simple_out:
                     out = self._splitter.output(key, out)
             elif kwargs:
+                kwargs = self._typed_static(kwargs)
                 out, updated = jitted(written, read, *args, **kwargs)
             elif len(args) == 1:
                 # Spelled out: a call through `*args` builds JAX's dispatch a tuple.
@@ -533,6 +538,7 @@ class JitDispatch:
         read = plan.read_from(frame)
         jitted = plan.function_for(written)
         if not plan.split:
+            kwargs = self._typed_static(kwargs)
             out, updated = jitted(plan.pack(written), read, *args, **kwargs)
             return out, plan.unpack(updated)
         if split is None:
@@ -544,6 +550,15 @@ class JitDispatch:
             self._plans_by_key.clear()
         self._plans_by_key[split[0]] = plan
         return out, plan.unpack(updated)
+
+    def _typed_static(self, kwargs: dict) -> dict:
+        """`kwargs` with each static one wrapped so that `jax.jit` keys it by type
+        too, as it keys `static_argnums` (`1`, `1.0` and `True` are equal; some JAX
+        releases key `static_argnames` by value alone). The body unwraps them."""
+        names = self._parser.static_argnames
+        if not names:
+            return kwargs
+        return {k: Static(v) if k in names else v for k, v in kwargs.items()}
 
     def _raise_if_planned(
         self, exc: Exception, plan: _Plan, args: tuple, kwargs: dict
@@ -604,6 +619,7 @@ class JitDispatch:
         if plan.split:
             key, dynamic = self._splitter.split(args, kwargs)
             return plan.jitted[key].lower(written, read, dynamic)
+        kwargs = self._typed_static(kwargs)
         return plan.jitted.lower(written, read, *args, **kwargs)
 
     def _plan_for(self, trace: Trace, frame: _context.Frame, split: bool) -> _Plan:
@@ -657,6 +673,7 @@ class JitDispatch:
         traces, splitter = self._traces, self._splitter
 
         def body(written, read, *args, **kwargs):
+            kwargs = {k: _untyped(v) for k, v in kwargs.items()}
             if not _jit_took_as_is(args, kwargs):
                 # A call whose arguments `jax.jit` traces where eqstate would not
                 # (e.g. a Module's `inference: bool`): it takes a split plan.

@@ -45,7 +45,7 @@ class OutputMismatch(Exception):
     depends on the arguments' shapes): such calls cannot be rebuilt from the key."""
 
 
-class _Static:
+class Static:
     """A static argument (`static_argnums`): hashed and compared by value."""
 
     __slots__ = ("value",)
@@ -59,7 +59,7 @@ class _Static:
     def __eq__(self, other: object) -> bool:
         # Typed, as `jax.jit` keys static arguments: `1 == 1.0 == True`.
         return (
-            isinstance(other, _Static)
+            isinstance(other, Static)
             and type(self.value) is type(other.value)
             and self.value == other.value
         )
@@ -112,7 +112,7 @@ class ArgSplitter:
             dynamic.extend(leaves)
         if kwargs:
             marked = _Kwargs(
-                (k, _Static(v) if k in self._static_names else v)
+                (k, Static(v) if k in self._static_names else v)
                 for k, v in sorted(kwargs.items())
             )
             part, leaves = self._split_tree(marked)
@@ -145,7 +145,7 @@ class ArgSplitter:
 
     def _split_one(self, position: int, arg: Any, static: bool) -> tuple[int, list]:
         if static:
-            return self._parts.number(("static", _Static(arg))), []
+            return self._parts.number(("static", Static(arg))), []
         part, leaves = self._split_tree(arg)
         treedef = self._parts.value(part)[0]
         frozen = self._frozen.get(treedef)
@@ -166,7 +166,7 @@ class ArgSplitter:
         static = tuple(i for i, traced in enumerate(mask) if not traced)
         dynamic = [x for x, traced in zip(leaves, mask) if traced]
         static_leaves = tuple(leaves[i] for i in static)
-        types = tuple(map(type, static_leaves))  # see `_Static.__eq__`
+        types = tuple(map(type, static_leaves))  # see `Static.__eq__`
         part = (treedef, static, static_leaves, types)
         return self._parts.number(part), dynamic
 
@@ -190,7 +190,7 @@ class ArgSplitter:
             trees.append(jtu.tree_unflatten(treedef, full))
         if trees and isinstance(trees[-1], _Kwargs):
             kwargs = {
-                k: v.value if isinstance(v, _Static) else v
+                k: v.value if isinstance(v, Static) else v
                 for k, v in trees.pop().items()
             }
             return tuple(trees), kwargs
