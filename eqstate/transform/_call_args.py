@@ -14,29 +14,44 @@ class CallArgs:
     """The arguments of one call, split by `ArgParser.parse`."""
 
     __slots__ = (
+        "_all_leaves",
+        "_fields",
         "_index",
         "_static",
         "_static_kw",
         "_template",
         "_treedef",
-        "jit_as_is",
         "key",
         "leaves",
     )
 
     def __init__(
-        self, key, leaves, treedef, template, index, static, static_kw, jit_as_is
+        self,
+        key,
+        leaves,
+        treedef,
+        template,
+        index,
+        static,
+        static_kw,
+        all_leaves,
+        fields,
     ):
         self.key: Hashable = key
         self.leaves: list = leaves
-        # Whether `jax.jit` can take the (non-static) arguments as they are (see
-        # `jax_jit_sees_as_eqstate`).
-        self.jit_as_is: bool = jit_as_is
+        self._all_leaves = all_leaves
+        self._fields = fields
         self._treedef = treedef
         self._template = template
         self._index = index
         self._static = static
         self._static_kw = static_kw
+
+    @property
+    def jit_as_is(self) -> bool:
+        """Whether `jax.jit` can take the (non-static) arguments as they are (see
+        `jax_jit_sees_as_eqstate`). Only `jit` asks, so it is worked out on demand."""
+        return jax_jit_sees_as_eqstate(self._all_leaves, self._fields)
 
     def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple, dict]:
         """`(args, kwargs)` with the traced leaves replaced by `leaves`."""
@@ -110,9 +125,16 @@ class ArgParser:
         typed = tuple((i, type(v), v) for i, v in static)
         typed_kw = tuple((k, type(v), v) for k, v in static_kw)
         key = (typed, typed_kw, treedef, tuple(sigs))
-        jit_as_is = jax_jit_sees_as_eqstate(leaves, fields)
         return CallArgs(
-            key, dynamic, treedef, template, dynamic_index, static, static_kw, jit_as_is
+            key,
+            dynamic,
+            treedef,
+            template,
+            dynamic_index,
+            static,
+            static_kw,
+            leaves,
+            fields,
         )
 
 

@@ -30,7 +30,7 @@ from ._call_args import CallArgs
 from ._function_traces import FunctionTraces
 from ._leaves import in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
-from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch, Static
+from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch, Static, unwrapped
 from ._trace import flat_jit, StaleTrace, Trace
 
 
@@ -332,10 +332,6 @@ def _jit_took_as_is(args: tuple, kwargs: dict) -> bool:
     return jax_jit_sees_as_eqstate(jax.tree_util.tree_leaves(tree), in_module(tree))
 
 
-def _untyped(value: Any) -> Any:
-    return value.value if isinstance(value, Static) else value
-
-
 def can_plan(trace: Trace) -> bool:
     """Whether calls of `trace` can take the plan path: it creates no states."""
     return not trace.new_states
@@ -470,7 +466,8 @@ class JitDispatch:
                 if not plan.simple_out:
                     out = self._splitter.output(key, out)
             elif kwargs:
-                kwargs = self._typed_static(kwargs)
+                if self._parser.static_argnames:
+                    kwargs = self._typed_static(kwargs)
                 out, updated = jitted(written, read, *args, **kwargs)
             elif len(args) == 1:
                 # Spelled out: a call through `*args` builds JAX's dispatch a tuple.
@@ -673,7 +670,7 @@ class JitDispatch:
         traces, splitter = self._traces, self._splitter
 
         def body(written, read, *args, **kwargs):
-            kwargs = {k: _untyped(v) for k, v in kwargs.items()}
+            kwargs = unwrapped(kwargs)
             if not _jit_took_as_is(args, kwargs):
                 # A call whose arguments `jax.jit` traces where eqstate would not
                 # (e.g. a Module's `inference: bool`): it takes a split plan.

@@ -65,6 +65,11 @@ class Static:
         )
 
 
+def unwrapped(kwargs: dict) -> dict:
+    """`kwargs` with each `Static` replaced by the value it wraps."""
+    return {k: v.value if isinstance(v, Static) else v for k, v in kwargs.items()}
+
+
 class ArgSplitter:
     """Splits calls into `(key, dynamic leaves)` and rebuilds them; see the module
     documentation."""
@@ -76,7 +81,7 @@ class ArgSplitter:
         # were: see `_mutable_containers`)
         self._last: dict[int, tuple[Any, int, list, tuple, tuple, list]] = {}
         # One argument's structure, and a call's (the numbers of its arguments').
-        self._forgotten = 0  # how many times a numbering forgot its oldest value
+        self._forgotten = 0  # how many times `_parts` forgot its oldest part
         self._parts = _Numbering(on_forget=self._forget_parts)
         self._keys = _Numbering(on_forget=self._forget_last_call)
         self._last_call: tuple[list[int] | None, int] = (None, -1)
@@ -126,13 +131,12 @@ class ArgSplitter:
             key = self._keys.number(tuple(parts))
             self._last_call = (parts, key)
         if self._forgotten != forgotten and again:
-            # Numbering forgot an old part or key, maybe one this call used: split
-            # again, now that nothing is remembered from before.
+            # Numbering forgot an old part, maybe one this call reused: split again,
+            # now that nothing is remembered from before.
             return self.split(args, kwargs, again=False)
         return key, dynamic
 
     def _forget_last_call(self) -> None:
-        self._forgotten += 1
         self._last_call = (None, -1)
 
     def _forget_parts(self) -> None:
@@ -189,10 +193,7 @@ class ArgSplitter:
                 full.insert(i, leaf)
             trees.append(jtu.tree_unflatten(treedef, full))
         if trees and isinstance(trees[-1], _Kwargs):
-            kwargs = {
-                k: v.value if isinstance(v, Static) else v
-                for k, v in trees.pop().items()
-            }
+            kwargs = unwrapped(trees.pop())
             return tuple(trees), kwargs
         return tuple(trees), {}
 
