@@ -1,6 +1,7 @@
 """Copies of models holding handles: `clone` and `member`."""
 
 import operator
+from collections.abc import Callable
 from typing import TypeVar
 
 import equinox as eqx
@@ -116,10 +117,11 @@ def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
 
 
 def mark_replicated(state: State, replicated: bool) -> None:
-    """Records on the handle whether `vmap_new_states` replicated `state` rather than
-    stacked it (its outermost call decides): `member` copies such states whole,
-    whatever `shared` says and whatever their tag became. The handles a jitted build
-    returns, and clones, are copies that keep the record."""
+    """Records on the handle that `vmap_new_states` created `state`, and whether it
+    replicated it rather than stacked it (its outermost call decides): `member`
+    slices the stacked ones and copies the others whole, whatever `shared` says and
+    whatever their tag became. The handles a jitted build returns, and clones, are
+    copies that keep the record."""
     object.__setattr__(state, "_replicated", replicated)
 
 
@@ -150,12 +152,14 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         by `vmap_new_states`.
     - `index`: which member, in `[-K, K)` for an ensemble of K members.
     - `shared`: a filter selecting the states that are not stacked, by default the
-        [`eqstate.NonBatchState`][]s. The states that `vmap_new_states` replicated
-        (its `NonBatchState`s and those matching its `state_to_exclude`) are copied
-        whole whatever this filter says, even after `state_tag` replaced their
-        tags, and also in an ensemble returned by a jitted build or by
-        [`eqstate.clone`][]; pass a filter for ensembles stacked some other way.
-        (Keyword only argument.)
+        [`eqstate.NonBatchState`][]s; a predicate receives each state's PyTree path
+        in `ensemble`. Whatever this filter says, in an ensemble built by
+        `vmap_new_states` (also by a jitted build, and in [`eqstate.clone`][]s of
+        it), the states it replicated (its `NonBatchState`s and those matching its
+        `state_to_exclude`, even after `state_tag` replaced their tags) and the
+        states it did not create (they existed before the build, such as a table
+        tied into every member) are copied whole. Pass a filter for ensembles
+        stacked some other way. (Keyword only argument.)
 
     **Returns:**
 
@@ -186,16 +190,11 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         ```
     """
     index = operator.index(index)
-    states = states_of(ensemble)
+    with_paths = states_of(ensemble, with_paths=True)
+    states = tuple(s for _, s in with_paths)
     values = _context.current_frame().read_many(states) if states else []
-    chosen = to_predicate(shared)
-
-    def is_shared(path: tuple, state: State) -> bool:
-        return state._replicated or chosen(path, state)
-
-    stacked = [
-        (state_label(s), v) for s, v in zip(states, values) if not is_shared((), s)
-    ]
+    whole = _copied_whole(with_paths, to_predicate(shared))
+    stacked = [(state_label(s), v) for s, v in zip(states, values) if s not in whole]
     arrays = jtu.tree_leaves_with_path(eqx.filter(ensemble, eqx.is_array))
     stacked += [(f"the array at {jtu.keystr(path)}", x) for path, x in arrays]
     if stacked:
@@ -209,7 +208,23 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         lambda x: x[index] if eqx.is_array(x) else x, ensemble, is_leaf=is_state
     )
     picked = [
-        _copy(v) if is_shared((), s) else jtu.tree_map(lambda x: x[index], v)
+        _copy(v) if s in whole else jtu.tree_map(lambda x: x[index], v)
         for s, v in zip(states, values)
     ]
     return _register(ensemble, states, picked)
+
+
+def _copied_whole(
+    with_paths: tuple[tuple[tuple, State], ...], shared: Callable[[tuple, State], bool]
+) -> set[State]:
+    """The states of an ensemble that `member` copies whole rather than slices: those
+    `vmap_new_states` replicated, those `shared` selects (by path and state), and, in
+    an ensemble `vmap_new_states` built, the states it did not create (they existed
+    before the build, so every member reads their one value)."""
+    built = any(s._replicated is False for _, s in with_paths)
+    whole = set()
+    for path, state in with_paths:
+        made_here = state._replicated is not None
+        if state._replicated or shared(path, state) or (built and not made_here):
+            whole.add(state)
+    return whole

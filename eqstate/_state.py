@@ -48,8 +48,9 @@ class State(Generic[_Value]):
         ```
     """
 
-    # `_replicated`: `vmap_new_states` gave every member this state's one value rather
-    # than a stacked one (see `eqstate.member`); copies of the handle keep it.
+    # `_replicated`: whether `vmap_new_states` gave every member this state's one value
+    # (True) or stacked a value per member (False); None for a state it did not create
+    # (see `eqstate.member`). Copies of the handle keep it.
     __slots__ = (
         "__weakref__",
         "_expired_in",
@@ -84,7 +85,7 @@ class State(Generic[_Value]):
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_expired_in", None)
         object.__setattr__(self, "_order", next(_CREATION_ORDER))
-        object.__setattr__(self, "_replicated", False)
+        object.__setattr__(self, "_replicated", None)
         current_frame().add_new(self, to_value(value))
 
     @property
@@ -318,7 +319,7 @@ def lazy_world_state(
     object.__setattr__(state, "_name", name)
     object.__setattr__(state, "_expired_in", None)
     object.__setattr__(state, "_order", next(_CREATION_ORDER))
-    object.__setattr__(state, "_replicated", False)
+    object.__setattr__(state, "_replicated", None)
     _context.WORLD.add_lazy(state, make_value)
     return state
 

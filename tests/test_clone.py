@@ -209,6 +209,38 @@ def test_member_of_a_hand_stacked_ensemble_needs_its_shared_states_named():
     assert tree_bitwise_equal(one["lr"].value, stacked["lr"].value)
 
 
+def test_member_gives_a_shared_predicate_each_state_path():
+    stacked = {
+        "w": es.ParamState(jnp.arange(6.0).reshape(3, 2), name="w"),
+        "scale": es.State(jnp.array([10.0, 20.0, 30.0]), name="scale"),
+    }
+    seen = []
+
+    def by_path(path, state):
+        seen.append(jax.tree_util.keystr(path))
+        return "scale" in jax.tree_util.keystr(path)
+
+    one = es.member(stacked, 1, shared=by_path)
+    assert sorted(seen) == ["['scale']", "['w']"]
+    assert tree_bitwise_equal(one["scale"].value, stacked["scale"].value)
+    assert tree_bitwise_equal(one["w"].value, stacked["w"].value[1])
+
+
+def test_member_copies_whole_a_state_that_existed_before_the_build():
+    table = es.ParamState(jnp.array([10.0, 20.0, 30.0]), name="table")
+
+    def make():
+        return {"w": es.ParamState(es.random.normal(()), name="w"), "table": table}
+
+    ensemble = es.transform.vmap_new_states(make, axis_size=3)()
+    lanes = es.transform.vmap(
+        lambda m: m["w"].value * m["table"].value, in_states={0: ensemble["w"]}
+    )(ensemble)
+    one = es.member(ensemble, 1)
+    assert tree_bitwise_equal(one["table"].value, table.value)
+    assert tree_bitwise_equal(one["w"].value * one["table"].value, lanes[1])
+
+
 # --- Equinox serialisation ------------------------------------------------------------
 
 
