@@ -154,11 +154,37 @@ def test_jacrev_and_jacfwd_match_jax(getkey):
         assert tree_allclose(jx, theirs(lambda x, wv=wv: jnp.sin(wv * x))(x))
 
 
-def test_jacobian_of_a_pytree_output_is_input_first(getkey):
+@pytest.mark.parametrize("name", ["jacrev", "jacfwd"])
+def test_jacobians_of_pytree_outputs_are_laid_out_as_jax_lays_them_out(name, getkey):
+    ours, theirs = getattr(es.transform, name), getattr(jax, name)
     w = es.ParamState(jr.normal(getkey(), (3,)))
-    f = lambda: {"a": w.value * 2, "b": jnp.sum(w.value)}  # noqa: E731
-    jac = es.transform.jacrev(f, grad_states=[w])()
-    assert jac[w]["a"].shape == (3, 3) and jac[w]["b"].shape == (3,)
+    a, b = jr.normal(getkey(), (2,)), jr.normal(getkey(), (3,))
+    pure = lambda w, a, b: {"x": w * 2 + b, "y": (jnp.sum(w) * a[0], 5 * a)}  # noqa: E731
+    f = lambda a, b: pure(w.value, a, b)  # noqa: E731
+    # Output structure outermost, inputs inside: tuples of inputs and outputs of the
+    # same length would otherwise swap blocks silently.
+    jac_args = ours(f, argnums=(0, 1))(a, b)
+    assert tree_allclose(jac_args, theirs(pure, argnums=(1, 2))(w.value, a, b))
+    jac_w, jac_a = ours(f, grad_states=[w], argnums=0)(a, b)
+    by_w = jax.tree.map(lambda sd: sd[w], jac_w, is_leaf=_is_state_dict)
+    assert tree_allclose(by_w, theirs(pure, argnums=0)(w.value, a, b))
+    assert tree_allclose(jac_a, theirs(pure, argnums=1)(w.value, a, b))
+
+
+def _is_state_dict(x):
+    return isinstance(x, es.StateDict)
+
+
+def test_hessian_blocks_between_two_inputs_are_not_transposed(getkey):
+    a_val, b_val = jr.normal(getkey(), (2,)), jr.normal(getkey(), (3,))
+    m = jr.normal(getkey(), (2, 3))
+    pure = lambda a, b: a @ m @ b + jnp.sum(a**3)  # noqa: E731
+    h = es.transform.hessian(pure, argnums=(0, 1))(a_val, b_val)
+    assert tree_allclose(h, jax.hessian(pure, argnums=(0, 1))(a_val, b_val))
+    a, b = es.ParamState(a_val), es.ParamState(b_val)
+    hs = es.transform.hessian(lambda: pure(a.value, b.value), grad_states=[a, b])()
+    assert hs[a][b].shape == (2, 3) and tree_allclose(hs[a][b], m)
+    assert tree_allclose(hs[b][a], m.T)
 
 
 def test_hessian(getkey):

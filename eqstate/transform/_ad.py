@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _jax_compat as compat
-from .._custom_types import MISSING
+from .._custom_types import MISSING, PyTreeDef
 from .._pretty_print import state_label
 from .._state import is_state, State
 from .._state_dict import state_dict_of, StateDict
@@ -231,6 +231,18 @@ class _Differentiable:
         return self.box["rebuild_aux"](aux_leaves)
 
 
+def _jacobian_parts(out_def: PyTreeDef, jacobian: Any, single: bool) -> tuple:
+    """`(state part, argument part)` of a Jacobian with respect to the state values
+    and the arguments, as JAX's transforms return it (each output leaf holding one
+    entry per input). Each part is laid out as JAX lays out the Jacobian with respect
+    to those inputs alone: the output's structure outermost, and inside it the
+    `StateDict`, or the one argument (`single`) or the tuple of arguments."""
+    per_leaf = out_def.flatten_up_to(jacobian)
+    states = out_def.unflatten([entry[0] for entry in per_leaf])
+    args = [entry[1] if single else tuple(entry[1:]) for entry in per_leaf]
+    return states, out_def.unflatten(args)
+
+
 class _GradientTransform:
     """`grad`, `jacrev`, `jacfwd` and `hessian`: see `grad` for the outputs."""
 
@@ -298,19 +310,17 @@ class _GradientTransform:
         differentiated = [part for part, _ in parts]
         grads, (value, extras) = transformed(grad_values, *differentiated)
         aux = diff.finish(extras)
-        # Jacobians come output-first (each output leaf holds one entry per input);
-        # eqstate returns them input-first: `(state_grads, *arg_grads)`.
-        inputs = (grad_values, *differentiated)
+        single = self._single_arg
         if self._output_first:
-            grads = jtu.tree_transpose(
-                jtu.tree_structure(value), jtu.tree_structure(inputs), grads
-            )
-        return self._arrange(grads[0], grads[1:], value, aux)
+            out_def = jtu.tree_structure(value)
+            state_grads, grads = _jacobian_parts(out_def, grads, single)
+        else:
+            state_grads, grads = grads[0], grads[1] if single else grads[1:]
+        return self._arrange(state_grads, grads, value, aux)
 
-    def _arrange(self, state_grads: Any, arg_grads: tuple, value: Any, aux: Any) -> Any:
+    def _arrange(self, state_grads: Any, grads: Any, value: Any, aux: Any) -> Any:
         """The result in the layout the options ask for (`jax.grad`'s, plus the
         state gradients first when there are some)."""
-        grads = arg_grads[0] if self._single_arg else arg_grads
         if self._grad_states is None:
             result = grads
         elif not self._argnums:
@@ -596,8 +606,10 @@ def jacrev(
 ) -> Any:
     """Jacobian by reverse-mode autodiff (`jax.jacrev`), with respect to state
     values and arguments. Arguments and outputs are as for [`eqstate.transform.grad`][],
-    with Jacobians in place of gradients: `state_grads[s]` has the output's shape
-    followed by the state's.
+    with Jacobians in place of gradients, each laid out as `jax.jacrev` lays out the
+    Jacobian with respect to those inputs: for an array output, `state_grads[s]` has
+    the output's shape followed by the state's; for a PyTree output, the output's
+    structure comes first (`jac["loss"][s]`), as in JAX.
 
     **Arguments:**
 
@@ -698,9 +710,11 @@ def hessian(
     **Returns:**
 
     For `grad_states` alone, a `StateDict` of `StateDict`s: `h[a][b]` is the block
-    for states `a` and `b`. For `argnums` alone, what `jax.hessian` returns. With
-    both, the Jacobian (by `jacfwd`) of the pair `(state_grads, arg_grads)`.
-    Followed by the auxiliary output if `has_aux`.
+    for states `a` and `b`, of shape `a.shape + b.shape`, as `jax.hessian` lays out
+    blocks. For `argnums` alone, what `jax.hessian` returns. With both, the
+    Jacobians (by `jacfwd`) of the pair `(state_grads, arg_grads)` with respect to
+    the states and to the arguments: `(h_states, h_args)`, each with the pair's
+    structure outermost. Followed by the auxiliary output if `has_aux`.
 
     !!! Example
 
