@@ -15,6 +15,7 @@ from ._filters import to_predicate
 from ._pretty_print import state_label, value_summary
 from ._run import states_of
 from ._state import fresh_copy, is_state, NonBatchState, State
+from ._state_dict import rekeyed
 
 
 _T = TypeVar("_T")
@@ -34,10 +35,11 @@ def _replace_handles(tree: _T, new_handles: dict[State, State]) -> _T:
 
 def _register(tree: _T, states: tuple[State, ...], values: list[PyTree]) -> _T:
     """`tree` with each of `states` replaced by a fresh handle holding the matching
-    value, registered in the innermost context."""
+    value, registered in the innermost context. A `StateDict` held in a value (e.g.
+    an optimiser's state) is keyed by the fresh handles too."""
     frame = _context.current_frame()
     fresh = {state: fresh_copy(state) for state in states}
-    for state, value in zip(states, values):
+    for state, value in zip(states, rekeyed(values, fresh)):
         frame.add_new(fresh[state], value)
     return _replace_handles(tree, fresh)
 
@@ -51,7 +53,9 @@ def clone(tree: _T) -> _T:
     trace of a transform) with a copy of the original's value there. A handle found at
     several places in `tree` becomes one new handle, found at the same places. Leaves
     that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
-    are: JAX arrays are immutable, so sharing them is safe.
+    are: JAX arrays are immutable, so sharing them is safe. A `StateDict` held in a
+    value (an optimiser's state, a snapshot of the best weights) is keyed by the new
+    handles, so that it refers to the clone's states, not to the original's.
 
     `copy.deepcopy` of a handle raises instead, since it cannot choose the context
     to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]

@@ -283,6 +283,27 @@ def _canonical_order(sd: StateDict) -> tuple[State, ...] | None:
     return order or None
 
 
+def rekeyed(tree: Any, handles: Mapping[State, State]) -> Any:
+    """`tree` with every `StateDict` in it (at any depth, e.g. inside an optimiser's
+    state) keyed by `handles[s]` in place of each state `s` of `handles`; other keys
+    and every leaf are kept. For values moving to new handles (`eqstate.clone`, the
+    fresh handles of states a transform created), so that they keep referring to
+    the states they belong with."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, StateDict):
+            return x
+        return state_dict_of(
+            {handles.get(s, s): rekeyed(v, handles) for s, v in x._values.items()}
+        )
+
+    return jtu.tree_map(one, tree, is_leaf=_is_state_dict)
+
+
+def _is_state_dict(x: Any) -> bool:
+    return isinstance(x, StateDict)
+
+
 # StateDicts flatten in the creation order of their handles, so that dictionaries of
 # the same states (e.g. gradients and parameters) have the same tree structure.
 def _flatten_with_keys(sd: StateDict):

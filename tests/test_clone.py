@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import optax
 import pytest
 from equinox._serialisation import TreePathError
 
@@ -239,6 +240,68 @@ def test_member_copies_whole_a_state_that_existed_before_the_build():
     one = es.member(ensemble, 1)
     assert tree_bitwise_equal(one["table"].value, table.value)
     assert tree_bitwise_equal(one["w"].value * one["table"].value, lanes[1])
+
+
+class _WithOptimiser(eqx.Module):
+    w: es.ParamState
+    opt_state: es.LongTermState
+
+    def __init__(self):
+        self.w = es.ParamState(jnp.array([1.0, 2.0]), name="w")
+        self.opt_state = es.LongTermState(optax.adam(0.1).init(es.trainable(self)[0]))
+
+
+def _adam_step(model):
+    optimizer = optax.adam(0.1)
+    grads = es.transform.grad(
+        lambda: jnp.sum(model.w.value**2), grad_states=es.ParamState
+    )()
+    params = es.trainable(model)[0]
+    updates, model.opt_state.value = optimizer.update(
+        grads, model.opt_state.value, params
+    )
+    es.assign(optax.apply_updates(params, updates))
+
+
+def _ensemble_of_two():
+    return es.transform.vmap_new_states(_WithOptimiser, axis_size=2)()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: es.clone(_WithOptimiser()),
+        lambda: es.member(_ensemble_of_two(), 1),
+        es.transform.jit(_WithOptimiser),
+        lambda: es.member(es.transform.jit(_ensemble_of_two)(), 1),
+    ],
+    ids=["clone", "member", "jitted-build", "member-of-jitted-ensemble"],
+)
+def test_state_dicts_inside_values_follow_their_states_to_new_handles(make):
+    eager = _WithOptimiser()
+    model = make()
+    keys = jax.tree.leaves(
+        model.opt_state.value, is_leaf=lambda x: isinstance(x, es.StateDict)
+    )
+    assert all(sd.states == (model.w,) for sd in keys if isinstance(sd, es.StateDict))
+    before = eager.w.value
+    _adam_step(model)  # an optimiser's state keyed by the old handles cannot train
+    _adam_step(eager)
+    assert tree_bitwise_equal(model.w.value, eager.w.value)
+    assert not tree_bitwise_equal(model.w.value, before)
+
+
+def test_restoring_a_snapshot_held_by_a_clone_writes_the_clone(getkey):
+    w = es.ParamState(jnp.array([1.0, 2.0]), name="w")
+    model = {"w": w, "best": es.LongTermState(es.values_of({"w": w}))}
+    twin = es.clone(model)
+    twin["w"].value = jnp.array([9.0, 9.0])
+    es.assign(twin["best"].value)
+    assert tree_bitwise_equal(twin["w"].value, jnp.array([1.0, 2.0]))
+    assert tree_bitwise_equal(w.value, jnp.array([1.0, 2.0]))
+    w.value = jnp.array([5.0, 5.0])
+    es.assign(twin["best"].value)
+    assert tree_bitwise_equal(w.value, jnp.array([5.0, 5.0]))
 
 
 # --- Equinox serialisation ------------------------------------------------------------

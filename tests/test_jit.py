@@ -520,3 +520,13 @@ def test_equal_static_values_of_other_types_trace_apart(how):
     for scale in (1, 1.0, True, 1):
         got, want = call(x, scale), f(x, scale)
         assert got.dtype == want.dtype and (got == want).all(), (scale, got, want)
+
+
+def test_a_state_dict_returned_by_a_jitted_build_is_keyed_by_the_returned_handles():
+    def make():
+        model = {"w": es.ParamState(jnp.ones(2))}
+        return model, es.values_of(model)
+
+    model, values = es.transform.jit(make)()
+    assert values.states == (model["w"],)
+    es.assign(values)  # writes the returned handle, which has a value

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import _context, _jax_compat as compat
 from .._errors import UnstableStatesError
-from .._state import fresh_copy, State
+from .._state import State
 from ._call_args import ArgParser, CallArgs
 from ._function_traces import FunctionTraces
 from ._report import refuse_new_states
@@ -124,8 +124,9 @@ class Discovery:
         out_leaves, updated, new_values = trace.split_outputs(
             trace.run(call.leaves, values)
         )
-        fresh = [fresh_copy(s) for s in trace.new_states]
-        out = trace.build_output(out_leaves, fresh)
+        out, updated, fresh, new_values = trace.under_fresh_handles(
+            out_leaves, updated, new_values
+        )
         return (
             out,
             dict(zip(trace.updated_states, updated)),

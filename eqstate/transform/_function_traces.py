@@ -10,7 +10,6 @@ from typing import Any
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
 from .._errors import UnknownCacheKeyError, UnstableStatesError
-from .._state import fresh_copy
 from ._cache_stats import CacheStats
 from ._call_args import ArgParser, CallArgs
 from ._trace import flat_jit, StaleTrace, Trace, trace_function
@@ -242,11 +241,13 @@ class FunctionTraces:
         trace, out, updated, new_values = self.call_against(
             call, frame, values_of, jit_options
         )
-        fresh = [fresh_copy(s) for s in trace.new_states]
+        out, updated, fresh, new_values = trace.under_fresh_handles(
+            out, updated, new_values
+        )
         if updated or fresh:
             updates = dict(zip(trace.updated_states, updated))
             frame.commit(updates, list(zip(fresh, new_values)))
-        return trace.build_output(out, fresh)
+        return out
 
 
 def _peek_values(frame: _context.Frame, trace: Trace) -> list | None:

@@ -189,7 +189,8 @@ def jit(
     retrace, and eqstate retraces with it, so a stale trace is never used.
 
     States created inside `fun` get fresh handles on every call (its output may
-    return them, e.g. a model built by a jitted constructor).
+    return them, e.g. a model built by a jitted constructor); a `StateDict` in the
+    output or in a state's value (an optimiser's state) is keyed by them too.
 
     **Arguments:**
 

@@ -12,7 +12,7 @@ from .. import _context, _jax_compat as compat
 from .._custom_types import PyTreeDef
 from .._errors import StateValueError
 from .._run import run
-from .._state import fresh_copy, State
+from .._state import State
 from .._state_dict import state_dict_of, StateDict
 from . import _function_traces
 from ._call_args import ArgParser, CallArgs
@@ -519,11 +519,13 @@ class StatefulFunction:
         trace, out, updated, new_values = self._traces.call_against(
             call, strict_frame, values_of, self._jit_options()
         )
+        out, updated, fresh, new_values = trace.under_fresh_handles(
+            out, list(updated), list(new_values)
+        )
         result = dict(sd.items())
         result.update(zip(trace.updated_states, updated))
-        fresh = [fresh_copy(s) for s in trace.new_states]
         result.update(zip(fresh, new_values))
-        return state_dict_of(result), trace.build_output(out, fresh)
+        return state_dict_of(result), out
 
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
         trace = self._trace_for_sequence(call, values)

@@ -12,7 +12,8 @@ from jax.core import Tracer
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import PyTreeDef
-from .._state import expire, is_state, State
+from .._state import expire, fresh_copy, is_state, State
+from .._state_dict import rekeyed
 from ._call_args import CallArgs
 from ._leaves import (
     dynamic_mask,
@@ -134,6 +135,20 @@ class Trace:
             if isinstance(leaf, NewStateRef):
                 full[i] = fresh[leaf.index]
         return jtu.tree_unflatten(self.out_def, full)
+
+    def under_fresh_handles(
+        self, out_leaves: Sequence[Any], updated: list, new_values: list
+    ) -> tuple[Any, list, list, list]:
+        """`(out, updated, fresh, new_values)` of a call: fresh handles for the new
+        states (the trace's own ones have no value outside it), in their place in
+        the output and as the keys of the `StateDict`s held by the output and by the
+        values (e.g. an optimiser's state built in the function)."""
+        fresh = [fresh_copy(s) for s in self.new_states]
+        out = self.build_output(out_leaves, fresh)
+        if fresh:
+            handles = dict(zip(self.new_states, fresh))
+            out, updated, new_values = rekeyed((out, updated, new_values), handles)
+        return out, updated, fresh, new_values
 
     def leaf_signatures(self, state: State) -> list[tuple]:
         """The signatures of the leaves of `state`'s value, as traced."""
