@@ -1,4 +1,5 @@
 import eqstate as es
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -319,3 +320,30 @@ def test_decorator_and_keyword_forms_match_the_direct_call(transform, getkey):
     decorated = transform(grad_states=[w], argnums=0)(loss)(x)
     keyword = transform(fun=loss, grad_states=[w], argnums=0)(x)
     assert tree_allclose(decorated, direct) and tree_allclose(keyword, direct)
+
+
+class _TwoHeads(eqx.Module):
+    linear: eqx.nn.Linear
+    head_a: es.ParamState
+    head_b: es.ParamState
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(2, 2, key=key)
+        self.head_a = es.ParamState(jnp.ones(2), name="head_a")
+        self.head_b = es.ParamState(jnp.ones(2), name="head_b")
+
+
+def test_a_filter_gives_unused_states_of_a_model_argument_zero_gradients(getkey):
+    model = _TwoHeads(getkey())
+    x = jnp.array([1.0, -1.0])
+    loss = lambda m: (m.linear(x) @ m.head_a.value) ** 2  # noqa: E731
+    grad = es.transform.grad(loss, argnums=0, grad_states=es.ParamState)
+    state_grads, arg_grads = grad(model)
+    params = es.trainable(model)
+    assert jax.tree.structure((state_grads, arg_grads)) == jax.tree.structure(params)
+    assert (state_grads[model.head_b] == 0).all()
+    h = model.linear(x)
+    assert tree_allclose(state_grads[model.head_a], 2 * (h @ model.head_a.value) * h)
+    # One optax optimiser takes both, as the how-to promises.
+    optimizer = optax.adam(0.1)
+    optimizer.update((state_grads, arg_grads), optimizer.init(params), params)

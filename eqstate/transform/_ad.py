@@ -20,6 +20,7 @@ import numpy as np
 from .. import _jax_compat as compat
 from .._custom_types import MISSING, PyTreeDef
 from .._pretty_print import state_label
+from .._run import states_of
 from .._state import is_state, State
 from .._state_dict import state_dict_of, StateDict
 from ._common import partition, select_states
@@ -176,12 +177,22 @@ class _Differentiable:
     """The parts every autodiff transform shares: trace, pick the states to
     differentiate, and build the pure function JAX differentiates."""
 
-    def __init__(self, traced: Discovery, grad_states: Any, check_states: bool):
+    def __init__(
+        self,
+        traced: Discovery,
+        grad_states: Any,
+        check_states: bool,
+        held: Sequence[State] = (),
+    ):
+        """`held`: the states held by the differentiated arguments, which a filter
+        in `grad_states` selects from too, used or not."""
         self.traced = traced
         if grad_states is None:
             self.grad_states: tuple[State, ...] = ()
         else:
-            states, explicit = select_states(grad_states, traced.states)
+            used = set(traced.states)
+            candidates = (*traced.states, *(s for s in held if s not in used))
+            states, explicit = select_states(grad_states, candidates)
             if explicit and check_states:
                 unused = [s for s in states if s not in traced.states]
                 if unused:
@@ -284,12 +295,14 @@ class _GradientTransform:
             self._warned = True
             _warn_if_arrays_closed_over(self.fun, self._traces.name)
         traced = Discovery(self.fun, args, kwargs, traces=kept_or_fresh(self._traces))
-        diff = _Differentiable(traced, self._grad_states, self._check_states)
-        pure = diff.pure(kwargs, self._has_aux)
-
         positions = _positions(
             self._argnums, self._argnums_spec, len(args), kwargs, self._traces.name
         )
+        # A model's states get gradients (zero if unused), as its arrays do.
+        held = states_of(tuple(args[i] for i in positions)) if positions else ()
+        diff = _Differentiable(traced, self._grad_states, self._check_states, held)
+        pure = diff.pure(kwargs, self._has_aux)
+
         allow_int = self._transform_kwargs.get("allow_int", False)
         parts = [split_differentiable(args[i], allow_int) for i in positions]
 
@@ -361,7 +374,11 @@ def grad(
         omitted, `grad` returns a decorator.
     - `grad_states`: the states to differentiate with respect to: handles (a handle,
         a sequence, or a [`eqstate.StateDict`][] whose keys are used), or a filter
-        (e.g. `eqstate.ParamState`), matched against the states the function uses.
+        (e.g. `eqstate.ParamState`), matched against the states the function uses
+        and the states held by the arguments in `argnums`: those it does not use get
+        zero gradients, as `eqx.filter_grad` gives unused arrays, so the gradients of
+        a model have the structure of [`eqstate.trainable`][]`(model)` whatever the
+        loss reads.
     - `argnums`: the positional arguments to differentiate with respect to. Defaults
         to `0` without `grad_states`, to none with them.
     - `has_aux`: `fun` returns `(value, aux)`.
