@@ -3,6 +3,7 @@
 import functools as ft
 import itertools
 import operator
+import threading
 from typing import Any, Generic, NoReturn, TYPE_CHECKING, TypeVar
 
 import jax
@@ -231,11 +232,18 @@ class RandomState(State[Any]):
         self.value = _as_key(seed_or_key)
 
     def split_key(self, n: int | None = None) -> Any:
-        """Advances the key and returns a fresh one (or `n` fresh ones, stacked)."""
+        """Advances the key and returns a fresh one (or `n` fresh ones, stacked).
+        Threads splitting one key get different keys."""
         if n is not None:
             n = _key_count(n)
-        self.value, keys = split_and_advance(self.value, n)
+        with KEY_LOCK:
+            self.value, keys = split_and_advance(self.value, n)
         return keys
+
+
+# Held while a key is read, split and advanced in eager code, so that threads drawing
+# from one random state (the default one in the world) never get the same key.
+KEY_LOCK = threading.RLock()
 
 
 @ft.partial(jax.jit, static_argnums=1)

@@ -164,3 +164,20 @@ def test_threads_passing_models_that_need_and_need_not_a_split_get_their_answers
     finally:
         sys.setswitchinterval(switch)
     assert not failures, failures[0]
+
+
+def test_threads_drawing_eagerly_from_the_default_key_get_different_numbers():
+    draws: list[float] = []
+
+    def work():
+        for _ in range(100):
+            draws.append(float(es.random.uniform()))
+            draws.append(float(es.random.uniform(key=es.random.split_key())))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns within draws
+    try:
+        assert run_in_threads(*[work] * 4) == []
+    finally:
+        sys.setswitchinterval(switch)
+    assert len(set(draws)) == len(draws) == 800

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray
 
-from .._state import lazy_world_state, RandomState, split_and_advance
+from .._state import KEY_LOCK, lazy_world_state, RandomState, split_and_advance
 
 
 # Its key is made on first use: making it at import would start JAX's backend, and
@@ -64,9 +64,10 @@ def _draw(key: PRNGKeyArray | None, sample: Callable[[Any], Any]) -> Any:
     which advances only once `sample` has succeeded."""
     if key is not None:
         return sample(key)
-    successor, drawn = split_and_advance(DEFAULT.value, None)
-    out = sample(drawn)
-    DEFAULT.value = successor
+    with KEY_LOCK:  # Threads drawing at once draw different numbers.
+        successor, drawn = split_and_advance(DEFAULT.value, None)
+        out = sample(drawn)
+        DEFAULT.value = successor
     return out
 
 
