@@ -368,6 +368,26 @@ def test_static_argnames_and_name_positions():
     assert sf.get_arg_cache_key(1.0, mode="b") != sf.get_arg_cache_key(1.0, mode="a")
 
 
+@pytest.mark.parametrize(
+    "static",
+    [
+        {"static_argnums": (1, -1)},
+        {"static_argnums": -1, "static_argnames": "n"},
+    ],
+    ids=["argnums 1 and -1", "argnums -1 and argnames n"],
+)
+@pytest.mark.parametrize(
+    "transform", [StatefulFunction, es.transform.jit], ids=["sf", "jit"]
+)
+def test_one_static_argument_named_twice_matches_jax_jit(transform, static):
+    def f(x, n, m=0.0):
+        return x * n + m
+
+    expected = jax.jit(f, **static)(2.0, 3)
+    g = transform(f, **static)
+    assert g(2.0, 3) == expected and g(2.0, 3) == expected
+
+
 def test_non_array_leaves_are_static():
     sf = StatefulFunction(lambda x, act: x * (2 if act == "double" else 1))
     assert sf(jnp.ones(2), "double")[0] == 2 and sf(jnp.ones(2), "same")[0] == 1

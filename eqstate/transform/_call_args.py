@@ -87,18 +87,18 @@ class ArgParser:
         leaves and Python scalars are traced (see `is_traced`), static arguments and
         other leaves are hashed into the key (handles by identity)."""
         n = len(args)
-        static = []
+        static_at: dict[int, Any] = {}
         for i in self.static_positions:
-            if -n <= i < n:
-                arg = _hashable(args[i], f"static argument {i}", self.name)
-                static.append((i % n, arg))
-            elif i in self.static_argnums:
+            # Two spellings of one position (`1` and `-1`) make it static once.
+            if -n <= i < n and i % n not in static_at:
+                static_at[i % n] = _hashable(args[i], f"static argument {i}", self.name)
+            elif not -n <= i < n and i in self.static_argnums:
                 raise ValueError(
                     f"`static_argnums` holds {i}, but {self.name} was called with {n} "
                     "positional argument(s)."
                 )
-        static.sort(key=lambda pair: pair[0])
-        static_index = {i for i, _ in static}
+        static = sorted(static_at.items())
+        static_index = static_at.keys()
         static_kw = tuple(
             (k, _hashable(kwargs[k], f"static argument {k!r}", self.name))
             for k in sorted(kwargs)
