@@ -5,6 +5,7 @@ import eqstate as es
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from eqstate.transform import _function_traces, StatefulFunction
 
@@ -386,6 +387,36 @@ def test_one_static_argument_named_twice_matches_jax_jit(transform, static):
     expected = jax.jit(f, **static)(2.0, 3)
     g = transform(f, **static)
     assert g(2.0, 3) == expected and g(2.0, 3) == expected
+
+
+def test_a_state_written_from_a_numpy_argument_holds_a_copy():
+    n = es.State(jnp.zeros(2), name="n")
+    arr = np.ones(2, np.float32)
+    StatefulFunction(lambda x: setattr(n, "value", x))(arr)
+    arr[0] = 99.0
+    assert isinstance(n.value, jax.Array)
+    assert (n.value == 1.0).all()
+
+
+def test_eager_calls_give_jax_arrays_like_jax_jit():
+    s = es.State(jnp.ones(()), name="s")
+    t = es.State(jnp.zeros(()), name="t")
+
+    def f(x):
+        s.value = jnp.zeros(())
+        t.value = x
+        return jnp.float32(3.0), x, 1.0
+
+    def pure(x):
+        return jnp.float32(3.0), x, 1.0
+
+    out = StatefulFunction(f)(2.0)
+    expected = jax.jit(pure)(2.0)
+    for leaf, want in zip([*out, s.value, t.value], [*expected, 0.0, 2.0]):
+        assert isinstance(leaf, jax.Array) and leaf == want
+    assert [x.weak_type for x in out] == [x.weak_type for x in expected]
+    s.value = s.value.at[()].set(5.0)  # the jax.Array API works
+    assert s.value == 5.0
 
 
 def test_non_array_leaves_are_static():

@@ -98,7 +98,9 @@ class StatefulFunction:
             Writes to states that are not returned are dropped.
         - `cache_type`: `None` caches the jaxpr, which an eager call evaluates op by
             op; `'jit'` also compiles it with `jax.jit`, so that an eager call is a
-            single dispatch.
+            single dispatch. Either way, the arrays it returns and writes to states
+            are `jax.Array`s, as from `jax.jit` (a NumPy argument written to a state
+            is copied, not kept).
         - `name`: a name for messages; defaults to `fun.__name__`.
         """
         if abstracted_axes is not None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex_core
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.core import Tracer
 
@@ -76,6 +77,9 @@ class Trace:
     n_out: int
     simple_out: bool
     needed: tuple[int, ...]
+    # The positions in `needed` of outputs that op-by-op evaluation hands back as it
+    # got them (see `_given_outputs`).
+    given: tuple[int, ...]
     # Whether the trace may be kept: it closes over no tracer of an enclosing trace.
     cacheable: bool
     # `flat_jit`'s function, made on first use.
@@ -109,7 +113,12 @@ class Trace:
         flat = jex_core.jaxpr_as_fun(self.jaxpr)(
             *arg_leaves, *self.state_leaves(values)
         )
-        return [flat[i] for i in self.needed]
+        needed = [flat[i] for i in self.needed]
+        for k in self.given:
+            x = needed[k]
+            if not isinstance(x, jax.Array):
+                needed[k] = jnp.asarray(x)
+        return needed
 
     def split_outputs(self, needed: Sequence[Any]) -> tuple[list, list, list]:
         """Splits the needed outputs into `out` leaves, updated values and new
@@ -306,6 +315,7 @@ class _Recorder:
         written = set(self.written)
         updated = tuple(s for s in self.returned if s in written)
         n_out = len(self.out_index)
+        needed = tuple(self._needed_outputs(n_out, written))
         return Trace(
             jaxpr=jaxpr,
             states=states,
@@ -331,7 +341,8 @@ class _Recorder:
             out_index=tuple(self.out_index),
             n_out=n_out,
             simple_out=n_out == len(self.template),
-            needed=tuple(self._needed_outputs(n_out, written)),
+            needed=needed,
+            given=_given_outputs(jaxpr, needed),
             cacheable=not any(isinstance(c, Tracer) for c in jaxpr.consts),
         )
 
@@ -345,3 +356,18 @@ class _Recorder:
         new_leaves = sum(d.num_leaves for d in self.new_defs)
         needed.extend(range(start, start + new_leaves))
         return needed
+
+
+def _given_outputs(jaxpr: jex_core.ClosedJaxpr, needed: tuple[int, ...]) -> tuple:
+    """The positions in `needed` of the outputs that are inputs, constants or literals
+    of `jaxpr`. Evaluated op by op, it returns those as it got them: a caller's NumPy
+    array (aliasing its buffer), a Python scalar, or JAX's literal objects, none of them
+    a `jax.Array`. Every other output comes from an operation, so is one."""
+    inner = jaxpr.jaxpr
+    given = {*inner.invars, *inner.constvars}
+    outvars = inner.outvars
+    return tuple(
+        k
+        for k, i in enumerate(needed)
+        if isinstance(outvars[i], jex_core.Literal) or outvars[i] in given
+    )
