@@ -141,8 +141,7 @@ def unhashable_static():
 
 @case("`static_argnums` out of range", ValueError, "`static_argnums` holds 2")
 def static_out_of_range():
-    sf = es.transform.StatefulFunction(lambda x: x, static_argnums=2)
-    return lambda: sf(1.0), []
+    return lambda: es.transform.StatefulFunction(lambda x: x, static_argnums=2), []
 
 
 @case("`jaxpr_call` with the wrong number of values", ValueError, "touches 1 state")

@@ -560,11 +560,37 @@ def test_unhashable_static_argument_names_the_argument():
 
 
 def test_static_argnums_out_of_range():
-    sf = StatefulFunction(lambda x: x, static_argnums=3)
     with pytest.raises(
-        ValueError, match=r"`static_argnums` holds 3, but .* 1 positional"
+        ValueError, match=r"`static_argnums` holds 3, but .* takes 1 positional"
     ):
-        sf(1.0)
+        StatefulFunction(lambda x: x, static_argnums=3)
+
+
+@pytest.mark.parametrize(
+    "transform", [StatefulFunction, es.transform.jit], ids=["sf", "jit"]
+)
+def test_static_argnums_by_keyword_or_default_like_jax_jit(transform):
+    seen = []
+
+    def f(x, n=2):
+        seen.append(n)
+        return jnp.zeros(n) + x
+
+    g = transform(f, static_argnums=1)
+    expected = jax.jit(f, static_argnums=1)
+    for _ in range(2):
+        assert tree_allclose(g(1.0, n=3), expected(1.0, n=3))
+        assert tree_allclose(g(1.0), expected(1.0))
+        assert tree_allclose(g(1.0, 4), expected(1.0, 4))
+    assert all(type(n) is int for n in seen)  # static: never traced
+
+
+def test_static_argnums_beyond_the_arguments_of_a_star_args_call_are_ignored():
+    def f(*args):
+        return sum(args)
+
+    sf = StatefulFunction(f, static_argnums=3)  # any number fits `*args`
+    assert sf(1.0, 2.0) == 3.0 and sf(1.0, 2.0, 3.0, 4) == 10.0
 
 
 def test_a_write_changing_shape_or_dtype_inside_a_trace_raises_and_keeps_values(model):

@@ -67,7 +67,12 @@ class CallArgs:
 
 class ArgParser:
     """Splits the calls of one function (its static arguments given as in `jax.jit`)
-    into `CallArgs`."""
+    into `CallArgs`.
+
+    As in `jax.jit`, a static argument may be passed by position or by keyword:
+    `static_positions` holds `static_argnums` and the positions of the parameters
+    named in `static_argnames`; `static_argnames` holds those names and the names of
+    the parameters at `static_argnums`."""
 
     def __init__(
         self,
@@ -78,9 +83,14 @@ class ArgParser:
     ):
         self.name = name
         self.static_argnums = _as_tuple(static_argnums, int, "static_argnums")
-        self.static_argnames = _as_tuple(static_argnames, str, "static_argnames")
-        positions = self.static_argnums + _positions_of(fun, self.static_argnames)
+        names = _as_tuple(static_argnames, str, "static_argnames")
+        params = _parameters(fun)
+        if params is not None:
+            _check_argnums(self.static_argnums, params, name)
+        positions = self.static_argnums + _positions_of(params, names)
         self.static_positions = tuple(dict.fromkeys(positions))
+        names += _names_of(params, self.static_argnums)
+        self.static_argnames = tuple(dict.fromkeys(names))
 
     def parse(self, args: tuple, kwargs: dict) -> CallArgs:
         """Splits a call's arguments into its cache key and its traced leaves: array
@@ -90,13 +100,10 @@ class ArgParser:
         static_at: dict[int, Any] = {}
         for i in self.static_positions:
             # Two spellings of one position (`1` and `-1`) make it static once.
+            # A position beyond the call's arguments is passed by keyword (then
+            # static by its name) or left at its default.
             if -n <= i < n and i % n not in static_at:
                 static_at[i % n] = _hashable(args[i], f"static argument {i}", self.name)
-            elif not -n <= i < n and i in self.static_argnums:
-                raise ValueError(
-                    f"`static_argnums` holds {i}, but {self.name} was called with {n} "
-                    "positional argument(s)."
-                )
         static = sorted(static_at.items())
         static_index = static_at.keys()
         static_kw = tuple(
@@ -146,19 +153,58 @@ def _as_tuple(x: Any, kind: type, what: str) -> tuple:
     return items
 
 
-def _positions_of(fun: Callable, names: tuple[str, ...]) -> tuple[int, ...]:
-    if not names:
-        return ()
+_POSITIONAL = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+)
+
+
+def _parameters(fun: Callable) -> list[inspect.Parameter] | None:
+    """The parameters of `fun`, or `None` if it has no signature (some builtins)."""
     try:
-        params = list(inspect.signature(fun).parameters.values())
+        return list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):
+        return None
+
+
+def _check_argnums(
+    argnums: tuple[int, ...], params: list[inspect.Parameter], name: str
+) -> None:
+    """Raises `ValueError` for a number beyond the positional parameters, as
+    `jax.jit` does (any number fits a function taking `*args`)."""
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return
+    n = sum(p.kind in _POSITIONAL for p in params)
+    for i in argnums:
+        if not -n <= i < n:
+            raise ValueError(
+                f"`static_argnums` holds {i}, but {name} takes {n} positional "
+                "argument(s). Give the positions of its parameters, counting from 0 "
+                "(or from -1 at the end)."
+            )
+
+
+def _positions_of(
+    params: list[inspect.Parameter] | None, names: tuple[str, ...]
+) -> tuple[int, ...]:
+    if not names or params is None:
         return ()
-    positional = (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    )
     return tuple(
-        i for i, p in enumerate(params) if p.kind in positional and p.name in names
+        i for i, p in enumerate(params) if p.kind in _POSITIONAL and p.name in names
+    )
+
+
+def _names_of(
+    params: list[inspect.Parameter] | None, argnums: tuple[int, ...]
+) -> tuple[str, ...]:
+    """The names of the parameters at `argnums` that can be passed by keyword. As in
+    `jax.jit`, a negative number names none: it counts from the end of each call's
+    positional arguments, whatever their number."""
+    if not argnums or params is None:
+        return ()
+    keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return tuple(
+        p.name for i, p in enumerate(params) if p.kind is keyword and i in argnums
     )
 
 

@@ -86,9 +86,13 @@ class StatefulFunction:
 
         - `fun`: the function to trace.
         - `static_argnums`: indices of positional arguments that are static: hashed
-            into the cache key instead of traced, as in `jax.jit`.
+            into the cache key instead of traced, as in `jax.jit`. The parameter at
+            a (non-negative) index is static when passed by keyword too; one left at
+            its default is not an argument. An index beyond the parameters of `fun`
+            raises `ValueError` (any index fits a `fun` taking `*args`).
         - `static_argnames`: names of keyword arguments that are static. A name that
-            matches a positional parameter of `fun` makes it static too.
+            matches a positional parameter of `fun` makes it static when passed by
+            position too.
         - `axis_env`: `(axis_name, size)` pairs, so that collectives over those named
             axes can be traced (as in `jax.make_jaxpr`).
         - `abstracted_axes`: dynamic shapes. JAX 0.10 has no dynamic-shape tracing, so
@@ -139,9 +143,8 @@ class StatefulFunction:
 
         **Raises:**
 
-        `TypeError` naming the argument if a static argument is unhashable or an
-        argument holds a state handle; `ValueError` if `static_argnums` is out of
-        range.
+        `TypeError` naming the argument if a static argument (or a leaf that is
+        not an array) is unhashable.
         """
         return self._traces.parse(args, kwargs).key
 
