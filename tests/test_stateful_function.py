@@ -186,6 +186,25 @@ def test_jaxpr_call_with_a_sequence_traces_on_a_miss(model):
     assert new[0] == 1 and out == 4
 
 
+@pytest.mark.parametrize("traced_weak", [True, False])
+def test_jaxpr_call_with_a_sequence_accepts_another_weak_type_as_a_state_dict(
+    traced_weak,
+):
+    b = es.State(jnp.asarray(3.0, dtype=None if traced_weak else jnp.float32))
+
+    def f(x):
+        b.value = b.value * x
+        return b.value + 1
+
+    sf = StatefulFunction(f).make_jaxpr(2.0)
+    other = jnp.float32(5.0) if traced_weak else jnp.asarray(5.0)
+    assert other.weak_type != traced_weak
+    new, out = sf.jaxpr_call([other], 2.0)
+    new_dict, out_dict = sf.jaxpr_call(es.StateDict({b: other}), 2.0)
+    assert tree_allclose((new[0], out), (new_dict[b], out_dict))
+    assert new[0].weak_type == new_dict[b].weak_type == other.weak_type
+
+
 def test_jaxpr_call_inside_jit_matches_the_pure_program(model):
     f, w, b, count = model
     sf = StatefulFunction(f)

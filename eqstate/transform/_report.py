@@ -82,8 +82,10 @@ def refuse_new_states(trace: Trace, what: str, instead: str) -> None:
         raise NewStateError(f"{what} creates states ({labels}). {instead}")
 
 
-def check_sequence(name: str, trace: Trace, values: Sequence[Any]) -> None:
-    """Checks state values passed as a sequence aligned with `trace.states`."""
+def check_sequence(name: str, trace: Trace, values: Sequence[Any]) -> bool:
+    """Checks state values passed as a sequence aligned with `trace.states`. Returns
+    whether they fit `trace` as they are; `False` if only weak types differ (a write
+    may change them), so that the caller traces again with these values."""
     if len(values) != len(trace.states):
         raise ValueError(
             f"{name} touches {len(trace.states)} state(s), but `jaxpr_call` got "
@@ -96,13 +98,23 @@ def check_sequence(name: str, trace: Trace, values: Sequence[Any]) -> None:
                 f"The value at position {i} of `jaxpr_call`'s state values, for "
                 f"{state_label(state)}, is None. Pass its current value."
             )
-    stale = trace.stale_state(list(values))
-    if stale is not None:
-        i = trace.states.index(stale)
-        sigs = trace.leaf_signatures(stale)
-        expected = jtu.tree_unflatten(trace.state_defs[i], [struct(s) for s in sigs])
-        raise StateValueError(
-            f"The value at position {i} of `jaxpr_call`'s state values, for "
-            f"{state_label(stale)}, is {value_summary(values[i])}, but the function "
-            f"was traced with {value_summary(expected)}."
-        )
+    if trace.stale_state(list(values)) is None:
+        return True
+    for i, (state, value) in enumerate(zip(trace.states, values)):
+        sigs = trace.leaf_signatures(state)
+        treedef = trace.state_defs[i]
+        if _differs_beyond_weak_types(value, treedef, sigs):
+            expected = jtu.tree_unflatten(treedef, [struct(s) for s in sigs])
+            raise StateValueError(
+                f"The value at position {i} of `jaxpr_call`'s state values, for "
+                f"{state_label(state)}, is {value_summary(value)}, but the function "
+                f"was traced with {value_summary(expected)}. Pass a value of that "
+                "structure, shape and dtype (its current value fits)."
+            )
+    return False
+
+
+def _differs_beyond_weak_types(value: Any, treedef: PyTreeDef, sigs: list) -> bool:
+    leaves, actual = jtu.tree_flatten(value)
+    shapes_and_dtypes = [signature(x)[:2] for x in leaves]
+    return actual != treedef or shapes_and_dtypes != [sig[:2] for sig in sigs]

@@ -20,7 +20,7 @@ from ._dispatch import JitDispatch
 from ._function_traces import FunctionTraces
 from ._leaves import struct, unflatten_each
 from ._report import check_sequence, misfits, refuse_new_states, states_table
-from ._trace import Trace
+from ._trace import StaleTrace, Trace
 
 
 compat.hide_from_tracebacks(__file__)
@@ -488,7 +488,9 @@ class StatefulFunction:
         `(new_state_vals, out)`. With a `StateDict`, `new_state_vals` is the whole
         dictionary with the writes applied and new states added (under fresh
         handles). With a sequence, it is a tuple aligned like the input, entries that
-        were only read passed through unchanged.
+        were only read passed through unchanged. Either way, a value may differ from
+        the state's current value in weak type (as a write may): the function is
+        then traced again for it.
 
         **Raises:**
 
@@ -535,7 +537,8 @@ class StatefulFunction:
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
         trace = self._trace_for_sequence(call, values)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="jaxpr_call"))
-        check_sequence(self.name, trace, values)
+        if not check_sequence(self.name, trace, values):
+            trace = self._retrace_for_weak_types(call, trace, values)
         out, updated, _ = self._traces.evaluate(
             trace, call.leaves, list(values), self._jit_options()
         )
@@ -575,6 +578,28 @@ class StatefulFunction:
         if found is not None:
             return found[0]
         return self._traces.trace_for(call, _context.current_frame())
+
+    def _retrace_for_weak_types(
+        self, call: CallArgs, trace: Trace, values: tuple
+    ) -> Trace:
+        """A trace for `values`, which differ from those `trace` was made with only
+        in weak types, as the StateDict form of `jaxpr_call` makes one."""
+        states = trace.states
+
+        def values_of(t: Trace) -> list | None:
+            return list(values) if t.states == states else None
+
+        def strict_frame() -> _context.DictFrame:
+            return _context.DictFrame(zip(states, values))
+
+        try:
+            return self._traces.lookup(call, strict_frame, values_of)[0]
+        except StaleTrace:
+            raise StateValueError(
+                f"{self.name} touches other states when traced with these weakly or "
+                "strongly typed values, so they cannot be passed as a sequence "
+                "aligned with `get_states()`. Pass a StateDict instead."
+            ) from None
 
     def _jit_options(self) -> dict | None:
         # The options of the flat `jax.jit` that a trace keeps: those of the plans
