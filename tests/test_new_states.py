@@ -211,6 +211,25 @@ def test_a_failing_constructor_registers_nothing():
     assert tree_bitwise_equal(es.random.get_key(), key)
 
 
+@pytest.mark.parametrize("inside", ["world", "jit"])
+def test_a_handle_escaping_a_failing_constructor_names_the_failed_call(inside):
+    leak = []
+
+    def ctor(x):
+        leak.append(es.State(x, name="p"))
+        raise ValueError("boom")
+
+    build = es.transform.vmap_new_states(ctor)
+    call = build if inside == "world" else es.transform.jit(build)
+    with pytest.raises(ValueError, match="boom"):
+        call(jnp.arange(3.0))
+    with pytest.raises(
+        es.TraceContextError,
+        match=r"State 'p' was created inside a trace of `vmap_new_states\(ctor\)`",
+    ):
+        leak[0].value
+
+
 class MLP(eqx.Module):
     w1: es.ParamState
     b1: es.ParamState

@@ -17,7 +17,7 @@ from .._errors import BatchAxisError, TraceContextError
 from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._run import run
-from .._state import NonBatchState, RandomState, retag, State
+from .._state import expire, NonBatchState, RandomState, retag, State
 from .._state_dict import StateDict
 from ..random import DEFAULT
 from ._decorator import decorator_form
@@ -184,17 +184,25 @@ def _build(
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
     outer_key, lane_keys = _split_for_lanes(frame.read(DEFAULT), size)
-    made: dict[str, list] = {}
-    out, batched, shared = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
-        _lane_function(fun, frame, state_tag, excluded, made),
-        in_axes=(0, arrays_only(axes)),
-        out_axes=(arrays_only(out_axes), 0, None),
-        axis_name=axis_name,
-        axis_size=size,
-        spmd_axis_name=spmd_axis_name,
-    )(lane_keys, args)
-    new = _with_values(made["new"], made["replicated"], batched, shared)
-    frame.commit({DEFAULT: outer_key}, new)
+    made: dict[str, list] = {"new": []}
+    try:
+        out, batched, shared = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
+            _lane_function(fun, frame, state_tag, excluded, made),
+            in_axes=(0, arrays_only(axes)),
+            out_axes=(arrays_only(out_axes), 0, None),
+            axis_name=axis_name,
+            axis_size=size,
+            spmd_axis_name=spmd_axis_name,
+        )(lane_keys, args)
+        new = _with_values(made["new"], made["replicated"], batched, shared)
+        frame.commit({DEFAULT: outer_key}, new)
+    except BaseException:
+        # As after a failed trace: a handle that escaped through a side effect says
+        # where it came from when read.
+        where = f"vmap_new_states({getattr(fun, '__name__', type(fun).__name__)})"
+        for state in made["new"]:
+            expire(state, where)
+        raise
     return out
 
 
@@ -211,6 +219,7 @@ def _lane_function(
 
     def lane(lane_keys, args):
         lane_frame = _LaneFrame(frame, lane_keys, state_tag, excluded)
+        made["new"] = lane_frame.new_states  # filled as `fun` creates states
         token = _context.enter(lane_frame)
         try:
             out = fun(*args)
@@ -320,7 +329,9 @@ def vmap_new_states(
     `fun` need not be idempotent, and the handles it hands out through Python side
     effects are the real batched states (the reference library runs `fun` twice: an
     eager probe, then the mapped pass). Calling the mapped function twice creates two
-    distinct sets of states.
+    distinct sets of states. If the call raises, it creates none: a handle it handed
+    out has no value, and reading it raises [`eqstate.TraceContextError`][] naming
+    the failed call.
 
     `NonBatchState`s and the states matching `state_to_exclude` are replicated: one
     value shared by every lane. Their value must not differ across lanes, else
