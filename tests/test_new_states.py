@@ -363,3 +363,11 @@ def test_keys_that_differ_across_lanes_are_kept(getkey):
     chosen = jax.random.split(getkey(), 3)
     rng = es.transform.vmap_new_states(lambda k: es.RandomState(k))(chosen)
     assert tree_bitwise_equal(rng.value, chosen)
+
+
+def test_a_shared_batch_of_keys_is_rekeyed_per_lane_keeping_its_shape(getkey):
+    shared = jax.random.split(getkey(), 3)
+    rng = es.transform.vmap_new_states(lambda: es.RandomState(shared), axis_size=4)()
+    assert rng.value.shape == (4, 3)
+    rows = jax.random.key_data(rng.value).reshape(-1, 2).tolist()
+    assert len({tuple(r) for r in rows}) == 4 * 3

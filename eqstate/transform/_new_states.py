@@ -7,6 +7,7 @@ from typing import Any, overload, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
@@ -57,7 +58,8 @@ class _LaneFrame(_context.Frame):
     No two of these keys are alike: the default random state starts from
     `default_key`, whose stream (its successors and the keys drawn from them) stays
     inside `default_key`'s subtree of splits, and the `i`-th other random state gets
-    `fold_in(others_key, i)`, a distinct child of a sibling subtree.
+    `fold_in(others_key, i)`, a distinct child of a sibling subtree (or, if it holds
+    a batch of keys, a batch of the same shape split from that child).
     """
 
     __slots__ = (
@@ -89,12 +91,16 @@ class _LaneFrame(_context.Frame):
         self.replicated: set[State] = set()
         self.randoms: list[State] = []
 
-    def _lane_key_for(self, state: State) -> Any:
+    def _lane_key_for(self, state: State, shape: tuple[int, ...] = ()) -> Any:
+        """The lane's key for `state`: one key, or a batch of `shape` keys split from
+        it (for a random state holding several keys)."""
         # Computed in the vmap's own trace even when a nested transform asks for it.
         if state is DEFAULT:
             return self.default_key
         with compat.in_trace(self.jax_trace):
             key = jax.random.fold_in(self.others_key, len(self.randoms))
+            if shape:
+                key = jax.random.split(key, shape)
         self.randoms.append(state)
         return key
 
@@ -139,7 +145,7 @@ class _LaneFrame(_context.Frame):
             retag(state, self.tag)
         if isinstance(state, RandomState) and not _batched(value):
             # A new random state seeded alike in every lane is re-keyed per lane.
-            value = self._lane_key_for(state)
+            value = self._lane_key_for(state, jnp.shape(value))
         self.values[state] = value
         self.new_states.append(state)
 
@@ -322,7 +328,8 @@ def vmap_new_states(
     lanes, and no two random states of a lane share a key; the default random key
     advances once per call. A `RandomState` created in `fun` with the same value in
     every lane (an integer seed) is re-keyed per lane: its seed is not used (see the
-    how-to guide on random numbers).
+    how-to guide on random numbers). A batch of keys is replaced by a batch of the same
+    shape, all distinct.
 
     `fun` is executed **exactly once per call**, traced under `eqx.filter_vmap` over a
     constructor that receives its lane's random key. There is no eager probe, so
