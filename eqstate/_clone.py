@@ -159,11 +159,12 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         [`eqstate.NonBatchState`][]s; a predicate receives each state's PyTree path
         in `ensemble`. Whatever this filter says, in an ensemble built by
         `vmap_new_states` (also by a jitted build, and in [`eqstate.clone`][]s of
-        it), the states it replicated (its `NonBatchState`s and those matching its
-        `state_to_exclude`, even after `state_tag` replaced their tags) and the
-        states it did not create (they existed before the build, such as a table
-        tied into every member) are copied whole. Pass a filter for ensembles
-        stacked some other way. (Keyword only argument.)
+        it), the states it replicated (its `NonBatchState`s, those tagged
+        `INIT_NO_BATCHING` and those matching its `state_to_exclude`, even after
+        `state_tag` replaced their tags) and the states it did not create (they
+        existed before the build, such as a table tied into every member) are
+        copied whole. Pass a filter for ensembles stacked some other way. (Keyword
+        only argument.)
 
     **Returns:**
 

@@ -368,6 +368,19 @@ def test_member_copies_whole_a_state_excluded_by_tag_and_then_retagged():
         assert (one["w"].value == ensemble["w"].value[1]).all()
 
 
+def test_member_copies_whole_a_state_tagged_init_no_batching():
+    def make():
+        return {
+            "w": es.ParamState(es.random.normal((3,)), name="w"),
+            "lr": es.State(jnp.arange(4.0), name="lr", tag="INIT_NO_BATCHING"),
+        }
+
+    ensemble = es.transform.vmap_new_states(make, axis_size=4, state_tag="ensemble")()
+    one = es.member(ensemble, 1)
+    assert (one["lr"].value == jnp.arange(4.0)).all()
+    assert (one["w"].value == ensemble["w"].value[1]).all()
+
+
 @pytest.mark.parametrize("route", ["jitted build", "clone", "jitted clone"])
 def test_member_copies_replicated_states_whole_after_jit_or_clone(route):
     # The handles a jitted build returns, and clones, are new handles: they must keep

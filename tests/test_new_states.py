@@ -104,6 +104,23 @@ def test_non_batch_and_excluded_states_are_replicated():
     assert batched.value.shape == (4, 2)
 
 
+def test_states_tagged_init_no_batching_are_replicated_like_non_batch_states():
+    def ctor():
+        tagged = es.State(jnp.arange(3.0), tag="INIT_NO_BATCHING", name="tagged")
+        return tagged, es.State(jnp.ones(2))
+
+    tagged, batched = es.transform.vmap_new_states(
+        ctor, axis_size=4, state_tag="ensemble"
+    )()
+    assert es.transform.INIT_NO_BATCHING == "INIT_NO_BATCHING"
+    assert tagged.value.shape == (3,) and batched.value.shape == (4, 2)
+    assert tagged.tag == "ensemble"
+    with pytest.raises(es.BatchAxisError, match="tagged 'INIT_NO_BATCHING'"):
+        es.transform.vmap_new_states(
+            lambda x: es.State(x, tag=es.transform.INIT_NO_BATCHING)
+        )(jnp.arange(3.0))
+
+
 def test_a_replicated_state_that_differs_across_lanes_is_an_error():
     def ctor(x):
         return es.NonBatchState(x, name="shared")

@@ -26,6 +26,7 @@ from ._loops import (
 )
 from ._map import map as map
 from ._new_states import (
+    INIT_NO_BATCHING as INIT_NO_BATCHING,
     vmap2_new_states as vmap2_new_states,
     vmap_new_states as vmap_new_states,
 )

@@ -30,6 +30,12 @@ compat.hide_from_tracebacks(__file__)
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
+INIT_NO_BATCHING = "INIT_NO_BATCHING"
+"""The tag that marks a state to replicate rather than batch when
+[`eqstate.transform.vmap_new_states`][] (or `vmap2_new_states`) creates it, as
+[`eqstate.NonBatchState`][]s are: `es.State(x, tag=INIT_NO_BATCHING)`. The reference
+library's name, kept for ports."""
+
 _REPLICATED_BUT_BATCHED = (
     "{label} is {why}, so it is created once for every lane, but its value differs "
     "across the lanes of `vmap_new_states`. Keeping lane 0 would silently drop the "
@@ -88,7 +94,7 @@ class _LaneFrame(_context.Frame):
         self.excluded = excluded
         self.values: dict[State, Any] = {}
         self.new_states: list[State] = []
-        self.replicated: set[State] = set()
+        self.replicated: dict[State, str] = {}
         self.randoms: list[State] = []
 
     def _lane_key_for(self, state: State, shape: tuple[int, ...] = ()) -> Any:
@@ -137,10 +143,10 @@ class _LaneFrame(_context.Frame):
         self.check_trace(state, creates=True)
         # Exclusion is decided on the state as its creator made it, before
         # `state_tag` replaces its tag.
-        replicated = isinstance(state, NonBatchState) or self.excluded((), state)
-        if replicated:
-            self.replicated.add(state)
-        mark_replicated(state, replicated)
+        why = _why_replicated(state, self.excluded)
+        if why is not None:
+            self.replicated[state] = why
+        mark_replicated(state, why is not None)
         if self.tag is not None:
             retag(state, self.tag)
         if isinstance(state, RandomState) and not _batched(value):
@@ -152,6 +158,21 @@ class _LaneFrame(_context.Frame):
     def peek(self, state):
         value = self.values.get(state, MISSING)
         return self.parent.peek(state) if value is MISSING else value
+
+
+def _why_replicated(
+    state: State, excluded: Callable[[tuple, State], bool]
+) -> str | None:
+    """Why `vmap_new_states` replicates the new `state` rather than batch it, as the
+    error about a replicated state that differs across lanes words it; `None` if it
+    batches it."""
+    if isinstance(state, NonBatchState):
+        return "a NonBatchState"
+    if state.tag == INIT_NO_BATCHING:
+        return f"tagged {INIT_NO_BATCHING!r}"
+    if excluded((), state):
+        return "in `state_to_exclude`"
+    return None
 
 
 @ft.partial(jax.jit, static_argnums=1)
@@ -233,9 +254,8 @@ def _lane_function(
             _context.leave(token)
         new = lane_frame.new_states
         replicated = [s in lane_frame.replicated for s in new]
-        for state, is_replicated in zip(new, replicated):
-            if is_replicated:
-                _check_same_in_every_lane(state, lane_frame.values[state])
+        for state, why in lane_frame.replicated.items():
+            _check_same_in_every_lane(state, lane_frame.values[state], why)
         made["new"], made["replicated"] = new, replicated
         values = [lane_frame.values[s] for s in new]
         batched = [v for v, r in zip(values, replicated) if not r]
@@ -245,16 +265,19 @@ def _lane_function(
     return lane
 
 
-def _check_same_in_every_lane(state: State, value: Any) -> None:
-    """Raises `BatchAxisError` if `value`, of a state created once for every lane,
-    differs across lanes."""
+_HOW_TO_BATCH = {
+    "in `state_to_exclude`": " (drop it from `state_to_exclude`)",
+    f"tagged {INIT_NO_BATCHING!r}": " (give it another tag)",
+}
+
+
+def _check_same_in_every_lane(state: State, value: Any, why: str) -> None:
+    """Raises `BatchAxisError` if `value`, of a state created once for every lane
+    (for the reason `why`), differs across lanes."""
     if _batched(value):
-        non_batch = isinstance(state, NonBatchState)
         raise BatchAxisError(
             _REPLICATED_BUT_BATCHED.format(
-                label=state_label(state),
-                why="a NonBatchState" if non_batch else "in `state_to_exclude`",
-                how="" if non_batch else " (drop it from `state_to_exclude`)",
+                label=state_label(state), why=why, how=_HOW_TO_BATCH.get(why, "")
             )
         )
 
@@ -340,9 +363,11 @@ def vmap_new_states(
     out has no value, and reading it raises [`eqstate.TraceContextError`][] naming
     the failed call.
 
-    `NonBatchState`s and the states matching `state_to_exclude` are replicated: one
-    value shared by every lane. Their value must not differ across lanes, else
-    [`eqstate.BatchAxisError`][] (rather than silently keeping lane 0).
+    `NonBatchState`s, the states tagged [`eqstate.transform.INIT_NO_BATCHING`][] by
+    their creator (the reference library's tag) and the states matching
+    `state_to_exclude` are replicated: one value shared by every lane. Their value
+    must not differ across lanes, else [`eqstate.BatchAxisError`][] (rather than
+    silently keeping lane 0). [`eqstate.member`][] copies them whole.
 
     Inside `fun`, pre-existing states can be read (every lane sees the same value) but
     not written.
@@ -359,7 +384,7 @@ def vmap_new_states(
         when omitted. Must be positive.
     - `spmd_axis_name`: as in `jax.vmap`.
     - `state_tag`: a tag given to every new state (replacing the tag its creator gave
-        it; `state_to_exclude` sees the creator's tag).
+        it; `state_to_exclude` and `INIT_NO_BATCHING` see the creator's tag).
     - `state_to_exclude`: a filter of new states to replicate instead of batching.
     - `in_states`, `out_states`: not supported: there are no pre-existing states to
         declare. Passing either raises `ValueError`; use
