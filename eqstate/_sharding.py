@@ -56,7 +56,10 @@ def shard(
     mesh: Mesh,
     specs: PartitionSpec | Mapping[Any, PartitionSpec] | Callable[..., Any],
 ) -> StateDict:
-    """Places state values on the devices of `mesh` with `NamedSharding`s.
+    """Places state values on the devices of `mesh` with `NamedSharding`s. A placed
+    value shares no device buffer with the value it replaces (unless it is that very
+    array, already placed so), so `jit(..., donate_states=True)` leaves a value read
+    before intact.
 
     **Arguments:**
 

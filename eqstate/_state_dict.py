@@ -12,7 +12,7 @@ from ._context import check_write, to_value
 from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError
 from ._filters import to_predicate
-from ._multi_process import device_put
+from ._placement import device_put_apart
 from ._pretty_print import first_and_more, state_dict_doc, state_label
 from ._state import creation_order, State
 from ._state_rule import per_state_rule
@@ -182,7 +182,9 @@ class StateDict(_MappingBase):
         return merged
 
     def with_sharding(self, shardings: Any) -> "StateDict":
-        """Places the values on devices with `jax.device_put`.
+        """Places the values on devices with `jax.device_put`. A placed value shares
+        no device buffer with the value it was placed from, unless it is that very
+        array (already placed so), so donating it leaves the other readable.
 
         **Arguments:**
 
@@ -213,7 +215,9 @@ class StateDict(_MappingBase):
         placed = {}
         for state, value in self._values.items():
             sharding = sharding_of(state, value)
-            placed[state] = value if sharding is None else device_put(value, sharding)
+            placed[state] = (
+                value if sharding is None else device_put_apart(value, sharding)
+            )
         return state_dict_of(placed)
 
     def __pdoc__(self, **kwargs: Any) -> Any:

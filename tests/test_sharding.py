@@ -1,6 +1,7 @@
 """States on several devices: placement, jit, shard_map, and the two examples. The
 suite runs with 8 virtual CPU devices (tests/conftest.py)."""
 
+import functools as ft
 import importlib.util
 import pathlib
 import unittest.mock
@@ -12,7 +13,7 @@ import jax.random as jr
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from .helpers import tree_allclose
+from .helpers import tree_allclose, tree_bitwise_equal
 
 
 N = len(jax.devices())
@@ -64,6 +65,25 @@ def test_shard_takes_one_spec_for_all_or_a_function():
     assert by_fn[a].sharding.spec == P("model") and by_fn[b].sharding.spec == P()
     everything = es.shard([a, b], mesh, P("model"))
     assert all(v.sharding.spec == P("model") for v in everything.values())
+
+
+@pytest.mark.parametrize("key", (False, True))
+def test_donating_a_sharded_state_leaves_the_value_held_before_sharding(getkey, key):
+    # `jax.device_put` to a replicated sharding can return a new array whose shard on
+    # the value's device is the value's own buffer; donating it would delete the
+    # value the caller still holds.
+    value = jr.split(getkey(), N) if key else jnp.arange(8.0)
+    w = es.State(value, name="w")
+
+    @ft.partial(es.transform.jit, donate_states=True)
+    def step():
+        w.value = w.value if key else w.value + 1
+
+    old = w.value
+    es.shard([w], _mesh(), P())
+    step()
+    assert not old.is_deleted()
+    assert tree_bitwise_equal(old, value)
 
 
 def test_shard_names_the_state_that_cannot_be_split():

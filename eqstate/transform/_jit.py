@@ -204,7 +204,9 @@ def jit(
         `jax.debug_infs` is on. A function that can fail while it runs (it holds a
         callback: `eqx.error_if`, `jax.debug.callback`, `jax.debug.print`) is never
         donated, with a warning, because a failed call must leave the previous
-        values readable.
+        values readable. Another array object sharing a device buffer with a state's
+        value is not seen: `jax.device_put` can make one (replicating a one-device
+        array), so place states with [`eqstate.shard`][], which never does.
     - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new

@@ -1,0 +1,44 @@
+"""Placing values on devices without sharing a device buffer with the caller's."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.core import Tracer
+from jaxtyping import PyTree
+
+from ._multi_process import device_put
+
+
+def _buffers(x: jax.Array) -> set[int]:
+    """The addresses of the device buffers of `x` on this process."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+def _shares_a_buffer(x: Any, placed: Any) -> bool:
+    if placed is x or not isinstance(x, jax.Array) or isinstance(x, Tracer):
+        return False
+    return bool(_buffers(x) & _buffers(placed))
+
+
+def _put_leaf_apart(x: Any, sharding: jax.sharding.Sharding) -> Any:
+    placed = device_put(x, sharding)
+    if _shares_a_buffer(x, placed):
+        return device_put(jnp.copy(x), sharding)
+    return placed
+
+
+def device_put_apart(value: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
+    """`device_put(value, sharding)`, but no array of the result shares a device
+    buffer with `value` unless it is the very array of `value` (already placed so).
+
+    `jax.device_put` may return a new array whose shard on a device is the buffer of
+    the value there (replicating a one-device array does, even with
+    `may_alias=False` in JAX 0.10). A state holding it could be donated by
+    `jit(donate_states=True)`, which counts Python references only: that would
+    delete the value its caller still holds. A shared buffer is found by address,
+    and only then is the value copied.
+    """
+    return jax.tree_util.tree_map(lambda x: _put_leaf_apart(x, sharding), value)
