@@ -32,6 +32,12 @@ def world() -> StateDict:
     A snapshot taken outside a transform and closed over is a plain value, like any
     array.
 
+    Inside [`eqstate.scope`][] or [`eqstate.run`][], the values are the scope's, as
+    `state.value` reads them, in eager code and under a transform alike (compiling a
+    function does not change what it reads): a world state the scope's dictionary
+    lacks is listed, but looking it up raises [`eqstate.StateNotFoundError`][]. The
+    states created inside the scope are not the world's; they are in its `states`.
+
     A state stays listed until its handle is garbage collected. A handle caught in a
     reference cycle outlives the last reference to it until Python's cycle collector
     runs, so the world may still list states of models the program has dropped. To
@@ -44,26 +50,33 @@ def world() -> StateDict:
     A [`eqstate.StateDict`][]. Later writes to the world do not change it.
     """
     frame = _context.current_frame()
-    if compat.is_top_level():
-        return state_dict_of(dict(_context.WORLD.snapshot()))
-    if frame is _context.WORLD or (
+    eager = frame is _context.WORLD or (
         isinstance(frame, _context.DictFrame) and frame.eager
-    ):
-        if compat.evaluates_at_once():
-            return state_dict_of(dict(_context.WORLD.snapshot()))
+    )
+    if eager and not (compat.is_top_level() or compat.evaluates_at_once()):
         raise TraceContextError(RAW_TRANSFORM_READ.format(label="`eqstate.world()`"))
+    if frame is _context.WORLD:
+        return state_dict_of(dict(_context.WORLD.snapshot()))
     states = [state for state, _ in _context.WORLD.snapshot()]
-    return state_dict_of(_ReadThrough(frame, states))
+    # An eager scope's values are taken now, so that later writes leave the snapshot
+    # as it was; a world state outside the scope raises when it is looked up.
+    known = (
+        {s: v for s in states if (v := frame.peek(s)) is not MISSING} if eager else {}
+    )
+    return state_dict_of(_ReadThrough(frame, states, known))
 
 
 class _ReadThrough(Mapping):
-    """The values of `states`, each read through `frame` when first looked up: the
-    world as seen from inside an eqstate transform."""
+    """The values of `states`, each read through `frame` when first looked up (unless
+    `known` holds it already): the world as seen from inside a scope or an eqstate
+    transform."""
 
-    def __init__(self, frame: _context.Frame, states: list[State]):
+    def __init__(
+        self, frame: _context.Frame, states: list[State], known: dict[State, Any]
+    ):
         self._frame = frame
         self._states = dict.fromkeys(states)
-        self._read: dict[State, Any] = {}
+        self._read = known
 
     def __getitem__(self, state: State) -> Any:
         if state not in self._states:

@@ -88,6 +88,8 @@ class StateDict(_MappingBase):
     def __getitem__(self, state: State) -> PyTree:
         try:
             return self._values[state]
+        except StateNotFoundError:
+            raise  # A view of the world read through a strict scope says why.
         except KeyError:
             raise StateNotFoundError(
                 f"{state_label(state)} is not in this StateDict, which holds "

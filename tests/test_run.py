@@ -219,6 +219,31 @@ def test_world_filter_inside_an_eqstate_transform_reads_only_the_states_kept():
     assert other.value == 5.0
 
 
+@pytest.mark.parametrize("jit", (False, True))
+def test_world_inside_a_scope_reads_the_scope_eagerly_and_under_jit(jit):
+    inside = es.State(jnp.array(1.0), name="inside")
+    outside = es.State(jnp.array(2.0), name="outside")
+
+    def read(state):
+        return es.world()[state] + 0.0
+
+    read = es.transform.jit(read) if jit else read
+    with es.scope(es.StateDict({inside: jnp.array(100.0)})):
+        assert read(inside) == 100.0 == inside.value
+        with pytest.raises(
+            es.StateNotFoundError, match="'outside' is not in the StateDict this code"
+        ):
+            read(outside)
+
+
+def test_world_inside_a_scope_is_a_snapshot():
+    s = es.State(jnp.array(1.0), name="s")
+    with es.scope(es.StateDict({s: jnp.array(100.0)})):
+        snapshot = es.world()
+        s.value = jnp.array(7.0)
+        assert snapshot[s] == 100.0 and es.world()[s] == 7.0
+
+
 def test_world_default_key_inside_jit_is_read_at_every_call():
     es.random.seed(0)
     draw = es.transform.jit(
