@@ -347,3 +347,38 @@ def test_a_filter_gives_unused_states_of_a_model_argument_zero_gradients(getkey)
     # One optax optimiser takes both, as the how-to promises.
     optimizer = optax.adam(0.1)
     optimizer.update((state_grads, arg_grads), optimizer.init(params), params)
+
+
+def _steps(x, n):
+    for _ in range(n):  # needs a concrete `n`, as jax.grad passes it
+        x = jnp.sin(x)
+    return x
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, n: es.transform.grad(_steps)(x, n),
+        lambda x, n: es.transform.grad(_steps, argnums=0)(x, n=n),
+        lambda x, n: es.transform.jit(
+            lambda x, n: es.transform.grad(_steps)(x, n), static_argnums=1
+        )(x, n),
+        lambda x, n: es.transform.grad(
+            es.transform.checkpoint(_steps, static_argnums=(1,))
+        )(x, n),
+        lambda x, n: es.transform.value_and_grad(_steps)(x, n)[1],
+        lambda x, n: es.transform.jacrev(_steps)(x, n),
+    ],
+    ids=[
+        "grad",
+        "keyword",
+        "jit-static",
+        "checkpoint-static",
+        "value_and_grad",
+        "jacrev",
+    ],
+)
+def test_python_scalars_outside_argnums_reach_the_function_as_they_are(call):
+    expected = jax.grad(_steps)(1.0, 3)
+    assert tree_allclose(call(1.0, 3), expected)
+    assert not tree_allclose(call(1.0, 2), expected)  # another value, another trace

@@ -286,7 +286,7 @@ class _GradientTransform:
         self._return_value = return_value
         self._check_states = check_states
         self._transform_kwargs = transform_kwargs
-        self._traces = traces_for(fun, name)
+        self._traces = traces_for(fun, name, transformed_argnums=self._argnums)
         self._warned = False
         ft.update_wrapper(self, fun, updated=())
 

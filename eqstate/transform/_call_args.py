@@ -72,7 +72,12 @@ class ArgParser:
     As in `jax.jit`, a static argument may be passed by position or by keyword:
     `static_positions` holds `static_argnums` and the positions of the parameters
     named in `static_argnames`; `static_argnames` holds those names and the names of
-    the parameters at `static_argnums`."""
+    the parameters at `static_argnums`.
+
+    `transformed_argnums`, for a transform of some arguments only (`grad`'s
+    `argnums`): Python scalars elsewhere (in the other arguments, and keyword
+    arguments) stay static, as a JAX transform passes them to the function as they
+    are, so that `range(n)` works."""
 
     def __init__(
         self,
@@ -80,8 +85,10 @@ class ArgParser:
         name: str,
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
+        transformed_argnums: Sequence[int] | None = None,
     ):
         self.name = name
+        self.transformed_argnums = transformed_argnums
         self.static_argnums = _as_tuple(static_argnums, int, "static_argnums")
         names = _as_tuple(static_argnames, str, "static_argnames")
         params = _parameters(fun)
@@ -116,6 +123,14 @@ class ArgParser:
         leaves, treedef = jtu.tree_flatten((dyn_args, dyn_kwargs))
         fields = in_module((dyn_args, dyn_kwargs))
         mask = [is_traced(x, m) for x, m in zip(leaves, fields)]
+        if self.transformed_argnums is not None:
+            transformed = _leaves_of_positions(
+                dyn_args, leaves, self.transformed_argnums, n, static_index
+            )
+            mask = [
+                m and (t or not _is_python_scalar(x))
+                for x, m, t in zip(leaves, mask, transformed)
+            ]
         sigs, dynamic_index, dynamic, template = [], [], [], []
         for i, (leaf, traced) in enumerate(zip(leaves, mask)):
             if traced:
@@ -143,6 +158,28 @@ class ArgParser:
             leaves,
             fields,
         )
+
+
+def _is_python_scalar(x: Any) -> bool:
+    return type(x) in (bool, int, float, complex)
+
+
+def _leaves_of_positions(
+    dyn_args: tuple,
+    leaves: list,
+    argnums: Sequence[int],
+    n: int,
+    static_index: Any,
+) -> list[bool]:
+    """For each of `leaves` (of `(dyn_args, kwargs)`, flattened), whether it is in
+    one of the positional arguments at `argnums` (of a call with `n` of them, the
+    static ones left out of `dyn_args`)."""
+    wanted = {i % n for i in argnums if -n <= i < n}
+    positions = [i for i in range(n) if i not in static_index]
+    marks: list[bool] = []
+    for i, arg in zip(positions, dyn_args):
+        marks += [i in wanted] * jtu.tree_structure(arg).num_leaves
+    return marks + [False] * (len(leaves) - len(marks))
 
 
 def _as_tuple(x: Any, kind: type, what: str) -> tuple:
