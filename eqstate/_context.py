@@ -467,6 +467,7 @@ class TraceFrame(Frame):
 
     __slots__ = (
         "accessed",
+        "imported",
         "missing",
         "new_states",
         "parent",
@@ -480,6 +481,7 @@ class TraceFrame(Frame):
         self.parent = parent
         self.jax_trace = compat.current_trace()
         self.values: dict[Any, Any] = {}
+        self.imported: dict[Any, Any] = {}  # The values from before the trace.
         self.accessed: list[Any] = []
         self.written: set[Any] = set()
         self.reads: set[Any] = set()  # States whose value the function looked at.
@@ -502,9 +504,20 @@ class TraceFrame(Frame):
                     self.missing.append(state)
                     self.accessed.append(state)
                 return self.parent.fetch(state)
-        self.values[state] = value
+        self.values[state] = self.imported[state] = value
         self.accessed.append(state)
         return value
+
+    def original(self, state: Any) -> Any:
+        """The state's value from before this trace (imported now if it was not),
+        whatever the function wrote since; read as `read` reads it."""
+        self.reads.add(state)
+        value = self.imported.get(state, MISSING)
+        if value is not MISSING:
+            return value
+        if state in self.values:  # Created in this trace.
+            return self.values[state]
+        return self._import(state)
 
     def current(self, state: Any) -> Any:
         """The state's value in this trace, imported on first access."""
@@ -545,6 +558,7 @@ class TraceFrame(Frame):
         """Drops the tracers this frame holds, once its trace has ended, so that
         nothing keeps them alive (JAX's leak checker would flag them)."""
         self.values.clear()
+        self.imported.clear()
         self.preloaded = None
         self.jax_trace = None
 

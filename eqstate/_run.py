@@ -58,12 +58,17 @@ def world() -> StateDict:
     if frame is _context.WORLD:
         return state_dict_of(dict(_context.WORLD.snapshot()))
     states = [state for state, _ in _context.WORLD.snapshot()]
-    # An eager scope's values are taken now, so that later writes leave the snapshot
-    # as it was; a world state outside the scope raises when it is looked up.
-    known = (
-        {s: v for s in states if (v := frame.peek(s)) is not MISSING} if eager else {}
-    )
-    return state_dict_of(_ReadThrough(frame, states, known))
+    if isinstance(frame, _context.TraceFrame):
+        # The values the trace holds now are taken now; the others are its inputs,
+        # read (imported) when looked up, as they were before any later write.
+        known = {s: frame.values[s] for s in states if s in frame.values}
+        return state_dict_of(_ReadThrough(frame, states, known, frame.original))
+    # A scope's values are taken now, so that later writes leave the snapshot as it
+    # was; a world state outside the scope raises when it is looked up.
+    known = {}
+    if isinstance(frame, _context.DictFrame):
+        known = {s: v for s in states if (v := frame.peek(s)) is not MISSING}
+    return state_dict_of(_ReadThrough(frame, states, known, frame.read))
 
 
 class _ReadThrough(Mapping):
@@ -72,18 +77,23 @@ class _ReadThrough(Mapping):
     transform."""
 
     def __init__(
-        self, frame: _context.Frame, states: list[State], known: dict[State, Any]
+        self,
+        frame: _context.Frame,
+        states: list[State],
+        known: dict[State, Any],
+        read: Callable[[State], Any],
     ):
         self._frame = frame
         self._states = dict.fromkeys(states)
         self._read = known
+        self._read_one = read
 
     def __getitem__(self, state: State) -> Any:
         if state not in self._states:
             raise KeyError(state)
         value = self._read.get(state, MISSING)
         if value is MISSING:
-            value = self._read[state] = self._frame.read(state)
+            value = self._read[state] = self._read_one(state)
         return value
 
     def __iter__(self) -> Iterator[State]:

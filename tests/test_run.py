@@ -244,6 +244,31 @@ def test_world_inside_a_scope_is_a_snapshot():
         assert snapshot[s] == 100.0 and es.world()[s] == 7.0
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda f, values: es.run(f, values)[1],
+        lambda f, values: es.run(es.transform.jit(f), values)[1],
+        lambda f, values: es.transform.jit(f)(),
+        lambda f, values: es.transform.StatefulFunction(f).jaxpr_call_auto(),
+    ],
+    ids=["eager", "jit-in-run", "jit", "stateful-function"],
+)
+def test_a_world_snapshot_inside_a_function_keeps_the_values_it_was_taken_with(call):
+    s = es.State(jnp.array(1.0), name="s")
+    t = es.State(jnp.array(10.0), name="t")
+
+    def f():
+        t.value = t.value + 1  # written before the snapshot
+        snapshot = es.world()
+        s.value = jnp.array(7.0)
+        t.value = jnp.array(-5.0)
+        return snapshot[s], snapshot[t]
+
+    got = call(f, es.values_of([s, t]))
+    assert float(got[0]) == 1.0 and float(got[1]) == 11.0
+
+
 def test_world_default_key_inside_jit_is_read_at_every_call():
     es.random.seed(0)
     draw = es.transform.jit(
