@@ -563,6 +563,56 @@ class TraceFrame(Frame):
         self.jax_trace = None
 
 
+_IN_RULE = (
+    "{label} is read by a custom differentiation rule (`jax.custom_jvp` or "
+    "`jax.custom_vjp`), which JAX runs when it differentiates the function, {why} "
+    "Pass the value to the custom function as an argument instead."
+)
+
+
+class RuleFrame(Frame):
+    """The frame while a trace is evaluated, for the custom differentiation rules JAX
+    runs then: they see the values the function was traced with, for the states it
+    reads and does not write (a written state's value depends on where the rule
+    runs, which eqstate cannot tell). Anything else raises `TraceContextError`."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: dict[Any, Any]):
+        self.values = values
+        self.jax_trace = None
+
+    def read(self, state):
+        value = self.values.get(state, MISSING)
+        if value is MISSING:
+            raise TraceContextError(
+                _IN_RULE.format(
+                    label=state_label(state),
+                    why="but the function writes it, or does not read it itself.",
+                )
+            )
+        return value
+
+    fetch = read
+
+    def write(self, state, value):
+        raise TraceContextError(
+            f"Cannot write {state_label(state)} inside a custom differentiation rule "
+            "(`jax.custom_jvp` or `jax.custom_vjp`): JAX runs rules when it "
+            "differentiates, and their side effects have no place in the result. "
+            "Write the state in the function itself."
+        )
+
+    def commit(self, updates, new=()):
+        self.write(next(iter(updates)) if updates else new[0][0], None)
+
+    def add_new(self, state, value):
+        self.write(state, value)
+
+    def peek(self, state):
+        return self.values.get(state, MISSING)
+
+
 def label_here(state: Any) -> str:
     """`state_label` with the value's summary when the current context knows it."""
     value = current_frame().peek(state)

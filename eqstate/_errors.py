@@ -46,7 +46,9 @@ RAW_TRANSFORM_READ = (
     "not know about: the value would be baked into the compiled function as a "
     "constant and go stale. Either use the eqstate version of the transform "
     "(`eqstate.transform.jit`, `eqstate.transform.scan`, ...), or pass the values in "
-    "explicitly with `eqstate.run(fn, states, *args)` inside the transform."
+    "explicitly with `eqstate.run(fn, states, *args)` inside the transform. (A "
+    "`jax.custom_jvp`/`custom_vjp` rule reading it may run under such a transform "
+    "when JAX differentiates: pass the value to the custom function as an argument.)"
 )
 
 RAW_TRANSFORM_WRITE = (

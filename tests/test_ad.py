@@ -382,3 +382,83 @@ def test_python_scalars_outside_argnums_reach_the_function_as_they_are(call):
     expected = jax.grad(_steps)(1.0, 3)
     assert tree_allclose(call(1.0, 3), expected)
     assert not tree_allclose(call(1.0, 2), expected)  # another value, another trace
+
+
+def _surrogate_spike(threshold):
+    @jax.custom_jvp
+    def spike(x):
+        return (x > threshold.value).astype(x.dtype)
+
+    @spike.defjvp
+    def spike_jvp(primals, tangents):
+        (x,), (dx,) = primals, tangents
+        slope = 1 / (1 + jnp.abs(x - threshold.value)) ** 2  # reads the state too
+        return spike(x), slope * dx
+
+    return spike
+
+
+def _expected_surrogate(x, threshold):
+    return 1 / (1 + jnp.abs(x - threshold)) ** 2
+
+
+@pytest.mark.parametrize(
+    "differentiate",
+    [
+        lambda f: es.transform.grad(f),
+        lambda f: jax.grad(es.transform.StatefulFunction(f)),
+        lambda f: es.transform.jit(es.transform.grad(f)),
+        lambda f: es.transform.grad(lambda x: es.transform.checkpoint(f)(x)),
+    ],
+    ids=["grad", "jax.grad-of-stateful-function", "jit-of-grad", "grad-of-checkpoint"],
+)
+def test_custom_rules_read_the_states_the_function_reads(differentiate):
+    threshold = es.ParamState(jnp.array(0.3), name="threshold")
+    spike = _surrogate_spike(threshold)
+    got = differentiate(spike)(0.5)
+    assert tree_allclose(got, _expected_surrogate(0.5, 0.3))
+    threshold.value = jnp.array(0.1)  # a later call reads the new value
+    assert tree_allclose(differentiate(spike)(0.5), _expected_surrogate(0.5, 0.1))
+
+
+def test_a_custom_vjp_rule_reads_the_states_the_function_reads():
+    scale = es.ParamState(jnp.array(3.0), name="scale")
+
+    @jax.custom_vjp
+    def clipped(x):
+        return x * scale.value
+
+    clipped.defvjp(
+        lambda x: (clipped(x), None),
+        lambda _, g: (jnp.clip(g * scale.value, -1.0, 1.0),),
+    )
+    assert es.transform.grad(clipped)(2.0) == 1.0
+    scale.value = jnp.array(0.5)
+    assert es.transform.grad(clipped)(2.0) == 0.5
+
+
+def test_a_custom_rule_reading_a_written_state_or_writing_one_says_what_to_do():
+    threshold = es.ParamState(jnp.array(0.3), name="threshold")
+    spike = _surrogate_spike(threshold)
+
+    def moves_the_threshold(x):
+        threshold.value = threshold.value + 0.1
+        return spike(x)
+
+    with pytest.raises(es.TraceContextError, match="custom differentiation rule"):
+        es.transform.grad(moves_the_threshold)(0.5)
+    assert threshold.value == 0.3
+
+    count = es.State(jnp.array(0), name="count")
+
+    @jax.custom_jvp
+    def counted(x):
+        return x
+
+    @counted.defjvp
+    def counted_jvp(primals, tangents):
+        count.value = jnp.array(1)
+        return primals[0], tangents[0]
+
+    with pytest.raises(es.TraceContextError, match="Cannot write State 'count'"):
+        es.transform.grad(counted)(0.5)

@@ -82,6 +82,8 @@ class Trace:
     given: tuple[int, ...]
     # Whether the trace may be kept: it closes over no tracer of an enclosing trace.
     cacheable: bool
+    # Whether the jaxpr calls a `jax.custom_jvp` or `jax.custom_vjp` function.
+    has_custom_rules: bool
     # `flat_jit`'s function, made on first use.
     flat_jitted: dict = dataclasses.field(default_factory=dict)
 
@@ -110,15 +112,28 @@ class Trace:
     def run(self, arg_leaves: Sequence[Any], values: Sequence[Any]) -> list[Any]:
         """Evaluates the jaxpr (op by op, or staged into the current trace) and returns
         the needed outputs."""
-        flat = jex_core.jaxpr_as_fun(self.jaxpr)(
-            *arg_leaves, *self.state_leaves(values)
-        )
+        evaluate = jex_core.jaxpr_as_fun(self.jaxpr)
+        leaves = (*arg_leaves, *self.state_leaves(values))
+        if self.has_custom_rules:
+            # JAX runs a custom rule's Python when it differentiates this evaluation:
+            # the states the rule reads must be the ones the trace was given.
+            token = _context.enter(_context.RuleFrame(self._read_only(values)))
+            try:
+                flat = evaluate(*leaves)
+            finally:
+                _context.leave(token)
+        else:
+            flat = evaluate(*leaves)
         needed = [flat[i] for i in self.needed]
         for k in self.given:
             x = needed[k]
             if not isinstance(x, jax.Array):
                 needed[k] = jnp.asarray(x)
         return needed
+
+    def _read_only(self, values: Sequence[Any]) -> dict[State, Any]:
+        updated = set(self.updated_states)
+        return {s: v for s, v in zip(self.states, values) if s not in updated}
 
     def split_outputs(self, needed: Sequence[Any]) -> tuple[list, list, list]:
         """Splits the needed outputs into `out` leaves, updated values and new
@@ -344,6 +359,7 @@ class _Recorder:
             needed=needed,
             given=_given_outputs(jaxpr, needed),
             cacheable=not any(isinstance(c, Tracer) for c in jaxpr.consts),
+            has_custom_rules=_has_custom_rules(jaxpr.jaxpr),
         )
 
     def _needed_outputs(self, n_out: int, written: set[State]) -> list[int]:
@@ -371,3 +387,22 @@ def _given_outputs(jaxpr: jex_core.ClosedJaxpr, needed: tuple[int, ...]) -> tupl
         for k, i in enumerate(needed)
         if isinstance(outvars[i], jex_core.Literal) or outvars[i] in given
     )
+
+
+_CUSTOM_CALLS = frozenset(
+    {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+)
+
+
+def _has_custom_rules(jaxpr: jex_core.Jaxpr) -> bool:
+    """Whether `jaxpr`, or one nested in it, calls a function with custom
+    differentiation rules."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _CUSTOM_CALLS:
+            return True
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)
+                if isinstance(inner, jex_core.Jaxpr) and _has_custom_rules(inner):
+                    return True
+    return False
