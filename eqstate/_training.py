@@ -130,6 +130,9 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
             f"{type(state_updates).__name__} first. Pass what `optimizer.update` "
             "returned for `eqstate.trainable(model)`."
         )
+    # The arrays first: updates that do not fit the model raise before any state is
+    # written, so a failed call changes nothing.
+    updated = eqx.apply_updates(model, array_updates)
     states = state_updates.states
     current = current_frame().read_many(states) if states else []
     assign(
@@ -138,7 +141,7 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
             for s, value in zip(states, current)
         }
     )
-    return eqx.apply_updates(model, array_updates)
+    return updated
 
 
 def _add(value: Any, update: Any) -> Any:

@@ -612,3 +612,17 @@ def test_a_call_whose_split_forgets_its_own_part_is_still_right(monkeypatch):
         assert jitted(model, "t" * i) == f(model, "t" * i)
         if i % 3 == 2:
             assert jitted(jnp.ones(2)) == 2.0  # an array-only plan becomes current
+
+
+def test_apply_updates_that_do_not_fit_the_model_change_nothing(getkey):
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        scale: es.ParamState
+
+    model = Model(eqx.nn.Linear(2, 2, key=getkey()), es.ParamState(jnp.ones(2)))
+    state_updates = jax.tree.map(jnp.ones_like, es.values_of(model))
+    with pytest.raises(ValueError):
+        es.apply_updates(model, (state_updates, {"not": "the model's arrays"}))
+    assert (model.scale.value == 1).all()
+    updated = es.apply_updates(model, (state_updates, None))
+    assert (model.scale.value == 2).all() and updated.linear is model.linear
