@@ -17,6 +17,7 @@ class CallArgs:
         "_all_leaves",
         "_fields",
         "_index",
+        "_jax_keys_statics",
         "_static",
         "_static_kw",
         "_template",
@@ -36,8 +37,10 @@ class CallArgs:
         static_kw,
         all_leaves,
         fields,
+        jax_keys_statics=True,
     ):
         self.key: Hashable = key
+        self._jax_keys_statics = jax_keys_statics
         self.leaves: list = leaves
         self._all_leaves = all_leaves
         self._fields = fields
@@ -50,8 +53,12 @@ class CallArgs:
     @property
     def jit_as_is(self) -> bool:
         """Whether `jax.jit` can take the (non-static) arguments as they are (see
-        `jax_jit_sees_as_eqstate`). Only `jit` asks, so it is worked out on demand."""
-        return jax_jit_sees_as_eqstate(self._all_leaves, self._fields)
+        `jax_jit_sees_as_eqstate`), and its static arguments too (see
+        `ArgParser.jax_keys_statics`). Only `jit` asks, so it is worked out on
+        demand."""
+        return self._jax_keys_statics and jax_jit_sees_as_eqstate(
+            self._all_leaves, self._fields
+        )
 
     def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple, dict]:
         """`(args, kwargs)` with the traced leaves replaced by `leaves`."""
@@ -98,6 +105,11 @@ class ArgParser:
         self.static_positions = tuple(dict.fromkeys(positions))
         names += _names_of(params, self.static_argnums)
         self.static_argnames = tuple(dict.fromkeys(names))
+        # Some `jax.jit` releases (0.8) insert one static argument twice when a
+        # negative position and another spelling both name it; eqstate then keeps the
+        # static arguments itself (`jit` splits such calls).
+        negative = any(i < 0 for i in self.static_argnums)
+        self.jax_keys_statics = not (negative and len(self.static_positions) > 1)
 
     def parse(self, args: tuple, kwargs: dict) -> CallArgs:
         """Splits a call's arguments into its cache key and its traced leaves: array
@@ -157,6 +169,7 @@ class ArgParser:
             static_kw,
             leaves,
             fields,
+            self.jax_keys_statics,
         )
 
 
