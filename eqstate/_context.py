@@ -467,6 +467,7 @@ class TraceFrame(Frame):
 
     __slots__ = (
         "accessed",
+        "ended",
         "imported",
         "missing",
         "new_states",
@@ -482,6 +483,7 @@ class TraceFrame(Frame):
         self.jax_trace = compat.current_trace()
         self.values: dict[Any, Any] = {}
         self.imported: dict[Any, Any] = {}  # The values from before the trace.
+        self.ended = False
         self.accessed: list[Any] = []
         self.written: set[Any] = set()
         self.reads: set[Any] = set()  # States whose value the function looked at.
@@ -559,6 +561,7 @@ class TraceFrame(Frame):
         nothing keeps them alive (JAX's leak checker would flag them)."""
         self.values.clear()
         self.imported.clear()
+        self.ended = True
         self.preloaded = None
         self.jax_trace = None
 

@@ -105,7 +105,12 @@ def state_dict_doc(items: Any, **kwargs: Any) -> wl.AbstractDoc:
     """The pretty-doc of a StateDict, laid out like a dict: handles (without their
     values) to value summaries."""
     kwargs = {**kwargs, "eqstate_hide_values": True}
-    summaries = {state: _Summary(value_summary(value)) for state, value in items}
+    summaries = {
+        state: _Summary(
+            "<not visible here>" if value is MISSING else value_summary(value)
+        )
+        for state, value in items
+    }
     return wl.ConcatDoc(
         wl.TextDoc("StateDict("), wl.pdoc(summaries, **kwargs), wl.TextDoc(")")
     )

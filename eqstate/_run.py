@@ -12,6 +12,7 @@ from . import _context, _jax_compat as compat
 from ._custom_types import Filter, MISSING
 from ._errors import RAW_TRANSFORM_READ, TraceContextError
 from ._filters import to_predicate
+from ._pretty_print import state_label
 from ._state import is_state, State
 from ._state_dict import state_dict_of, StateDict
 
@@ -63,12 +64,28 @@ def world() -> StateDict:
         # read (imported) when looked up, as they were before any later write.
         known = {s: frame.values[s] for s in states if s in frame.values}
         return state_dict_of(_ReadThrough(frame, states, known, frame.original))
-    # A scope's values are taken now, so that later writes leave the snapshot as it
-    # was; a world state outside the scope raises when it is looked up.
+    # Outside any trace (a scope, eager control flow) the values are taken now, so
+    # that later writes leave the snapshot as it was; a world state outside a scope
+    # raises when it is looked up. Under a trace, values taken now would be baked in.
     known = {}
-    if isinstance(frame, _context.DictFrame):
+    if not _under_a_trace(frame):
         known = {s: v for s in states if (v := frame.peek(s)) is not MISSING}
     return state_dict_of(_ReadThrough(frame, states, known, frame.read))
+
+
+def _under_a_trace(frame: _context.Frame | None) -> bool:
+    while frame is not None:
+        if isinstance(frame, _context.TraceFrame):
+            return True
+        frame = getattr(frame, "parent", None)
+    return False
+
+
+_SNAPSHOT_ENDED = (
+    "{label} is looked up in a snapshot of the world taken inside a trace that has "
+    "ended, so its value there no longer exists. Take the snapshot outside the "
+    "transformed function, or return the values you need from it."
+)
 
 
 class _ReadThrough(Mapping):
@@ -93,8 +110,22 @@ class _ReadThrough(Mapping):
             raise KeyError(state)
         value = self._read.get(state, MISSING)
         if value is MISSING:
+            if getattr(self._frame, "ended", False):
+                raise TraceContextError(
+                    _SNAPSHOT_ENDED.format(label=state_label(state))
+                )
             value = self._read[state] = self._read_one(state)
         return value
+
+    def peek_items(self) -> Iterator[tuple[State, Any]]:
+        """`(state, value)` pairs with the values looked up so far, and what the
+        frame holds of the others, without reading them (`MISSING` if nothing)."""
+        ended = getattr(self._frame, "ended", False)
+        for state in self._states:
+            value = self._read.get(state, MISSING)
+            if value is MISSING and not ended:
+                value = self._frame.peek(state)
+            yield state, value
 
     def __iter__(self) -> Iterator[State]:
         return iter(self._states)

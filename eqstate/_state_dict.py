@@ -223,7 +223,12 @@ class StateDict(_MappingBase):
         return state_dict_of(placed)
 
     def __pdoc__(self, **kwargs: Any) -> Any:
-        return state_dict_doc(self._values.items(), **kwargs)
+        # A lazy view (`world()` inside a scope or a transform) is printed from what
+        # it can see without reading: printing must not change what a trace reads.
+        peek = getattr(self._values, "peek_items", None)
+        return state_dict_doc(
+            self._values.items() if peek is None else peek(), **kwargs
+        )
 
     def __repr__(self) -> str:
         return wl.pformat(self)

@@ -354,3 +354,56 @@ def test_assign_takes_a_mapping_of_states(values):
     with pytest.raises(TypeError, match=r"`eqstate\.assign` takes a StateDict"):
         unchecked(es.assign)(values)
     assert w.value == 0.0
+
+
+def test_printing_the_world_inside_a_scope_marks_what_it_cannot_see():
+    a = es.State(jnp.zeros(2), name="a")
+    b = es.State(jnp.ones(2), name="b")
+    with es.scope(es.values_of([a])):
+        text = repr(es.world())
+    assert "State(name='a'): f32[2]" in text
+    assert "State(name='b'): <not visible here>" in text
+
+
+def test_printing_the_world_inside_a_transform_reads_nothing():
+    a = es.State(jnp.zeros(2), name="a")
+    b = es.State(jnp.ones(2), name="b")
+
+    def f(x):
+        print(es.world())  # a debugging print must not change the trace
+        return x * a.value
+
+    sf = es.transform.StatefulFunction(f)
+    sf.make_jaxpr(jnp.ones(2))
+    assert sf.get_states() == (a,) and b not in sf.get_states()
+    key = jax.random.key_data(es.random.DEFAULT.value)
+    es.transform.vmap(f)(jnp.ones((3, 2)))
+    assert (jax.random.key_data(es.random.DEFAULT.value) == key).all()
+
+
+def test_a_world_snapshot_that_escaped_its_trace_says_so():
+    a = es.State(jnp.zeros(2), name="a")
+    box = []
+
+    @es.transform.jit
+    def f():
+        box.append(es.world())
+        return a.value
+
+    f()
+    assert "State(name='a')" in repr(box[0])
+    with pytest.raises(es.TraceContextError, match="State 'a'.*trace that has ended"):
+        box[0][a]
+
+
+def test_a_world_snapshot_in_eager_control_flow_keeps_its_values():
+    s = es.State(jnp.array(1.0), name="s")
+
+    def body():
+        snapshot = es.world()
+        s.value = jnp.array(7.0)
+        return snapshot[s]
+
+    with jax.disable_jit():
+        got = es.transform.cond(True, body, body)
+    assert got == 1.0 and s.value == 7.0
