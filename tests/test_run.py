@@ -358,9 +358,10 @@ def test_assign_takes_a_mapping_of_states(values):
 
 def test_printing_the_world_inside_a_scope_marks_what_it_cannot_see():
     a = es.State(jnp.zeros(2), name="a")
-    b = es.State(jnp.ones(2), name="b")
+    b = es.State(jnp.ones(2), name="b")  # a world state the scope does not hold
     with es.scope(es.values_of([a])):
         text = repr(es.world())
+        assert b in es.world()
     assert "State(name='a'): f32[2]" in text
     assert "State(name='b'): <not visible here>" in text
 
@@ -392,7 +393,7 @@ def test_a_world_snapshot_that_escaped_its_trace_says_so():
 
     f()
     assert "State(name='a')" in repr(box[0])
-    with pytest.raises(es.TraceContextError, match="State 'a'.*trace that has ended"):
+    with pytest.raises(es.TraceContextError, match=r"State 'a'.*trace that has ended"):
         box[0][a]
 
 
