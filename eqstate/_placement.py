@@ -18,8 +18,10 @@ def _buffers(x: jax.Array) -> set[int]:
 
 
 def _shares_a_buffer(x: Any, placed: Any) -> bool:
-    if placed is x or not isinstance(x, jax.Array) or isinstance(x, Tracer):
+    if placed is x or not isinstance(x, jax.Array):
         return False
+    if isinstance(x, Tracer) or isinstance(placed, Tracer):
+        return False  # Placed inside a trace: no buffer exists yet.
     return bool(_buffers(x) & _buffers(placed))
 
 

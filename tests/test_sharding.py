@@ -280,3 +280,15 @@ def test_shard_map_reads_a_weakly_typed_state_in_both_tracing_modes(tracing_mode
     x = jnp.arange(2.0 * N)
     assert (double(x) == 2 * x).all()
     assert seen.value == x.sum()
+
+
+def test_with_sharding_inside_a_trace_on_concrete_values():
+    s = es.ParamState(jnp.zeros(3), name="w")
+    values = es.StateDict({s: jnp.arange(3.0)})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    @jax.jit
+    def f(x):
+        return values.with_sharding(sharding)[s] + x
+
+    assert (f(jnp.ones(3)) == jnp.arange(3.0) + 1).all()
