@@ -462,3 +462,16 @@ def test_a_custom_rule_reading_a_written_state_or_writing_one_says_what_to_do():
 
     with pytest.raises(es.TraceContextError, match="Cannot write State 'count'"):
         es.transform.grad(counted)(0.5)
+
+
+def test_a_filter_leaves_out_unused_integer_and_key_states_of_a_model(getkey):
+    model = {
+        "w": es.ParamState(jnp.ones(2), name="w"),
+        "step": es.State(jnp.array(0), name="step"),
+        "rng": es.RandomState(0),
+        "unused": es.ParamState(jnp.ones(3), name="unused"),
+    }
+    loss = lambda m: jnp.sum(m["w"].value ** 2)  # noqa: E731
+    grads, _ = es.transform.grad(loss, argnums=0, grad_states=es.State)(model)
+    assert set(grads.states) == {model["w"], model["unused"]}
+    assert (grads[model["unused"]] == 0).all()

@@ -173,6 +173,13 @@ def _describe_output(out: Any) -> str:
     return f"{out!r}"
 
 
+def _inexact(frame: Any, state: State) -> bool:
+    """Whether `state` holds floating-point or complex values only (in `frame`), as
+    `eqx.filter_grad` differentiates only such arrays."""
+    leaves = jtu.tree_leaves(frame.peek(state))
+    return bool(leaves) and all(eqx.is_inexact_array(x) for x in leaves)
+
+
 class _Differentiable:
     """The parts every autodiff transform shares: trace, pick the states to
     differentiate, and build the pure function JAX differentiates."""
@@ -185,13 +192,15 @@ class _Differentiable:
         held: Sequence[State] = (),
     ):
         """`held`: the states held by the differentiated arguments, which a filter
-        in `grad_states` selects from too, used or not."""
+        in `grad_states` selects from too, used or not (unused ones only if they
+        hold floating-point values)."""
         self.traced = traced
         if grad_states is None:
             self.grad_states: tuple[State, ...] = ()
         else:
             used = set(traced.states)
-            candidates = (*traced.states, *(s for s in held if s not in used))
+            unused = [s for s in held if s not in used and _inexact(traced.frame, s)]
+            candidates = (*traced.states, *unused)
             states, explicit = select_states(grad_states, candidates)
             if explicit and check_states:
                 unused = [s for s in states if s not in traced.states]
