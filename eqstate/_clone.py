@@ -121,9 +121,9 @@ def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
 
 
 def mark_replicated(state: State, replicated: bool) -> None:
-    """Records on the handle that `vmap_new_states` created `state`, and whether it
-    replicated it rather than stacked it (its outermost call decides): `member`
-    slices the stacked ones and copies the others whole, whatever `shared` says and
+    """Records on the handle whether `vmap_new_states` replicated `state` rather than
+    stacked it (its outermost call decides; a state it returns without creating it is
+    replicated): `member` copies such states whole, whatever `shared` says and
     whatever their tag became. The handles a jitted build returns, and clones, are
     copies that keep the record."""
     object.__setattr__(state, "_replicated", replicated)
@@ -223,13 +223,6 @@ def _copied_whole(
     with_paths: tuple[tuple[tuple, State], ...], shared: Callable[[tuple, State], bool]
 ) -> set[State]:
     """The states of an ensemble that `member` copies whole rather than slices: those
-    `vmap_new_states` replicated, those `shared` selects (by path and state), and, in
-    an ensemble `vmap_new_states` built, the states it did not create (they existed
-    before the build, so every member reads their one value)."""
-    built = any(s._replicated is False for _, s in with_paths)
-    whole = set()
-    for path, state in with_paths:
-        made_here = state._replicated is not None
-        if state._replicated or shared(path, state) or (built and not made_here):
-            whole.add(state)
-    return whole
+    `vmap_new_states` replicated or found in its output without creating them (see
+    `mark_replicated`), and those `shared` selects (by path and state)."""
+    return {s for path, s in with_paths if s._replicated or shared(path, s)}

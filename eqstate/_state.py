@@ -50,8 +50,9 @@ class State(Generic[_Value]):
     """
 
     # `_replicated`: whether `vmap_new_states` gave every member this state's one value
-    # (True) or stacked a value per member (False); None for a state it did not create
-    # (see `eqstate.member`). Copies of the handle keep it.
+    # (True: also a state it returned without creating it) or stacked a value per
+    # member (False); None for a state it never built (see `eqstate.member`). Copies
+    # of the handle keep it.
     __slots__ = (
         "__weakref__",
         "_expired_in",

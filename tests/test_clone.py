@@ -304,6 +304,18 @@ def test_restoring_a_snapshot_held_by_a_clone_writes_the_clone(getkey):
     assert tree_bitwise_equal(w.value, jnp.array([5.0, 5.0]))
 
 
+def test_member_slices_a_stacked_state_added_to_an_ensemble_after_the_build():
+    def make():
+        return {"w": es.ParamState(es.random.normal((2,)), name="w"), "head": None}
+
+    ensemble = es.transform.vmap_new_states(make, axis_size=3)()
+    head = es.ParamState(jnp.arange(6.0).reshape(3, 2), name="head")
+    ensemble = {**ensemble, "head": head}  # stacked by hand, after the build
+    one = es.member(ensemble, 1)
+    assert tree_bitwise_equal(one["head"].value, head.value[1])
+    assert tree_bitwise_equal(one["w"].value, ensemble["w"].value[1])
+
+
 # --- Equinox serialisation ------------------------------------------------------------
 
 

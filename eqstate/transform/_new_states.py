@@ -17,7 +17,7 @@ from .._custom_types import AxisSpec, Filter, MISSING, Missing
 from .._errors import BatchAxisError, TraceContextError
 from .._filters import to_predicate
 from .._pretty_print import state_label
-from .._run import run
+from .._run import run, states_of
 from .._state import expire, NonBatchState, RandomState, retag, State
 from .._state_dict import StateDict
 from ..random import DEFAULT
@@ -230,7 +230,18 @@ def _build(
         for state in made["new"]:
             expire(state, where)
         raise
+    _mark_pre_existing(out, made["new"])
     return out
+
+
+def _mark_pre_existing(out: Any, new: list[State]) -> None:
+    """Records on the states of `out` that existed before the build (a table tied
+    into every member) that every member holds their one value: `member` copies
+    them whole, as it copies replicated states."""
+    made_here = set(new)
+    for state in states_of(out):
+        if state not in made_here and state._replicated is None:
+            mark_replicated(state, True)
 
 
 def _lane_function(
