@@ -530,3 +530,16 @@ def test_a_state_dict_returned_by_a_jitted_build_is_keyed_by_the_returned_handle
     model, values = es.transform.jit(make)()
     assert values.states == (model["w"],)
     es.assign(values)  # writes the returned handle, which has a value
+
+
+def test_keyword_arguments_named_like_the_jitted_body_s_own_are_passed_through():
+    s = es.State(jnp.zeros(2))
+
+    def f(x, read=1.0, written=2.0):
+        s.value = s.value + x * read
+        return x * written
+
+    g = es.transform.jit(f)
+    for _ in range(2):
+        assert (g(jnp.ones(2), read=3.0, written=4.0) == 4).all()
+    assert (s.value == 6).all()

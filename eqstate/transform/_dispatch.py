@@ -408,6 +408,7 @@ class JitDispatch:
         self._traces = traces
         self._name = traces.name
         self._parser = traces.parser
+        self._static_names = frozenset(traces.parser.static_argnames)
         self._donate = donate_states
         self._state_shardings = (
             None if state_shardings is None else sharding_rule(state_shardings)
@@ -466,7 +467,8 @@ class JitDispatch:
                 if not plan.simple_out:
                     out = self._splitter.output(key, out)
             elif kwargs:
-                if self._parser.static_argnames:
+                names = self._static_names
+                if names and not names.isdisjoint(kwargs):
                     kwargs = self._typed_static(kwargs)
                 out, updated = jitted(written, read, *args, **kwargs)
             elif len(args) == 1:
@@ -669,13 +671,14 @@ class JitDispatch:
     def _make_jitted(self, plan: _Plan, donate: bool) -> Any:
         traces, splitter = self._traces, self._splitter
 
-        def body(written, read, *args, **kwargs):
+        # Named so that no keyword argument of the user's function collides with them.
+        def body(eqstate_written, eqstate_read, *args, **kwargs):
             kwargs = unwrapped(kwargs)
             if not _jit_took_as_is(args, kwargs):
                 # A call whose arguments `jax.jit` traces where eqstate would not
                 # (e.g. a Module's `inference: bool`): it takes a split plan.
                 raise _PlanMismatch
-            return plan.evaluate(traces, written, read, args, kwargs)
+            return plan.evaluate(traces, eqstate_written, eqstate_read, args, kwargs)
 
         def split_body(key, written, read, dynamic):
             args, kwargs = splitter.rebuild(key, dynamic)
