@@ -15,11 +15,12 @@ pushed them succeeds, so a failure needs no rollback.
 """
 
 import abc
+import contextlib
 import contextvars
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -614,6 +615,16 @@ class RuleFrame(Frame):
 
     def peek(self, state):
         return self.values.get(state, MISSING)
+
+
+@contextlib.contextmanager
+def rules_see(values: dict[Any, Any]) -> Iterator[None]:
+    """Runs the `with` block in a `RuleFrame` over `values`."""
+    token = enter(RuleFrame(values))
+    try:
+        yield
+    finally:
+        leave(token)
 
 
 def label_here(state: Any) -> str:

@@ -437,6 +437,38 @@ def test_a_custom_vjp_rule_reads_the_states_the_function_reads():
     assert es.transform.grad(clipped)(2.0) == 0.5
 
 
+@pytest.mark.parametrize(
+    "differentiate",
+    [
+        lambda f, x: es.transform.grad(f)(x),
+        lambda f, x: es.transform.vjp(f, x)[1](1.0)[0],
+    ],
+    ids=["grad", "vjp"],
+)
+def test_a_custom_vjp_backward_rule_reads_the_values_of_the_forward_pass(
+    differentiate,
+):
+    scale = es.ParamState(jnp.array(3.0), name="scale")
+
+    @jax.custom_vjp
+    def straight_through(x):
+        return x
+
+    straight_through.defvjp(lambda x: (x, None), lambda _, g: (g * scale.value,))
+
+    def reads(x):
+        return straight_through(x) * scale.value
+
+    assert differentiate(reads, 2.0) == 9.0
+
+    def writes_first(x):
+        scale.value = scale.value * 2.0
+        return straight_through(x)
+
+    with pytest.raises(es.TraceContextError, match="custom differentiation rule"):
+        differentiate(writes_first, 2.0)
+
+
 def test_a_custom_rule_reading_a_written_state_or_writing_one_says_what_to_do():
     threshold = es.ParamState(jnp.array(0.3), name="threshold")
     spike = _surrogate_spike(threshold)

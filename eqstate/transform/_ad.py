@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _jax_compat as compat
+from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING, PyTreeDef
 from .._pretty_print import state_label
 from .._run import states_of
@@ -213,6 +213,11 @@ class _Differentiable:
             self.grad_states = states
         self.box: dict[str, Any] = {}
 
+    def rules_see(self) -> Any:
+        """A context in which the custom rules JAX runs in a backward pass (a
+        `jax.custom_vjp`'s `bwd`) read the values the function was traced with."""
+        return _context.rules_see(self.traced.trace.read_only(self.traced.values))
+
     def grad_values(self) -> StateDict:
         traced = self.traced
         index = {s: i for i, s in enumerate(traced.states)}
@@ -330,7 +335,8 @@ class _GradientTransform:
         )
         grad_values = diff.grad_values()
         differentiated = [part for part, _ in parts]
-        grads, (value, extras) = transformed(grad_values, *differentiated)
+        with diff.rules_see():
+            grads, (value, extras) = transformed(grad_values, *differentiated)
         aux = diff.finish(extras)
         single = self._single_arg
         if self._output_first:
@@ -813,7 +819,8 @@ def vjp(
     aux = diff.finish(extras)
 
     def state_vjp(cotangent: Any) -> Any:
-        cotangents = vjp_fn(cotangent)
+        with diff.rules_see():
+            cotangents = vjp_fn(cotangent)
         if grad_states is None:
             return cotangents[1:]
         return cotangents[0], cotangents[1:]

@@ -117,11 +117,8 @@ class Trace:
         if self.has_custom_rules:
             # JAX runs a custom rule's Python when it differentiates this evaluation:
             # the states the rule reads must be the ones the trace was given.
-            token = _context.enter(_context.RuleFrame(self._read_only(values)))
-            try:
+            with _context.rules_see(self.read_only(values)):
                 flat = evaluate(*leaves)
-            finally:
-                _context.leave(token)
         else:
             flat = evaluate(*leaves)
         needed = [flat[i] for i in self.needed]
@@ -131,7 +128,8 @@ class Trace:
                 needed[k] = jnp.asarray(x)
         return needed
 
-    def _read_only(self, values: Sequence[Any]) -> dict[State, Any]:
+    def read_only(self, values: Sequence[Any]) -> dict[State, Any]:
+        """The values of the states the trace reads and does not write, by state."""
         updated = set(self.updated_states)
         return {s: v for s, v in zip(self.states, values) if s not in updated}
 
