@@ -81,7 +81,7 @@ def _promotion_keeps(dtype: Any, new: Any) -> bool:
     `jax_numpy_dtype_promotion="strict"`, a weak float and an int do not promote)."""
     try:
         return jnp.result_type(dtype, new) == dtype
-    except jax.dtypes.TypePromotionError:
+    except (jax.dtypes.TypePromotionError, TypeError):  # TypeError: PRNG keys
         return False
 
 
@@ -89,7 +89,14 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     _refuse_deleted(state, new)
     if isinstance(new, Tracer) and compat.is_dead_tracer(new):
         raise TraceContextError(LEAKED_TRACER_WRITE.format(label=state_label(state)))
-    new = _to_array(new)
+    try:
+        new = _to_array(new)
+    except TypeError:
+        raise StateValueError(
+            f"Cannot write {new!r} (a {type(new).__name__}) to {state_label(state)}: "
+            "a state's value is a PyTree of arrays, and JAX cannot make an array of "
+            "it. Write an array, or a Python or NumPy number."
+        ) from None
     if new.shape == old.shape and new.dtype == old.dtype:
         return new
     # A weakly typed value (a Python scalar) may take the state's dtype if JAX's own
@@ -99,19 +106,29 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     )
     if new.shape == old.shape and weak and _promotion_keeps(old.dtype, new):
         return new.astype(old.dtype)
-    hint = (
-        " To give new states a batch axis, create them inside "
-        "`eqstate.transform.vmap_new_states`."
-        if new.shape != old.shape
-        else f" Convert it first, e.g. `value.astype({old.dtype})`."
-        if not jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key)
-        else " Keys of another PRNG implementation cannot replace this one."
-    )
     raise StateValueError(
         f"Cannot write a value of shape {tuple(new.shape)} and dtype {new.dtype} to "
         f"{state_label(state)} (shape {tuple(old.shape)}, dtype {old.dtype}). A write "
-        f"must keep the structure, shape and dtype of the current value.{hint}"
+        f"must keep the structure, shape and dtype of the current value."
+        f"{_write_hint(old, new)}"
     )
+
+
+def _write_hint(old: Any, new: Any) -> str:
+    """What to do about a write of `new` that does not fit `old`."""
+    is_key = jax.dtypes.issubdtype
+    if is_key(old.dtype, jax.dtypes.prng_key):
+        if is_key(new.dtype, jax.dtypes.prng_key):
+            return " Keys of another PRNG implementation cannot replace this one."
+        return " Write a key (`jax.random.key(3)`), or reseed it: `state.seed(3)`."
+    if new.ndim > old.ndim:
+        return (
+            " To give new states a batch axis, create them inside "
+            "`eqstate.transform.vmap_new_states`."
+        )
+    if new.shape != old.shape:
+        return ""
+    return f" Convert it first, e.g. `value.astype({old.dtype})`."
 
 
 def check_write(state: Any, old: Any, new: Any) -> Any:

@@ -14,7 +14,8 @@ from jaxtyping import ArrayLike, PyTree
 
 from . import _context
 from ._context import current_frame, label_here, to_value
-from ._pretty_print import state_doc
+from ._errors import StateValueError
+from ._pretty_print import state_doc, state_label
 from ._serialisation_guard import not_an_array, refuse_if_serialised
 
 
@@ -88,7 +89,15 @@ class State(Generic[_Value]):
         object.__setattr__(self, "_expired_in", None)
         object.__setattr__(self, "_order", next(_CREATION_ORDER))
         object.__setattr__(self, "_replicated", None)
-        current_frame().add_new(self, to_value(value))
+        try:
+            converted = to_value(value)
+        except TypeError as error:
+            raise StateValueError(
+                f"Cannot create {state_label(self)} holding {value!r}: a state's "
+                "value is a PyTree of arrays, and JAX cannot make an array of every "
+                f"leaf ({error}). Keep other objects in a module's fields."
+            ) from None
+        current_frame().add_new(self, converted)
 
     @property
     def value(self) -> _Value:

@@ -73,14 +73,13 @@ class StateDict(_MappingBase):
             )
         contents = {}
         for state, value in items:
-            if not isinstance(state, State):
-                raise TypeError(
-                    f"StateDict keys must be state handles, got {state!r} of type "
-                    f"{type(state).__name__}."
-                )
+            _check_key(state)
             contents[state] = to_value(value)
         object.__setattr__(self, "_values", contents)
         object.__setattr__(self, "_canonical", None)
+
+    def __copy__(self) -> "StateDict":
+        return self  # Immutable: a copy would be the same.
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("StateDict is immutable; use `.set` or `.update`.")
@@ -133,6 +132,7 @@ class StateDict(_MappingBase):
         time, declared as a PyTree of arrays) type-checks without a cast."""
         values = dict(self._values)
         for state, value in _as_mapping(other, "StateDict.update").items():
+            _check_key(state)
             old = values.get(state, MISSING)
             if old is MISSING:
                 values[state] = to_value(value)
@@ -253,6 +253,14 @@ def state_dict_of(values: Mapping) -> StateDict:
     object.__setattr__(sd, "_values", values)
     object.__setattr__(sd, "_canonical", None)
     return sd
+
+
+def _check_key(state: Any) -> None:
+    if not isinstance(state, State):
+        raise TypeError(
+            f"StateDict keys must be state handles, got {state!r} of type "
+            f"{type(state).__name__}."
+        )
 
 
 def _as_mapping(other: Any, where: str) -> Mapping:

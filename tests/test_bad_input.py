@@ -67,6 +67,18 @@ def write_float_to_int():
     return lambda: setattr(n, "value", 0.5), [n]
 
 
+@case("a value JAX cannot make an array of, written", es.StateValueError, "'abc'.*'w'")
+def write_non_array():
+    w = _w()
+    return lambda: setattr(w, "value", "abc"), [w]
+
+
+@case("a number written to a key state", es.StateValueError, "'rng'.*reseed")
+def write_number_to_key():
+    rng = es.RandomState(0, name="rng")
+    return lambda: setattr(rng, "value", 3), [rng]
+
+
 @case(
     "read a state no context knows", es.StateNotFoundError, "has no value in the world"
 )
@@ -196,6 +208,13 @@ def bad_filter_class():
 @case("a StateDict key that is not a handle", TypeError, "StateDict")
 def state_dict_bad_key():
     return lambda: es.StateDict({"w": jnp.zeros(2)}), []
+
+
+@case("a key that is not a handle, merged in", TypeError, "must be state handles")
+def state_dict_or_bad_key():
+    w = _w()
+    sd = es.StateDict({w: jnp.ones(3)})
+    return lambda: sd | {"w": jnp.ones(3)}, [w]
 
 
 @case("`StateDict.set` with the wrong shape", es.StateValueError, "shape")

@@ -4,6 +4,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 from hypothesis import given, settings
 
@@ -193,3 +194,15 @@ def test_gradients_read_in_another_order_feed_optax():
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     new = optax.apply_updates(params, updates)
     assert (new[a] == 1 - 0.1 * 3).all() and (new[b] == 1 - 0.1 * 2).all()
+
+
+def test_a_copy_of_a_state_dict_is_itself():
+    import copy
+
+    sd = es.StateDict({es.State(jnp.ones(2)): jnp.ones(2)})
+    assert copy.copy(sd) is sd
+
+
+def test_a_state_created_from_what_jax_cannot_convert_is_named():
+    with pytest.raises(es.StateValueError, match="Cannot create State 'cfg' holding"):
+        es.State(np.array([print], dtype=object), name="cfg")
