@@ -313,7 +313,8 @@ def states_of(
 
     **Arguments:**
 
-    - `pytree`: any PyTree, e.g. an `eqx.Module` holding handles.
+    - `pytree`: any PyTree, e.g. an `eqx.Module` holding handles. Not a
+        `StateDict` (`TypeError`): use its `states` or `filter` instead.
     - `*filters`: keep the states matching any of these (see [`eqstate.filters`][]);
         every state if none is given. Predicates receive the state's PyTree path.
     - `with_paths`: if `True`, return `(path, state)` pairs, where `path` is a JAX key
@@ -333,6 +334,13 @@ def states_of(
         assert es.states_of(tree, es.ParamState) == (tree["w"],)
         ```
     """
+    if isinstance(pytree, StateDict):
+        raise TypeError(
+            "This looks for the handles held by a PyTree (a model: `states_of`, "
+            "`values_of`, `trainable`, `clone`, ...), and a StateDict holds none: its "
+            "states are its keys. Pass the model, or use the StateDict's `states` or "
+            "`filter(...)`."
+        )
     predicates = [to_predicate(f) for f in filters]
     found: dict[State, tuple] = {}
     for path, leaf in jtu.tree_leaves_with_path(pytree, is_leaf=is_state):

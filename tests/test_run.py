@@ -408,3 +408,14 @@ def test_a_world_snapshot_in_eager_control_flow_keeps_its_values():
     with jax.disable_jit():
         got = es.transform.cond(True, body, body)
     assert got == 1.0 and s.value == 7.0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [es.states_of, es.values_of, es.trainable, lambda sd: es.values_of(sd, es.State)],
+    ids=["states_of", "values_of", "trainable", "values_of-filtered"],
+)
+def test_a_state_dict_given_for_a_model_is_refused_rather_than_found_empty(call):
+    values = es.StateDict({es.ParamState(jnp.ones(2)): jnp.ones(2)})
+    with pytest.raises(TypeError, match="a StateDict holds none.*filter"):
+        call(values)

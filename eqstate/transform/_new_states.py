@@ -239,7 +239,7 @@ def _mark_pre_existing(out: Any, new: list[State]) -> None:
     into every member) that every member holds their one value: `member` copies
     them whole, as it copies replicated states."""
     made_here = set(new)
-    for state in states_of(out):
+    for state in states_of((out,)):  # `out` may be a StateDict: its keys are new
         if state not in made_here and state._replicated is None:
             mark_replicated(state, True)
 
