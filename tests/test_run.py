@@ -417,5 +417,5 @@ def test_a_world_snapshot_in_eager_control_flow_keeps_its_values():
 )
 def test_a_state_dict_given_for_a_model_is_refused_rather_than_found_empty(call):
     values = es.StateDict({es.ParamState(jnp.ones(2)): jnp.ones(2)})
-    with pytest.raises(TypeError, match="a StateDict holds none.*filter"):
+    with pytest.raises(TypeError, match=r"a StateDict holds none.*filter"):
         call(values)
