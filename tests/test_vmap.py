@@ -171,3 +171,31 @@ def test_mapping_a_scalar_argument_names_it(transform):
         f(jnp.ones(2), jnp.float32(1.0))
     with pytest.raises(ValueError, match="rank should be at least 1"):
         jax.vmap(lambda x, y: x + y)(jnp.ones(2), jnp.float32(1.0))
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda f: es.transform.vmap(f)(jnp.arange(3.0)),
+        lambda f: es.transform.map(f, jnp.arange(3.0), batch_size=2),
+        lambda f: es.transform.scan(lambda c, x: (c, f(x)), 0.0, jnp.arange(3.0)),
+    ],
+    ids=["vmap", "map-in-chunks", "scan"],
+)
+def test_a_key_reseeded_alike_in_every_lane_is_kept(run):
+    rng = es.RandomState(0, name="rng")
+
+    def reseed_then_draw(x):
+        rng.seed(42)
+        es.random.seed(7)
+        return x + es.random.normal() + jax.random.normal(rng.split_key())
+
+    run(reseed_then_draw)
+    # Every lane advanced the reseeded keys alike, as a sequential loop does.
+    after = jax.random.split(jax.random.key(42))[0]
+    assert (jax.random.key_data(rng.value) == jax.random.key_data(after)).all()
+    default_after = jax.random.split(jax.random.key(7))[0]
+    assert (
+        jax.random.key_data(es.random.DEFAULT.value)
+        == jax.random.key_data(default_after)
+    ).all()

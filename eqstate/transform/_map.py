@@ -17,6 +17,7 @@ from ._common import hide_static, show_static, strong
 from ._discovery import Discovery
 from ._loops import _loop_length, _scan, _slice
 from ._trace import Trace
+from ._vmap import written_alike
 
 
 compat.hide_from_tracebacks(__file__)
@@ -121,9 +122,13 @@ def _chunk_function(
             advanced.append(outer)
             keys.append(lane_keys)
         element = _element_function(traced, current, written, randoms)
-        ys, new_values = jax.vmap(element)(keys, chunk_xs)
+        ys, new_values, reseeded = jax.vmap(element, out_axes=(0, 0, None))(
+            keys, chunk_xs
+        )
         # The value the chunk's last element wrote, as in a sequential map.
         last = [jtu.tree_map(lambda v: v[-1], v) for v in new_values]
+        # A key every element wrote alike (a reseed) is kept, as in `vmap`.
+        advanced = [a if k is None else k for a, k in zip(advanced, reseeded)]
         return strong([*last, *advanced]), ys
 
     return chunk
@@ -134,17 +139,19 @@ def _element_function(
     current: dict[State, Any],
     written: Sequence[State],
     randoms: Sequence[State],
-) -> Callable[[list, tuple], tuple[Any, list]]:
+) -> Callable[[list, tuple], tuple[Any, list, list]]:
     """One element of a chunk: `traced` evaluated with its own random keys, returning
-    its output and what it wrote to `written`."""
+    its output, what it wrote to `written`, and the keys it wrote alike in every
+    element (see `written_alike`)."""
 
-    def element(element_keys: list, x: tuple) -> tuple[Any, list]:
+    def element(element_keys: list, x: tuple) -> tuple[Any, list, list]:
         here = dict(current)
         here.update(zip(randoms, element_keys))
         out, updates, _ = traced.evaluate(
             [here[s] for s in traced.states], show_static(x)
         )
-        return hide_static(out), [updates[s] for s in written]
+        reseeded = [written_alike(updates.get(s)) for s in randoms]
+        return hide_static(out), [updates[s] for s in written], reseeded
 
     return element
 

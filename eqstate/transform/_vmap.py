@@ -432,9 +432,19 @@ def _lane_function(
             out,
             [updates[s] for s in roles.mapped_written],
             [updates[s] for s in roles.broadcast_written],
+            [written_alike(updates.get(s)) for s in roles.randoms],
         )
 
     return lane
+
+
+def written_alike(value: Any) -> Any:
+    """`value`, a random key written in a lane, if every lane wrote it alike (a
+    reseed), else `None`: keys advanced by draws from the lane's own key differ
+    across lanes, and the state then takes its outer successor instead."""
+    if value is None or any(compat.is_batched_here(x) for x in jtu.tree_leaves(value)):
+        return None
+    return value
 
 
 def _check_written_alike(state: State, value: Any) -> None:
@@ -471,10 +481,10 @@ def _call_vmapped(
     roles = _state_roles(traced, values, mapped_axis)
     size = axis_size_of(axes, args, axis_size, _state_sizes(traced, mapped_axis))
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
-    out, new_mapped, new_broadcast = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
+    out, new_mapped, new_broadcast, reseeded = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
         _lane_function(traced, values, roles),
         in_axes=(list(roles.mapped.values()), 0, arrays_only(axes), eqx.if_array(0)),
-        out_axes=(arrays_only(out_axes), _out_state_axes(roles, out_pairs), None),
+        out_axes=(arrays_only(out_axes), _out_state_axes(roles, out_pairs), None, None),
         axis_name=axis_name,
         axis_size=size,
         spmd_axis_name=spmd_axis_name,
@@ -483,7 +493,8 @@ def _call_vmapped(
     for state, value in zip(roles.mapped_written, new_mapped):
         _check_same_shape(state, values[state], value)
         updates[state] = value
-    updates.update(zip(roles.randoms, outer_keys))
+    for state, outer_key, key in zip(roles.randoms, outer_keys, reseeded):
+        updates[state] = outer_key if key is None else key
     traced.commit(updates)
     return out
 
