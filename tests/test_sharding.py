@@ -157,6 +157,21 @@ def test_shard_map_threads_states_with_their_specs():
     assert per_device.value.sharding.spec == P("data")
 
 
+def test_shard_map_refuses_a_spec_per_leaf_naming_the_state():
+    mesh = _mesh("data")
+    tree = es.State({"x": jnp.zeros((N, 2)), "y": jnp.array(0.0)}, name="tree")
+    sm = es.transform.shard_map(
+        lambda x: (setattr(tree, "value", tree.value), x)[1],
+        mesh=mesh,
+        in_specs=(P("data"),),
+        out_specs=P("data"),
+        # A rule, as a mapping of specs per leaf is refused by the type hints.
+        state_specs=lambda state, value: {"x": P("data"), "y": P()},
+    )
+    with pytest.raises(TypeError, match="State 'tree'.*one PartitionSpec per state"):
+        sm(jnp.arange(float(N)))
+
+
 def test_shard_map_refuses_a_replicated_state_written_per_device():
     mesh = _mesh("data")
     s = es.State(jnp.array(0.0), name="replicated")

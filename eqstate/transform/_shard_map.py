@@ -83,7 +83,16 @@ def _state_spec_rule(state_specs: Any) -> Callable[[State, Any], PartitionSpec]:
 
     def spec_of(state: State, value: Any) -> PartitionSpec:
         spec = rule(state, value)
-        return PartitionSpec() if spec is None else spec
+        if spec is None:
+            return PartitionSpec()
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"`state_specs` gives {state_label(state, value)} {spec!r}, but it "
+                "takes one PartitionSpec per state, which splits every leaf of its "
+                "value alike. Hold leaves that split differently in states of their "
+                "own."
+            )
+        return spec
 
     return spec_of
 
