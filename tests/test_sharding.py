@@ -168,7 +168,7 @@ def test_shard_map_refuses_a_spec_per_leaf_naming_the_state():
         # A rule, as a mapping of specs per leaf is refused by the type hints.
         state_specs=lambda state, value: {"x": P("data"), "y": P()},
     )
-    with pytest.raises(TypeError, match="State 'tree'.*one PartitionSpec per state"):
+    with pytest.raises(TypeError, match=r"State 'tree'.*one PartitionSpec per state"):
         sm(jnp.arange(float(N)))
 
 
