@@ -218,7 +218,7 @@ class StateDict(_MappingBase):
         for state, value in self._values.items():
             sharding = sharding_of(state, value)
             placed[state] = (
-                value if sharding is None else device_put_apart(value, sharding)
+                value if sharding is None else _placed(state, value, sharding)
             )
         return state_dict_of(placed)
 
@@ -253,6 +253,17 @@ def state_dict_of(values: Mapping) -> StateDict:
     object.__setattr__(sd, "_values", values)
     object.__setattr__(sd, "_canonical", None)
     return sd
+
+
+def _placed(state: State, value: Any, sharding: jax.sharding.Sharding) -> Any:
+    try:
+        return device_put_apart(value, sharding)
+    except (ValueError, AssertionError) as error:  # JAX's, naming no state
+        raise ValueError(
+            f"Cannot place {state_label(state, value)} with {sharding}: {error or ''}"
+            " Give it a sharding that fits its shape (each split dimension divisible "
+            "by the devices along it, no more entries than dimensions)."
+        ) from error
 
 
 def _check_key(state: Any) -> None:

@@ -307,3 +307,11 @@ def test_with_sharding_inside_a_trace_on_concrete_values():
         return values.with_sharding(sharding)[s] + x
 
     assert (f(jnp.ones(3)) == jnp.arange(3.0) + 1).all()
+
+
+def test_with_sharding_that_does_not_fit_a_value_names_the_state():
+    mesh = _mesh("data")
+    step = es.State(jnp.array(0.0), name="step")
+    split = jax.sharding.NamedSharding(mesh, P("data"))
+    with pytest.raises(ValueError, match=r"Cannot place State 'step' \(f32\[\]\)"):
+        es.values_of([step]).with_sharding(split)
