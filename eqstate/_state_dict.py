@@ -152,7 +152,10 @@ class StateDict(_MappingBase):
         return StateDict.merge(other, self)
 
     def filter(self, *filters: Filter) -> "StateDict":
-        """The states matching any of `filters` (see [`eqstate.filters`][])."""
+        """The states matching any of `filters` (see [`eqstate.filters`][]); every
+        state if none is given, as in [`eqstate.states_of`][]."""
+        if not filters:
+            return self
         predicates = [to_predicate(f) for f in filters]
         # Values are looked up only for the states kept: inside a transform, a view of
         # the world reads each one it is asked for.
@@ -164,7 +167,8 @@ class StateDict(_MappingBase):
     def split(self, *filters: Filter) -> tuple["StateDict", ...]:
         """Splits into one dictionary per filter, plus one with the states no filter
         matched. A state goes to the first filter it matches, so the parts are disjoint
-        and `StateDict.merge(*parts)` gives back a dictionary equal to this one."""
+        and `StateDict.merge(*parts)` gives back a dictionary with the same states and
+        values as this one."""
         predicates = [to_predicate(f) for f in filters]
         parts: list[dict] = [{} for _ in range(len(filters) + 1)]
         for state in self._values:

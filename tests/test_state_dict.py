@@ -206,3 +206,9 @@ def test_a_copy_of_a_state_dict_is_itself():
 def test_a_state_created_from_what_jax_cannot_convert_is_named():
     with pytest.raises(es.StateValueError, match="Cannot create State 'cfg' holding"):
         es.State(np.array([print], dtype=object), name="cfg")
+
+
+def test_filter_without_filters_keeps_every_state_as_states_of_does():
+    model = {"w": es.ParamState(jnp.ones(2)), "n": es.State(jnp.array(0))}
+    values = es.values_of(model)
+    assert values.filter().states == values.states == es.states_of(model)
