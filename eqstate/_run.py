@@ -10,7 +10,7 @@ from jaxtyping import PyTree
 
 from . import _context, _jax_compat as compat
 from ._custom_types import Filter, MISSING
-from ._errors import RAW_TRANSFORM_READ, TraceContextError
+from ._errors import RAW_TRANSFORM_READ, StateNotFoundError, TraceContextError
 from ._filters import to_predicate
 from ._pretty_print import state_label
 from ._state import is_state, State
@@ -278,7 +278,14 @@ def make_with_states(
 
     @ft.wraps(ctor)
     def build(*args: _P.args, **kwargs: _P.kwargs) -> tuple[_T, StateDict]:
-        states, obj = run(ctor, StateDict(), *args, **kwargs)
+        try:
+            states, obj = run(ctor, StateDict(), *args, **kwargs)
+        except StateNotFoundError as error:
+            raise StateNotFoundError(
+                f"{error} Inside `eqstate.make_with_states`, the constructor sees only "
+                "the states it creates: pass it what it reads, e.g. an explicit key "
+                "rather than a draw from `eqstate.random`."
+            ) from None
         return obj, states
 
     return build

@@ -419,3 +419,9 @@ def test_a_state_dict_given_for_a_model_is_refused_rather_than_found_empty(call)
     values = es.StateDict({es.ParamState(jnp.ones(2)): jnp.ones(2)})
     with pytest.raises(TypeError, match=r"a StateDict holds none.*filter"):
         call(values)
+
+
+def test_make_with_states_says_what_its_constructor_cannot_read():
+    build = es.make_with_states(lambda: es.ParamState(es.random.normal((2,))))
+    with pytest.raises(es.StateNotFoundError, match=r"make_with_states.*explicit key"):
+        build()
