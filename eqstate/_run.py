@@ -177,7 +177,10 @@ class scope:
     def __enter__(self) -> "scope":
         if self._frame is not None:
             raise RuntimeError("An `eqstate.scope` cannot be entered twice.")
-        self._frame = _context.DictFrame(self._initial.items())
+        # A StateDict made by `jax.tree.map` or `jax.device_get` may hold Python
+        # scalars or NumPy arrays: values are JAX arrays here, as everywhere.
+        values = ((s, _context.to_value(v)) for s, v in self._initial.items())
+        self._frame = _context.DictFrame(values)
         self._token = _context.enter(self._frame)
         return self
 

@@ -425,3 +425,20 @@ def test_make_with_states_says_what_its_constructor_cannot_read():
     build = es.make_with_states(lambda: es.ParamState(es.random.normal((2,))))
     with pytest.raises(es.StateNotFoundError, match=r"make_with_states.*explicit key"):
         build()
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [lambda sd: jax.tree.map(lambda x: 0.0, sd), jax.device_get],
+    ids=["tree-map-to-floats", "device-get"],
+)
+def test_a_state_dict_of_python_or_numpy_values_runs_as_arrays(convert):
+    count = es.State(jnp.array(0.0), name="count")
+    values = convert(es.values_of([count]))
+
+    def step():
+        count.value = count.value + 1
+        return count.value
+
+    new, out = es.run(step, values)
+    assert isinstance(out, jax.Array) and out == 1.0 and new[count] == 1.0
