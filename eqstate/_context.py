@@ -188,6 +188,11 @@ class Frame(abc.ABC):
 
     __slots__ = ("jax_trace",)
 
+    # Whether `eqstate.world()` here may take the values at once (outside any trace):
+    # frames that hold or pass on plain values. Others (a lane of `vmap_new_states`)
+    # decide what a read gives, so a snapshot reads through them.
+    snapshots_at_once = False
+
     @abc.abstractmethod
     def read(self, state: Any) -> Any:
         """`state.value`: the value, recording a read."""
@@ -434,6 +439,7 @@ class DictFrame(Frame):
     """A strict frame over an explicit dictionary of values."""
 
     __slots__ = ("eager", "new_states", "values")
+    snapshots_at_once = True
 
     def __init__(self, values: Iterable[tuple[Any, Any]]):
         self.values: dict[Any, Any] = dict(values)

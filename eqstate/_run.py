@@ -68,7 +68,7 @@ def world() -> StateDict:
     # that later writes leave the snapshot as it was; a world state outside a scope
     # raises when it is looked up. Under a trace, values taken now would be baked in.
     known = {}
-    if not _under_a_trace(frame):
+    if frame.snapshots_at_once and not _under_a_trace(frame):
         known = {s: v for s in states if (v := frame.peek(s)) is not MISSING}
     return state_dict_of(_ReadThrough(frame, states, known, frame.read))
 

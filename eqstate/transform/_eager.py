@@ -43,6 +43,7 @@ class _GuardFrame(_context.Frame):
     created here; with `read_only`, they cannot be written either."""
 
     __slots__ = ("eager", "parent", "read_only", "values", "where")
+    snapshots_at_once = True
 
     def __init__(self, parent: _context.Frame, where: str, read_only: bool):
         self.parent = parent
