@@ -618,6 +618,7 @@ class RuleFrame(Frame):
                     why="but the function writes it, or does not read it itself.",
                 )
             )
+        _RULE_READS[0] += 1
         return value
 
     fetch = read
@@ -638,6 +639,18 @@ class RuleFrame(Frame):
 
     def peek(self, state):
         return self.values.get(state, MISSING)
+
+
+# How many times a custom rule has read a state (see `rule_reads`).
+_RULE_READS = [0]
+
+
+def rule_reads() -> int:
+    """How many times a custom differentiation rule has read a state so far. JAX
+    keeps what a rule computed (the values it read included) with the equations of
+    the jaxpr it ran from, and those may be shared by several traces: a trace with
+    custom rules made before the latest such read is not evaluated again."""
+    return _RULE_READS[0]
 
 
 @contextlib.contextmanager

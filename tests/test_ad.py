@@ -6,7 +6,7 @@ import jax.random as jr
 import optax
 import pytest
 
-from .helpers import tree_allclose
+from .helpers import traces_per_key, tree_allclose
 
 
 pytestmark = pytest.mark.usefixtures("tracing_mode")
@@ -421,6 +421,30 @@ def test_custom_rules_read_the_states_the_function_reads(differentiate):
     assert tree_allclose(differentiate(spike)(0.5), _expected_surrogate(0.5, 0.1))
 
 
+@pytest.mark.parametrize(
+    "differentiate",
+    [
+        jax.grad,
+        lambda f: es.transform.grad(f),
+        lambda f: es.transform.jit(es.transform.grad(f)),
+    ],
+    ids=["jax.grad", "grad", "jit-of-grad"],
+)
+def test_custom_rules_of_a_kept_function_read_the_current_values(differentiate):
+    threshold = es.ParamState(jnp.array(0.3), name="threshold")
+    # One function, differentiated again and again: a rule never sees a value
+    # left from an earlier call (JAX keeps what a rule computed).
+    differentiated = differentiate(
+        es.transform.StatefulFunction(_surrogate_spike(threshold))
+    )
+    for value in (0.3, 0.1, 0.2):
+        threshold.value = jnp.array(value)
+        assert tree_allclose(differentiated(0.5), _expected_surrogate(0.5, value))
+        assert tree_allclose(
+            differentiated(jnp.float32(0.5)), _expected_surrogate(0.5, value)
+        )
+
+
 def test_a_custom_vjp_rule_reads_the_states_the_function_reads():
     scale = es.ParamState(jnp.array(3.0), name="scale")
 
@@ -507,3 +531,23 @@ def test_a_filter_leaves_out_unused_integer_and_key_states_of_a_model(getkey):
     grads, _ = es.transform.grad(loss, argnums=0, grad_states=es.State)(model)
     assert set(grads.states) == {model["w"], model["unused"]}
     assert (grads[model["unused"]] == 0).all()
+
+
+def test_a_function_whose_custom_rules_read_no_state_is_traced_once():
+    scale = es.ParamState(jnp.array(2.0), name="scale")
+    runs = []
+
+    @jax.custom_jvp
+    def clipped(x):
+        return jnp.clip(x, -1.0, 1.0)
+
+    clipped.defjvp(lambda p, t: (clipped(p[0]), t[0]))  # straight-through
+
+    def f(x):
+        runs.append(None)
+        return clipped(x) * scale.value
+
+    sf = es.transform.StatefulFunction(f)
+    for _ in range(3):
+        assert sf(0.5) == 1.0 and jax.grad(sf)(0.5) == 2.0
+    assert len(runs) == traces_per_key()

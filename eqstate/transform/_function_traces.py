@@ -8,6 +8,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from .. import _context, _jax_compat as compat
+from .._context import rule_reads
 from .._custom_types import MISSING
 from .._errors import UnknownCacheKeyError, UnstableStatesError
 from ._cache_stats import CacheStats
@@ -153,6 +154,8 @@ class FunctionTraces:
         with self._lock:
             variants = tuple(self._cache.get(key, ()))
         for trace in variants:
+            if trace.has_custom_rules and trace.rule_reads_before != rule_reads():
+                continue  # Its rules may hold values read then: see `rule_reads`.
             values = values_of(trace)
             if values is not None and trace.stale_state(values) is None:
                 self._touch(key, trace)
@@ -174,7 +177,10 @@ class FunctionTraces:
         self.stats.traced()
         with self._lock:
             self._last_key = key
-            if not trace.cacheable:
+            inside = not compat.is_top_level()
+            if not trace.cacheable or (trace.has_custom_rules and inside):
+                # Inside a trace, custom rules may keep that trace's tracers (see
+                # `rule_reads`).
                 return
             variants = self._cache.setdefault(key, [])
             variants.insert(0, trace)

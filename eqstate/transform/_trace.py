@@ -82,8 +82,11 @@ class Trace:
     given: tuple[int, ...]
     # Whether the trace may be kept: it closes over no tracer of an enclosing trace.
     cacheable: bool
-    # Whether the jaxpr calls a `jax.custom_jvp` or `jax.custom_vjp` function.
+    # Whether the jaxpr calls a `jax.custom_jvp` or `jax.custom_vjp` function, and
+    # how many reads of states by custom rules there had been when it was made (see
+    # `_context.rule_reads`).
     has_custom_rules: bool
+    rule_reads_before: int
     # `flat_jit`'s function, made on first use.
     flat_jitted: dict = dataclasses.field(default_factory=dict)
 
@@ -358,6 +361,7 @@ class _Recorder:
             given=_given_outputs(jaxpr, needed),
             cacheable=not any(isinstance(c, Tracer) for c in jaxpr.consts),
             has_custom_rules=_has_custom_rules(jaxpr.jaxpr),
+            rule_reads_before=_context.rule_reads(),
         )
 
     def _needed_outputs(self, n_out: int, written: set[State]) -> list[int]:
