@@ -81,7 +81,7 @@ def _promotion_keeps(dtype: Any, new: Any) -> bool:
     `jax_numpy_dtype_promotion="strict"`, a weak float and an int do not promote)."""
     try:
         return jnp.result_type(dtype, new) == dtype
-    except (jax.dtypes.TypePromotionError, TypeError):  # TypeError: PRNG keys
+    except (ValueError, TypeError):  # TypePromotionError is a ValueError; keys raise
         return False
 
 
