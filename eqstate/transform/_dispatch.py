@@ -19,7 +19,6 @@ from operator import itemgetter
 from typing import Any
 
 import jax
-import jax.extend.core as jex_core
 
 from .. import _context, _jax_compat as compat
 from .._context import current_frame as _current_frame, WORLD
@@ -31,7 +30,7 @@ from ._function_traces import FunctionTraces
 from ._leaves import in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
 from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch, Static, unwrapped
-from ._trace import flat_jit, StaleTrace, Trace
+from ._trace import flat_jit, StaleTrace, sub_jaxprs, Trace
 
 
 compat.hide_from_tracebacks(__file__)
@@ -309,20 +308,9 @@ def may_fail_at_run_time(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.effects or eqn.primitive.name in _CALLBACKS:
             return True
-        if any(may_fail_at_run_time(sub) for sub in _sub_jaxprs(eqn.params)):
+        if any(may_fail_at_run_time(sub) for sub in sub_jaxprs(eqn.params)):
             return True
     return False
-
-
-def _sub_jaxprs(params: dict) -> list:
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jex_core.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, jex_core.Jaxpr):
-                found.append(item)
-    return found
 
 
 def _jit_took_as_is(args: tuple, kwargs: dict) -> bool:

@@ -402,9 +402,18 @@ def _has_custom_rules(jaxpr: jex_core.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _CUSTOM_CALLS:
             return True
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(item, "jaxpr", item)
-                if isinstance(inner, jex_core.Jaxpr) and _has_custom_rules(inner):
-                    return True
+        if any(_has_custom_rules(sub) for sub in sub_jaxprs(eqn.params)):
+            return True
     return False
+
+
+def sub_jaxprs(params: dict) -> list[jex_core.Jaxpr]:
+    """The jaxprs nested in an equation's `params` (a loop's body, a call's jaxpr)."""
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jex_core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jex_core.Jaxpr):
+                found.append(item)
+    return found
