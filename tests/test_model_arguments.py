@@ -135,6 +135,40 @@ def test_jit_with_a_model_argument_keeps_the_fast_path(getkey):
     assert model.calls.value == 6
 
 
+def test_jit_of_model_and_x_after_the_same_model_sees_every_change(getkey):
+    # `f(model, x)` again with the model of the last call takes a shortcut past
+    # splitting; each way the call can differ from the last must leave it.
+    class Holder(eqx.Module):
+        states: list
+        weight: jax.Array
+
+    @es.transform.jit
+    def f(m, x):
+        if isinstance(x, _Gate):  # a Module: its `bool` field stays static
+            return x.weight * 2 if x.on is True else x.weight
+        return sum(s.value for s in m.states) * m.weight + x
+
+    a, b = es.State(jnp.ones(2)), es.State(jnp.full(2, 10.0))
+    model = Holder([a], jnp.full(2, 2.0))
+    x = jnp.zeros(2)
+    for _ in range(3):
+        assert (f(model, x) == 2.0).all()
+    model.states.append(b)  # the same model, its list of handles changed
+    assert (f(model, x) == 22.0).all()
+    model.states[1] = a
+    assert (f(model, x) == 4.0).all()
+    other = Holder([b], jnp.full(2, 3.0))  # another model of the same structure
+    assert (f(other, x) == 30.0).all()
+    assert (f(model, x + 1) == 5.0).all()
+    assert (f(model, _Gate(jnp.ones(2), True)) == 2.0).all()
+    assert (f(model, 1.0) == 5.0).all()  # a Python float, traced
+    assert (f(model, np.ones(2, np.float32)) == 5.0).all()
+    assert (f(model, x, *()) == 4.0).all()
+    with pytest.raises(TypeError):
+        f(model)  # one argument fewer
+    assert (f(model, x) == 4.0).all()
+
+
 def test_stateful_function_with_a_model_argument(getkey):
     model = Mixed(getkey())
     sf = es.transform.StatefulFunction(_loss).make_jaxpr(model, jnp.ones(3))

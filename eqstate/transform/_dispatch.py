@@ -27,7 +27,7 @@ from .._state import State
 from .._state_dict import sharding_rule
 from ._call_args import CallArgs
 from ._function_traces import FunctionTraces
-from ._leaves import in_module, jax_jit_sees_as_eqstate
+from ._leaves import ArrayImpl, in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
 from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch, Static, unwrapped
 from ._trace import flat_jit, StaleTrace, sub_jaxprs, Trace
@@ -438,11 +438,27 @@ class JitDispatch:
             if frame is not WORLD or not is_top_level():
                 return self._call_in_frame(plan, frame, args, kwargs)
             split = plan.split
-            key, dynamic = self._splitter.split(args, kwargs) if split else _UNSPLIT
             if split:
+                pair = self._splitter.pair
+                if (
+                    pair is not None
+                    and len(args) == 2
+                    and args[0] is pair.model
+                    and type(args[1]) is ArrayImpl
+                    and not kwargs
+                    and pair.copies == pair.containers
+                ):
+                    # `f(model, x)` with the model of the last such call, unchanged:
+                    # `Recent.split`, inlined (half of what eqstate adds to passing a
+                    # model rather than closing over it).
+                    key, dynamic = pair.key, [*pair.leaves, args[1]]
+                else:
+                    key, dynamic = self._splitter.split(args, kwargs)
                 # Each argument structure (a model's handles) has a plan of its own;
                 # a `KeyError` sends a new one down the unplanned path.
                 plan = self._plans_by_key[key]
+            else:
+                key, dynamic = _UNSPLIT
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
             written = plan.get_written(values)

@@ -85,6 +85,11 @@ class ArgSplitter:
         self._parts = _Numbering(on_forget=self._forget_parts)
         self._keys = _Numbering(on_forget=self._forget_last_call)
         self._last_call: tuple[list[int] | None, int] = (None, -1)
+        # The split of the last call `f(model, *arrays)`, to split the next one fast.
+        self.recent: Recent | None = None
+        # The same for a call `f(model, x)` whose model holds no lists or dicts but
+        # of handles: `JitDispatch` takes it inline.
+        self.pair: Recent | None = None
         self._outputs: dict[int, tuple] = {}
         self._frozen: dict[PyTreeDef, bool] = {}
         self._fields: dict[PyTreeDef, list[bool]] = {}  # see `in_module`
@@ -92,6 +97,11 @@ class ArgSplitter:
 
     def split(self, args: tuple, kwargs: dict, again: bool = True) -> tuple[int, list]:
         """`(key, dynamic leaves)` of a call."""
+        recent = self.recent
+        if recent is not None and not kwargs and args and args[0] is recent.model:
+            found = recent.split(args)
+            if found is not None:
+                return found
         forgotten = self._forgotten
         static = self._static_of(len(args)) if self._static_positions else ()
         parts: list[int] = []
@@ -134,14 +144,30 @@ class ArgSplitter:
             # Numbering forgot an old part, maybe one this call reused: split again,
             # now that nothing is remembered from before.
             return self.split(args, kwargs, again=False)
+        recent = self.recent = self._recent_call(args, kwargs, key)
+        simple = recent is not None and recent.n == 2 and not recent.others
+        self.pair = recent if simple else None
         return key, dynamic
+
+    def _recent_call(self, args: tuple, kwargs: dict, key: int) -> "Recent | None":
+        """What splits calls like this one again fast, if it is a call
+        `f(model, *arrays)` whose model's split is remembered; else `None`."""
+        last = self._last.get(0) if args else None
+        if kwargs or self._static_positions or last is None or last[0] is not args[0]:
+            return None
+        if not all(type(arg) is ArrayImpl for arg in args[1:]):
+            return None
+        model, _, leaves, copies, containers, others = last
+        return Recent(len(args), key, model, leaves, copies, containers, others)
 
     def _forget_last_call(self) -> None:
         self._last_call = (None, -1)
+        self.recent = self.pair = None
 
     def _forget_parts(self) -> None:
         self._forgotten += 1
         self._last.clear()
+        self.recent = self.pair = None
 
     def _static_of(self, n: int) -> set[int]:
         """The static positions of a call with `n` positional arguments."""
@@ -265,6 +291,41 @@ class _Numbering:
 
     def value(self, number: int) -> Any:
         return self._values[number]
+
+
+class Recent:
+    """The split of a call `f(model, *arrays)` whose model's split is remembered:
+    the next such call with the same model, unchanged, takes it without flattening
+    anything (`split`)."""
+
+    __slots__ = ("containers", "copies", "key", "leaves", "model", "n", "others")
+
+    def __init__(
+        self,
+        n: int,
+        key: int,
+        model: Any,
+        leaves: list,
+        copies: tuple,
+        containers: tuple,
+        others: list,
+    ):
+        self.n, self.key, self.model, self.leaves = n, key, model, leaves
+        # See `_mutable_containers`.
+        self.copies, self.containers, self.others = copies, containers, others
+
+    def split(self, args: tuple) -> tuple[int, list] | None:
+        """`(key, dynamic leaves)` of `args` if it is such a call with this model,
+        unchanged; else `None`."""
+        if len(args) != self.n or self.copies != self.containers:
+            return None
+        if self.others and not _unchanged(self.others):
+            return None
+        rest = args[1:]
+        for arg in rest:
+            if type(arg) is not ArrayImpl:
+                return None
+        return self.key, [*self.leaves, *rest]
 
 
 def _is_frozen(treedef: PyTreeDef) -> bool:
