@@ -442,15 +442,20 @@ def written_alike(value: Any) -> Any:
     """`value`, a random key written in a lane, if every lane wrote it alike (a
     reseed), else `None`: keys advanced by draws from the lane's own key differ
     across lanes, and the state then takes its outer successor instead."""
-    if value is None or any(compat.is_batched_here(x) for x in jtu.tree_leaves(value)):
+    if value is None or _differs_across_lanes(value):
         return None
     return value
+
+
+def _differs_across_lanes(value: Any) -> bool:
+    """Whether a value made in a lane holds a leaf batched by this `vmap`."""
+    return any(compat.is_batched_here(x) for x in jtu.tree_leaves(value))
 
 
 def _check_written_alike(state: State, value: Any) -> None:
     """Raises `BatchAxisError` if `value`, written to a broadcast state, differs
     across lanes."""
-    if any(compat.is_batched_here(x) for x in jtu.tree_leaves(value)):
+    if _differs_across_lanes(value):
         raise BatchAxisError(_UNDECLARED_BATCHED_WRITE.format(label=state_label(state)))
 
 
