@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 
 from .helpers import tree_allclose, tree_bitwise_equal
@@ -120,6 +121,28 @@ def test_batch_norm_keeps_the_dtype_of_its_states(getkey):
     bn16 = enn.BatchNorm(3, dtype=jnp.bfloat16)
     y = bn16(jr.normal(getkey(), (8, 3)).astype(jnp.bfloat16))
     assert y.dtype == jnp.bfloat16 and bn16.running_var.value.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_batch_norm_of_half_precision_inputs_computes_in_float32(getkey, dtype):
+    # Deviations above 256 overflow float16 when squared; bfloat16 rounds the mean.
+    x = (100 + 300 * jr.normal(getkey(), (16, 4))).astype(dtype)
+    exact = np.asarray(x, np.float64)
+    mean, var = exact.mean(0), exact.var(0)
+    bn = enn.BatchNorm(4, momentum=0.0)  # float32 states
+    y = bn(x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, (exact - mean) / np.sqrt(var + 1e-5), rtol=1e-5)
+    np.testing.assert_allclose(bn.running_mean.value, mean, rtol=1e-6)
+    np.testing.assert_allclose(bn.running_var.value, var, rtol=1e-5)
+    # All in half precision: a variance that fits, of deviations whose squares don't.
+    x = (100 * jr.normal(getkey(), (64, 4))).astype(dtype)
+    exact = np.asarray(x, np.float64)
+    half = enn.BatchNorm(4, momentum=0.0, dtype=dtype)
+    out = half(x)
+    assert out.dtype == dtype and jnp.isfinite(half.running_var.value).all()
+    expected = (exact - exact.mean(0)) / exact.std(0)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-2)
 
 
 @pytest.mark.usefixtures("tracing_mode")
@@ -310,6 +333,20 @@ def test_dropout_draws_a_different_mask_in_each_vmap_lane():
     dropout = enn.Dropout(0.5)
     ys = es.transform.vmap(lambda x: dropout(x))(jnp.ones((4, 64)))
     assert len({tuple(row) for row in (ys != 0).tolist()}) == 4
+
+
+@pytest.mark.parametrize(
+    "p", [np.float32(0.25), jnp.array(0.25), np.linspace(0.0, 0.25, 3)[2]]
+)
+def test_dropout_with_an_array_p_matches_a_float_p_under_jit(getkey, p):
+    x = jr.normal(getkey(), (64,))
+    key = getkey()
+    apply = es.transform.jit(lambda layer, x, key: layer(x, key=key))
+    expected = enn.Dropout(0.25)(x, key=key)
+    assert tree_allclose(apply(enn.Dropout(p), x, key), expected)
+    changed = eqx.tree_at(lambda d: d.p, enn.Dropout(0.5), p)
+    assert tree_allclose(apply(changed, x, key), expected)
+    assert tree_allclose(apply(enn.Dropout(jnp.array(0.0)), x, key), x)
 
 
 @pytest.mark.parametrize("p", [1.0, -0.1, 1.5])
@@ -687,6 +724,7 @@ def test_layers_pass_strict_dtype_and_rank_promotion(getkey, state_dtype):
     with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
         y = bn(x)
         bn(x, inference=True)
+        assert bn(jnp.arange(15).reshape(5, 3)).dtype == state_dtype  # int inputs
         dropout(x)
         for cell in cells:
             assert cell(x).shape == (5, 4)

@@ -5,7 +5,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from .._state import LongTermState, ParamState
 
@@ -38,6 +38,12 @@ class BatchNorm(eqx.Module):
     statistics are used as they are, as in PyTorch and Flax: `eqx.nn.BatchNorm`
     divides them by `1 - momentum**steps`, which for a running variance that starts at
     one inflates it during the first few hundred steps.
+
+    The output has the dtype of `x` promoted with the states' (float32 for float16
+    or integer inputs with the default float32 states). Statistics and normalisation
+    are computed in at least float32 whatever the input, as in Flax: squaring a
+    float16 deviation above 256 would overflow, and a bfloat16 mean is rounded to
+    three significant digits. (`eqx.nn.BatchNorm` computes in the input's dtype.)
 
     !!! Example
 
@@ -147,7 +153,7 @@ class BatchNorm(eqx.Module):
 
     def __call__(
         self,
-        x: Float[ArrayLike, "..."],
+        x: Real[ArrayLike, "..."],
         *,
         inference: bool | None = None,
         key: PRNGKeyArray | None = None,
@@ -173,31 +179,35 @@ class BatchNorm(eqx.Module):
         if inference is None:
             inference = self.inference
         self._check_input(x, inference)
+        affine = ()
+        if self.weight is not None and self.bias is not None:
+            affine = (self.weight.value, self.bias.value)
+        running = (self.running_mean.value, self.running_var.value)
+        # The output takes the dtype of `x` promoted with the states' (f32 for f16
+        # inputs and f32 statistics); the computation runs in at least float32, where
+        # the square of a float16 deviation above 256 does not overflow. Promoted
+        # explicitly, so that strict dtype promotion accepts the layer.
+        out_dtype = _promoted_dtype(x, *running, *affine)
+        dtype = _promoted_dtype(out_dtype, jnp.float32)
+        x = x.astype(dtype)
         # Statistics over every axis but the features; reshaped to broadcast on axis 1.
         axes = (0, *range(2, x.ndim))
         shape = (1, self.num_features) + (1,) * (x.ndim - 2)
         if inference:
-            mean = self.running_mean.value
-            var = self.running_var.value
+            mean, var = running
         else:
             mean = jnp.mean(x, axis=axes)
             var = jnp.mean(jnp.square(x - mean.reshape(shape)), axis=axes)
             # The running statistics are written back, never differentiated.
             batch_mean, batch_var = jax.lax.stop_gradient((mean, var))
-            self.running_mean.value = self._updated(self.running_mean.value, batch_mean)
-            self.running_var.value = self._updated(self.running_var.value, batch_var)
-        affine = ()
-        if self.weight is not None and self.bias is not None:
-            affine = (self.weight.value, self.bias.value)
-        # States may have another dtype than `x` (bf16 statistics of f32 inputs):
-        # promote explicitly, so that strict dtype promotion accepts the layer.
-        dtype = _promoted_dtype(x, mean, var, *affine)
-        x, mean, var, *affine = (a.astype(dtype) for a in (x, mean, var, *affine))
+            self.running_mean.value = self._updated(running[0], batch_mean)
+            self.running_var.value = self._updated(running[1], batch_var)
+        mean, var, *affine = (a.astype(dtype) for a in (mean, var, *affine))
         out = (x - mean.reshape(shape)) / jnp.sqrt(var.reshape(shape) + self.eps)
         if affine:
             weight, bias = affine
             out = out * weight.reshape(shape) + bias.reshape(shape)
-        return out
+        return out.astype(out_dtype)
 
     def _updated(self, running: Array, batch: Array) -> Array:
         """`momentum * running + (1 - momentum) * batch`, in the dtype of `running`."""
@@ -207,8 +217,8 @@ class BatchNorm(eqx.Module):
         return new.astype(running.dtype)
 
 
-def _promoted_dtype(*arrays: Array) -> Any:
-    """The dtype JAX's standard promotion gives `arrays`, whatever the configured
-    promotion mode."""
+def _promoted_dtype(*arrays: Any) -> Any:
+    """The dtype JAX's standard promotion gives `arrays` (or dtypes), whatever the
+    configured promotion mode."""
     with jax.numpy_dtype_promotion("standard"):
         return jnp.result_type(*arrays)

@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .. import random
@@ -34,18 +35,22 @@ class Dropout(eqx.Module):
     """
 
     # Not static, as in `eqx.nn.Dropout`, so that `eqx.tree_at` can change them.
-    p: float
+    p: float | Float[ArrayLike, ""]
     inference: bool
 
-    def __init__(self, p: float = 0.5, *, inference: bool = False):
+    def __init__(
+        self, p: float | Float[ArrayLike, ""] = 0.5, *, inference: bool = False
+    ):
         """**Arguments:**
 
-        - `p`: the probability of zeroing each entry, in `[0, 1)`.
+        - `p`: the probability of zeroing each entry, in `[0, 1)`: a Python float or
+            a scalar array (traced under `jit` when it is a field of a model passed as
+            an argument, so it can change without compiling again).
         - `inference`: whether to turn dropout off. It can be overridden per call, or
             set on a whole model with `eqx.nn.inference_mode`. (Keyword only
             argument.)
         """
-        if not 0.0 <= p < 1.0:
+        if not isinstance(p, Tracer) and not 0.0 <= float(p) < 1.0:  # pyright: ignore[reportArgumentType]
             raise ValueError(
                 f"Dropout's `p` is the probability of zeroing an entry and must be in "
                 f"[0, 1), got {p}. (`p=1` would zero everything and scale by 1/0.)"
@@ -75,7 +80,7 @@ class Dropout(eqx.Module):
         x = jnp.asarray(x)
         if inference is None:
             inference = self.inference
-        if inference or self.p == 0:
+        if inference or (isinstance(self.p, (int, float)) and self.p == 0):
             return x
         # The same operations as `eqx.nn.Dropout`, so that a given key gives its bits.
         q = 1 - jax.lax.stop_gradient(self.p)
