@@ -645,6 +645,21 @@ def test_gru_cell_ensemble_matches_each_member(getkey):
         assert tree_allclose(ensemble.hidden.value[i], ref_hs[-1], **_TOL)
 
 
+def test_an_ensemble_cell_takes_a_batch_after_its_members_axis(getkey):
+    ensemble = es.transform.vmap_new_states(lambda: enn.GRUCell(2, 4), axis_size=3)()
+    run = es.transform.vmap(
+        lambda xs: es.transform.for_loop(ensemble, xs),
+        in_states={0: es.states_of(ensemble)},
+        in_axes=None,
+    )
+    xs = jr.normal(getkey(), (6, 5, 2))
+    ensemble.reset(batch_size=5)  # drops the members axis: each lane has (4,)
+    with pytest.raises(ValueError, match=r"members axis first"):
+        run(xs)
+    ensemble.reset(batch_size=(3, 5))
+    assert run(xs).shape == (3, 6, 5, 4)
+
+
 def test_cell_input_of_the_wrong_shape_names_the_cell_and_both_shapes():
     cell = enn.GRUCell(3, 5)
     with pytest.raises(

@@ -113,7 +113,8 @@ class _RecurrentCell(eqx.Module):
                 f"{batch if len(batch) != 1 else batch[0]})`. Inside "
                 "`eqstate.transform.vmap`, map the hidden state along with the input: "
                 "`vmap(cell, in_states={0: eqstate.states_of(cell, "
-                "eqstate.ShortTermState)})`."
+                "eqstate.ShortTermState)})`; the hidden state of an ensemble keeps "
+                "its members axis first: `cell.reset(batch_size=(members, *batch))`."
             )
         return batch
 
@@ -129,7 +130,10 @@ class _RecurrentCell(eqx.Module):
             holding values can do: call it in eager code, or inside
             [`eqstate.scope`][] or [`eqstate.run`][] (also under `jax.jit`), not
             inside an eqstate transform. By default the batch shape stays as it is,
-            and the reset is an ordinary write that works everywhere.
+            and the reset is an ordinary write that works everywhere. The hidden
+            state of an ensemble built by [`eqstate.transform.vmap_new_states`][]
+            has the members axis first: give it too,
+            `reset(batch_size=(members, batch))`.
         """
         states = self._carry_states()
         current = [state.value for state in states]
