@@ -352,6 +352,14 @@ def ifelse_counts():
     return lambda: es.transform.ifelse([True], [lambda: 1, lambda: 2]), []
 
 
+@case("an array condition for `ifelse`", TypeError, r"condition 1 of shape \(2,\)")
+def ifelse_array_condition():
+    hits, hit = _counted_branch()
+    conditions = [False, jnp.ones(2, bool)]
+    ifelse = unchecked(es.transform.ifelse)
+    return lambda: ifelse(conditions, [hit, hit], check_cond=False), [hits]
+
+
 @case("an exception in the middle of a trace", RuntimeError, "mid-trace")
 def exception_mid_trace():
     w = _w()

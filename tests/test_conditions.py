@@ -85,6 +85,27 @@ def test_ifelse_checks_that_exactly_one_condition_holds():
         f(2.0)
 
 
+@pytest.mark.parametrize("check_cond", (True, False))
+def test_ifelse_refuses_conditions_that_are_not_scalars(check_cond):
+    hits = es.State(jnp.array(0))
+
+    def hit():
+        hits.value = hits.value + 1
+        return 1
+
+    conditions = [jnp.array([False, False]), jnp.array([True, False])]
+    with pytest.raises(TypeError, match=r"condition 0 of shape \(2,\)"):
+        unchecked(es.transform.ifelse)(
+            conditions, [lambda: 0, hit], check_cond=check_cond
+        )
+    assert hits.value == 0
+
+
+def test_ifelse_without_a_true_condition_runs_the_first_branch_unchecked():
+    out = es.transform.ifelse([False, False], [lambda: 1, lambda: 2], check_cond=False)
+    assert out == 1
+
+
 def test_ifelse_needs_one_condition_per_branch():
     with pytest.raises(ValueError, match="one condition per branch"):
         es.transform.ifelse([True], [lambda: 1, lambda: 2])

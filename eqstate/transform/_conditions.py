@@ -198,11 +198,17 @@ def ifelse(
 
     **Arguments:**
 
-    - `conditions`: boolean scalars, one per branch.
+    - `conditions`: boolean scalars, one per branch; arrays that are not scalars
+        raise `TypeError`.
     - `branches`: functions of `*operands`, as for [`eqstate.transform.switch`][].
     - `*operands`: passed to the chosen branch.
     - `check_cond`: check at run time that exactly one condition holds (an
-        `eqx.error_if` error otherwise). (Keyword only argument.)
+        `eqx.error_if` error otherwise). If `False`, the first condition that holds
+        wins, and when none holds the first branch runs. (Keyword only argument.)
+
+    **Returns:**
+
+    The output of the chosen branch. The states it wrote hold their new values.
 
     !!! Example
 
@@ -226,6 +232,17 @@ def ifelse(
         )
     if not branches:
         raise ValueError("`ifelse` needs at least one branch.")
+    for i, c in enumerate(conditions):
+        if isinstance(c, Sequence) or jnp.ndim(c) != 0:
+            raise TypeError(
+                f"`ifelse` needs scalar conditions, got condition {i} of "
+                + (
+                    f"type {type(c).__name__}."
+                    if isinstance(c, Sequence)
+                    else f"shape {jnp.shape(c)}."
+                )
+                + " Reduce it to one boolean, e.g. with `jnp.all` or `jnp.any`."
+            )
     flags = jnp.stack([jnp.asarray(c, dtype=bool) for c in conditions])
     index = jnp.argmax(flags)
     if check_cond:
