@@ -216,6 +216,18 @@ def test_switch_takes_the_branch_jax_lax_switch_takes(index):
     assert ours == _outcome(lambda: jax.lax.switch(index, branches))
 
 
+@pytest.mark.parametrize(
+    "index", (np.uint32(2**31 + 5), np.uint32(2**32 - 1), np.int64(-7), 5, 1)
+)
+def test_switch_takes_the_branch_jax_lax_switch_takes_under_disable_jit(index):
+    branches = [lambda: 0, lambda: 1, lambda: 2]
+    compiled = int(es.transform.switch(index, branches))
+    with jax.disable_jit():
+        assert es.transform.switch(index, branches) == compiled
+        assert jax.lax.switch(index, branches) == compiled
+    assert jax.lax.switch(index, branches) == compiled
+
+
 @pytest.mark.parametrize("pred", (-1, 0.5, -0.25, jnp.float32(-0.5), jnp.int8(-3)))
 def test_cond_reads_a_non_zero_number_as_true(pred):
     assert es.transform.cond(pred, lambda: 1, lambda: 0) == 1

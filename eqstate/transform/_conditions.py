@@ -67,7 +67,9 @@ def switch(
         raise TypeError("`branches` must be a sequence of functions.")
     _check_index(index)
     if jit_disabled() and not _context.has_tracer(index):
-        chosen = min(max(int(jnp.asarray(index)), 0), len(branches) - 1)
+        # As `jax.lax.switch`: to int32 first (a large unsigned index wraps), then clamp.
+        chosen = int(jax.lax.convert_element_type(index, jnp.int32))
+        chosen = min(max(chosen, 0), len(branches) - 1)
         with guarded(f"branch {chosen} of a conditional"):
             return branches[chosen](*operands)
     traced = [
