@@ -97,6 +97,34 @@ def test_batched_map_draws_different_numbers_per_element():
     assert not (again == draws).any()  # the key advanced
 
 
+@pytest.mark.parametrize("batch_size", (2, 5))
+def test_batched_map_keeps_the_last_elements_write_to_an_overwritten_key(batch_size):
+    rng = es.RandomState(0, name="rng")
+
+    def f(x):
+        rng.value = jr.key(x)
+        return x
+
+    es.transform.map(f, jnp.arange(5))
+    sequential = jr.key_data(rng.value)
+    rng.seed(0)
+    es.transform.map(f, jnp.arange(5), batch_size=batch_size)
+    assert (jr.key_data(rng.value) == sequential).all()
+
+
+@pytest.mark.parametrize("batch_size", (None, 2, 5))
+def test_map_draws_per_element_and_advances_a_key_drawn_from(batch_size):
+    rng = es.RandomState(0, name="rng")
+    before = jr.key_data(rng.value)
+    draws = es.transform.map(
+        lambda x: jr.normal(rng.split_key(), ()) + x,
+        jnp.zeros(5),
+        batch_size=batch_size,
+    )
+    assert len(np.unique(np.asarray(draws))) == 5
+    assert not (jr.key_data(rng.value) == before).all()
+
+
 @pytest.mark.parametrize("batch_size", (None, 3))
 def test_map_under_jit_and_grad_matches_lax(getkey, batch_size):
     w = es.ParamState(jr.normal(getkey(), (3,)), name="w")

@@ -85,11 +85,16 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     traced = Discovery(f, show_static(_slice(xs)), name=getattr(f, "__name__", None))
     traced.refuse_new_states("`map`")
     values = dict(zip(traced.states, traced.values))
-    randoms = [
-        s
-        for s in traced.states
-        if isinstance(s, RandomState) and jnp.ndim(values[s]) == 0
-    ]
+    # A key the function draws from is split per element; one it only overwrites is
+    # like any other overwritten state.
+    randoms = _uses_old_value(
+        traced.trace,
+        [
+            s
+            for s in traced.states
+            if isinstance(s, RandomState) and jnp.ndim(values[s]) == 0
+        ],
+    )
     written = [s for s in traced.written if s not in randoms]
     carried_over = _uses_old_value(traced.trace, written)
     if carried_over:
@@ -195,9 +200,10 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
     one `vmap` over everything. The elements of a chunk cannot see each other's
     writes, so a state whose old value the function uses (a counter, a recurrent
     state) raises `ValueError`; a state the function only overwrites ends with the
-    last element's write, as in the sequential map. Random states read inside are
+    last element's write, as in the sequential map. Random states drawn from are
     split per element (every element draws different numbers), and advance once per
-    chunk.
+    chunk; a random state the function only overwrites (a reseed) is like any other
+    overwritten state.
 
     States cannot be created inside `f`.
 
