@@ -74,6 +74,62 @@ def test_batched_map_refuses_a_state_carried_from_element_to_element():
     assert count.value == 0
 
 
+def _write_in_jit(state, value):
+    es.transform.jit(lambda v: setattr(state, "value", v))(value)
+
+
+def _write_in_checkpoint(state, value):
+    es.transform.checkpoint(lambda v: setattr(state, "value", v))(value)
+
+
+def _write_in_both_branches(state, value):
+    es.transform.cond(
+        value > 2,
+        lambda: setattr(state, "value", value),
+        lambda: setattr(state, "value", -value),
+    )
+
+
+@pytest.mark.parametrize(
+    "write", (_write_in_jit, _write_in_checkpoint, _write_in_both_branches)
+)
+def test_batched_map_allows_a_state_overwritten_in_a_nested_transform(write):
+    last = es.State(jnp.zeros(()), name="last")
+
+    def f(x):
+        write(last, x * 2)
+        return last.value + x
+
+    xs = jnp.arange(5.0)
+    ys = es.transform.map(f, xs)
+    sequential = last.value
+    last.value = jnp.zeros(())
+    assert (es.transform.map(f, xs, batch_size=2) == ys).all()
+    assert last.value == sequential
+
+
+@pytest.mark.parametrize(
+    "write",
+    (
+        lambda s: es.transform.jit(lambda: setattr(s, "value", s.value + 1))(),
+        lambda s: es.transform.cond(
+            True, lambda: setattr(s, "value", jnp.ones(())), lambda: None
+        ),
+    ),
+    ids=("jit", "cond_one_branch"),
+)
+def test_batched_map_refuses_a_state_carried_through_a_nested_transform(write):
+    count = es.State(jnp.zeros(()), name="count")
+
+    def f(x):
+        write(count)
+        return x
+
+    with pytest.raises(ValueError, match="State 'count' carries a value from one"):
+        es.transform.map(f, jnp.ones(4), batch_size=2)
+    assert count.value == 0
+
+
 def test_batched_map_allows_a_state_written_then_read():
     scratch = es.State(jnp.zeros(()), name="scratch")
 

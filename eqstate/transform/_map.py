@@ -16,7 +16,7 @@ from .._state import RandomState, split_and_advance, State
 from ._common import hide_static, show_static, strong
 from ._discovery import Discovery
 from ._loops import _loop_length, _scan, _slice
-from ._trace import Trace
+from ._trace import sub_jaxprs, Trace
 from ._vmap import written_alike
 
 
@@ -55,28 +55,55 @@ def _uses_old_value(entry: Trace, states: Sequence[State]) -> list[State]:
     """Those of `states` whose value before the call reaches an output of the
     function (its return value or a written value): data flow through its jaxpr."""
     jaxpr = entry.jaxpr.jaxpr
-    n_states = sum(d.num_leaves for d in entry.state_defs)
-    first = len(jaxpr.invars) - n_states
+    used = _used_inputs(jaxpr, [True] * len(jaxpr.outvars))
+    start = len(jaxpr.invars) - sum(d.num_leaves for d in entry.state_defs)
     found = []
-    start = first
     for state, treedef in zip(entry.states, entry.state_defs):
         stop = start + treedef.num_leaves
-        if state in states and _reaches_outputs(jaxpr, jaxpr.invars[start:stop]):
+        if state in states and any(used[start:stop]):
             found.append(state)
         start = stop
     return found
 
 
-def _reaches_outputs(jaxpr: jex_core.Jaxpr, inputs: Sequence[Any]) -> bool:
-    reached = set(inputs)
-    for eqn in jaxpr.eqns:
-        if any(
-            not isinstance(v, jex_core.Literal) and v in reached for v in eqn.invars
-        ):
-            reached.update(eqn.outvars)
-    return any(
-        not isinstance(v, jex_core.Literal) and v in reached for v in jaxpr.outvars
-    )
+# Primitives whose nested jaxprs take the equation's inputs after the first `offset`
+# (always used) and give its outputs, one for one: a nested transform passes a state's
+# value in even where its function only overwrites it.
+_CALL_OFFSETS = {"jit": 0, "closed_call": 0, "remat2": 0, "cond": 1}
+
+
+def _used_inputs(jaxpr: jex_core.Jaxpr, used_outputs: Sequence[bool]) -> list[bool]:
+    """Which inputs of `jaxpr` reach the outputs marked in `used_outputs`."""
+    live = {
+        v
+        for v, used in zip(jaxpr.outvars, used_outputs)
+        if used and not isinstance(v, jex_core.Literal)
+    }
+    for eqn in reversed(jaxpr.eqns):
+        wanted = [v in live for v in eqn.outvars]
+        if any(wanted):
+            live.update(
+                v
+                for v, used in zip(eqn.invars, _eqn_used_inputs(eqn, wanted))
+                if used and not isinstance(v, jex_core.Literal)
+            )
+    return [v in live for v in jaxpr.invars]
+
+
+def _eqn_used_inputs(eqn: jex_core.JaxprEqn, wanted: list[bool]) -> list[bool]:
+    """Which inputs of `eqn` its `wanted` outputs use: looked up in the nested jaxprs
+    of a known call or conditional; all of them for any other equation."""
+    offset = _CALL_OFFSETS.get(eqn.primitive.name)
+    subs = sub_jaxprs(eqn.params)
+    n = len(eqn.invars) - (offset or 0)
+    if (
+        offset is None
+        or not subs
+        or any(len(s.invars) != n or len(s.outvars) != len(wanted) for s in subs)
+    ):
+        return [True] * len(eqn.invars)
+    per_sub = [_used_inputs(s, wanted) for s in subs]
+    return [True] * offset + [any(used) for used in zip(*per_sub)]
 
 
 def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
