@@ -97,6 +97,21 @@ def test_progress_bar_prints_from_inside_the_compiled_loop():
     assert "loop: 2/6" in text and "loop: 6/6" in text and "loop: 1/6" not in text
 
 
+@pytest.mark.parametrize("disable_jit", (False, True))
+def test_progress_bar_counts_forwards_in_a_reversed_scan(disable_jit):
+    out = io.StringIO()
+    bar = es.transform.ProgressBar(freq=5, desc="loop", file=out)
+    with jax.disable_jit(disable_jit):
+        es.transform.scan(
+            lambda c, x: (c + x, x), 0.0, jnp.arange(10.0), reverse=True, pbar=bar
+        )
+    jax.effects_barrier()
+    assert (
+        out.getvalue()
+        == f"loop: 5/10 [{'#' * 15}{'-' * 15}]\rloop: 10/10 [{'#' * 30}]\n"
+    )
+
+
 def test_progress_bar_refuses_a_bad_frequency():
     with pytest.raises(ValueError, match="positive"):
         es.transform.ProgressBar(freq=0)

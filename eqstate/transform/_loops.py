@@ -171,6 +171,12 @@ def _check_pair(out: Any, loop: str = "`scan`") -> tuple[Any, Any]:
     return out
 
 
+def _ticks(n: int, reverse: bool) -> jax.Array:
+    """The iteration count a progress bar sees at each element of a scan: a reversed
+    scan runs the last element first."""
+    return jnp.arange(n)[::-1] if reverse else jnp.arange(n)
+
+
 def _scan_eagerly(
     f: Callable,
     init: Any,
@@ -190,7 +196,7 @@ def _scan_eagerly(
         carry, y = _check_pair(f(show_static(carry), show_static(x)), loop)
         return hide_static(carry), hide_static(y)
 
-    scanned = xs if pbar is None else (xs, jnp.arange(n))
+    scanned = xs if pbar is None else (xs, _ticks(n, reverse))
     with guarded(f"the body of {loop}"):
         final, ys = jax.lax.scan(body, init, scanned, length=n, reverse=reverse)
     return show_static(final), show_static(ys)
@@ -213,7 +219,7 @@ def _lax_scan(
             pbar.tick(index, n)
         return step(carry, x)
 
-    scanned = xs if pbar is None else (xs, jnp.arange(n))
+    scanned = xs if pbar is None else (xs, _ticks(n, reverse))
     return jax.lax.scan(body, init, scanned, length=n, reverse=reverse, unroll=unroll)
 
 
