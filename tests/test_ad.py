@@ -1,3 +1,5 @@
+import re
+
 import eqstate as es
 import equinox as eqx
 import jax
@@ -283,6 +285,26 @@ def test_argnums_errors_speak_of_the_users_argnums(argnums, args, kwargs, match)
         jax.grad(f, argnums=0 if argnums is None else argnums)(*args, **kwargs)
     with pytest.raises(type(from_jax.value), match=match):
         es.transform.grad(f, argnums=argnums)(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    (
+        es.transform.grad,
+        es.transform.value_and_grad,
+        es.transform.vector_grad,
+        es.transform.jacrev,
+        es.transform.jacfwd,
+        es.transform.hessian,
+    ),
+)
+@pytest.mark.parametrize("argnums", ((0, 0), (0, -2), (1, 0, 1)))
+def test_repeated_argnums_are_rejected_by_name(transform, argnums):
+    def f(x, y):
+        return x**2 * y
+
+    with pytest.raises(ValueError, match=re.escape(f"`argnums={argnums}` names")):
+        transform(f, argnums=argnums)(3.0, 2.0)
 
 
 @pytest.mark.parametrize("argnums", (-1, (-2, -1), (1, -2)))

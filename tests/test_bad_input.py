@@ -743,6 +743,11 @@ def grad_argnums_out_of_range():
     return lambda: es.transform.grad(lambda x: x, argnums=(0, 3))(1.0), []
 
 
+@case("`grad` with an argument named twice in `argnums`", ValueError, "more than once")
+def grad_repeated_argnums():
+    return lambda: es.transform.grad(lambda x, y: x * y, argnums=(0, -2))(1.0, 2.0), []
+
+
 @case("`grad` of a call without positional arguments", TypeError, "no positional")
 def grad_no_positional():
     return lambda: es.transform.grad(lambda *, x=1.0: x)(x=2.0), []

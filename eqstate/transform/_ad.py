@@ -49,10 +49,18 @@ def _positions(
     argnums: tuple[int, ...], spec: Any, n_args: int, kwargs: dict, name: str
 ) -> tuple[int, ...]:
     """`argnums` as non-negative positions among the `n_args` positional arguments
-    of a call, or a `TypeError` in the user's terms."""
+    of a call, or an error in the user's terms."""
     out_of_range = [i for i in argnums if not -n_args <= i < n_args]
     if not out_of_range:
-        return tuple(i % n_args for i in argnums)
+        positions = tuple(i % n_args for i in argnums)
+        repeated = sorted({i for i in positions if positions.count(i) > 1})
+        if repeated:
+            raise ValueError(
+                f"`argnums={spec}` names argument {repeated[0]} more than once "
+                f"({name} was called with {n_args} positional arguments, and "
+                "negative entries count from the end). Name each argument once."
+            )
+        return positions
     if n_args == 0:
         got = "no positional arguments"
     else:
