@@ -230,6 +230,20 @@ def test_jvp_matches_jax(getkey):
     assert tree_allclose((out, tangent), ref)
 
 
+@pytest.mark.parametrize("tangents", ((1.0,), (1.0, 2.0, 5.0)))
+def test_jvp_needs_one_tangent_per_primal(tangents):
+    w = es.ParamState(jnp.array(2.0), name="w")
+
+    def f(x, y):
+        return w.value * x * y
+
+    with pytest.raises(TypeError):
+        jax.jvp(lambda x, y: 2.0 * x * y, (1.0, 3.0), tangents)
+    with pytest.raises(TypeError, match=rf"2 primals but {len(tangents)} tangents"):
+        es.transform.jvp(f, (1.0, 3.0), tangents)
+    assert w.value == 2.0
+
+
 def test_nested_grad_of_grad():
     w = es.ParamState(jnp.array(2.0))
     inner = es.transform.grad(lambda x: w.value * x**3)

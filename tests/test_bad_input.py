@@ -753,6 +753,11 @@ def grad_no_positional():
     return lambda: es.transform.grad(lambda *, x=1.0: x)(x=2.0), []
 
 
+@case("`jvp` with more tangents than primals", TypeError, "1 primals but 2 tangents")
+def jvp_extra_tangents():
+    return lambda: es.transform.jvp(lambda x: 2.0 * x, (1.0,), (1.0, 5.0)), []
+
+
 @case("`jit` donating an argument the function lacks", ValueError, r"donate_argnums")
 def jit_donate_out_of_range():
     return lambda: es.transform.jit(lambda x: x, donate_argnums=5), []

@@ -873,7 +873,14 @@ def jvp(
         assert out == 6.0 and t == 3.0
         ```
     """
-    traced = Discovery(fun, tuple(primals), name=getattr(fun, "__name__", "jvp"))
+    name = getattr(fun, "__name__", "jvp")
+    if len(tangents) != len(primals):
+        raise TypeError(
+            f"jvp of {name} was given {len(primals)} primals but {len(tangents)} "
+            "tangents. Pass one tangent per primal, as to `jax.jvp`; tangents of "
+            "states go in `state_tangents`."
+        )
+    traced = Discovery(fun, tuple(primals), name=name)
     tangents_sd = state_tangents if state_tangents is not None else StateDict()
     diff = _Differentiable(traced, tangents_sd if len(tangents_sd) else None, True)
     grad_values = diff.grad_values()
