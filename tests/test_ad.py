@@ -387,6 +387,23 @@ def test_a_filter_gives_unused_states_of_a_model_argument_zero_gradients(getkey)
         optimizer.update((state_grads, arg_grads), optimizer.init(params), params)
 
 
+def test_a_filter_gives_unused_states_zero_gradients_under_vmap(getkey):
+    model = {
+        "a": es.ParamState(jr.normal(getkey(), (3, 2)), name="a"),
+        "unused": es.ParamState(jnp.ones((3, 4)), name="unused"),
+    }
+    x = jnp.array([1.0, 2.0])
+    loss = lambda m, x: jnp.sum(m["a"].value * x)  # noqa: E731
+    grad = es.transform.grad(loss, argnums=0, grad_states=es.ParamState)
+    per_member = es.transform.vmap(
+        grad, in_axes=(None, None), in_states={0: es.ParamState}
+    )
+    grads = per_member(model, x)
+    assert jax.tree.structure(grads) == jax.tree.structure(es.trainable(model))
+    assert (grads[0][model["unused"]] == 0).all()
+    assert tree_allclose(grads[0][model["a"]], jnp.broadcast_to(x, (3, 2)))
+
+
 def _steps(x, n):
     for _ in range(n):  # needs a concrete `n`, as jax.grad passes it
         x = jnp.sin(x)

@@ -184,8 +184,13 @@ def _describe_output(out: Any) -> str:
 def _inexact(frame: Any, state: State) -> bool:
     """Whether `state` holds floating-point or complex values only (in `frame`), as
     `eqx.filter_grad` differentiates only such arrays."""
+    # Under `vmap`, `peek` gives a lane's `jax.ShapeDtypeStruct`s, not arrays.
     leaves = jtu.tree_leaves(frame.peek(state))
-    return bool(leaves) and all(eqx.is_inexact_array(x) for x in leaves)
+    return bool(leaves) and all(
+        isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+        and jnp.issubdtype(x.dtype, jnp.inexact)
+        for x in leaves
+    )
 
 
 class _Differentiable:
