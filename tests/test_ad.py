@@ -588,6 +588,52 @@ def test_a_filter_leaves_out_unused_integer_and_key_states_of_a_model(getkey):
     assert (grads[model["unused"]] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "transform", (es.transform.grad, es.transform.jacrev, es.transform.jacfwd)
+)
+def test_a_filter_leaves_out_used_integer_and_key_states(transform):
+    w = es.ParamState(jnp.array([1.0, 2.0]), name="w")
+    step = es.State(jnp.array(0), name="step")
+    rng = es.RandomState(0)
+
+    def loss(x):
+        step.value = step.value + 1
+        return jnp.sum(w.value**2) * x + 0 * jax.random.normal(rng.value)
+
+    grads = transform(loss, grad_states=es.State)(1.0)
+    assert grads.states == (w,)
+    assert tree_allclose(grads[w], jax.grad(lambda w: jnp.sum(w**2))(w.value))
+    assert step.value == 1
+
+
+@pytest.mark.parametrize(
+    "transform, hint",
+    (
+        (es.transform.grad, "or pass `allow_int=True`"),
+        (es.transform.jacrev, "or pass `allow_int=True`"),
+        (es.transform.jacfwd, r"Remove it from `grad_states`\.$"),
+    ),
+)
+def test_an_integer_or_key_state_named_in_grad_states_is_an_error_naming_it(
+    transform, hint
+):
+    step = es.State(jnp.array(0), name="step")
+    rng = es.RandomState(0, name="rng")
+
+    def loss(x):
+        step.value = step.value + 1
+        return x + 0 * jax.random.normal(rng.value)
+
+    with pytest.raises(TypeError):
+        jax.grad(lambda n: n * 1.0)(jnp.array(0))
+    for state in (step, rng):
+        with pytest.raises(TypeError, match=rf"names {type(state).__name__} '.*{hint}"):
+            transform(loss, grad_states=[state])(1.0)
+    assert step.value == 0
+    ints = es.transform.grad(loss, grad_states=[step, rng], allow_int=True)(1.0)
+    assert ints[step].dtype == jax.dtypes.float0
+
+
 def test_a_function_whose_custom_rules_read_no_state_is_traced_once():
     scale = es.ParamState(jnp.array(2.0), name="scale")
     runs = []

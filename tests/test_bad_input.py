@@ -748,6 +748,17 @@ def grad_repeated_argnums():
     return lambda: es.transform.grad(lambda x, y: x * y, argnums=(0, -2))(1.0, 2.0), []
 
 
+@case("`grad_states` naming an integer state", TypeError, "names State 'step'")
+def grad_integer_state():
+    step = es.State(jnp.array(0), name="step")
+
+    def f(x):
+        step.value = step.value + 1
+        return x
+
+    return lambda: es.transform.grad(f, grad_states=[step])(1.0), [step]
+
+
 @case("`grad` of a call without positional arguments", TypeError, "no positional")
 def grad_no_positional():
     return lambda: es.transform.grad(lambda *, x=1.0: x)(x=2.0), []

@@ -181,11 +181,11 @@ def _describe_output(out: Any) -> str:
     return f"{out!r}"
 
 
-def _inexact(frame: Any, state: State) -> bool:
-    """Whether `state` holds floating-point or complex values only (in `frame`), as
+def _inexact(value: Any) -> bool:
+    """Whether `value` holds floating-point or complex arrays only, as
     `eqx.filter_grad` differentiates only such arrays."""
     # Under `vmap`, `peek` gives a lane's `jax.ShapeDtypeStruct`s, not arrays.
-    leaves = jtu.tree_leaves(frame.peek(state))
+    leaves = jtu.tree_leaves(value)
     return bool(leaves) and all(
         isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
         and jnp.issubdtype(x.dtype, jnp.inexact)
@@ -205,15 +205,17 @@ class _Differentiable:
         held: Sequence[State] = (),
     ):
         """`held`: the states held by the differentiated arguments, which a filter
-        in `grad_states` selects from too, used or not (unused ones only if they
-        hold floating-point values)."""
+        in `grad_states` selects from too, used or not. A filter selects only states
+        holding floating-point values, as `eqx.filter_grad` selects arrays."""
         self.traced = traced
         if grad_states is None:
             self.grad_states: tuple[State, ...] = ()
         else:
             used = set(traced.states)
-            unused = [s for s in held if s not in used and _inexact(traced.frame, s)]
-            candidates = (*traced.states, *unused)
+            values = dict(zip(traced.states, traced.values))
+            unused = [s for s in held if s not in used]
+            values.update((s, traced.frame.peek(s)) for s in unused)
+            candidates = [s for s in (*traced.states, *unused) if _inexact(values[s])]
             states, explicit = select_states(grad_states, candidates)
             if explicit and check_states:
                 unused = [s for s in states if s not in traced.states]
@@ -347,6 +349,8 @@ class _GradientTransform:
             **self._transform_kwargs,
         )
         grad_values = diff.grad_values()
+        if self._jax_transform is not _jax_vector_grad and not allow_int:
+            self._check_inexact(grad_values)
         differentiated = [part for part, _ in parts]
         with diff.rules_see():
             grads, (value, extras) = transformed(grad_values, *differentiated)
@@ -358,6 +362,23 @@ class _GradientTransform:
         else:
             state_grads, grads = grads[0], grads[1] if single else grads[1:]
         return self._arrange(state_grads, grads, value, aux)
+
+    def _check_inexact(self, grad_values: StateDict) -> None:
+        """JAX's `TypeError` for a state named in `grad_states` that holds integers
+        or keys, naming the state. (A filter selects floating-point states only.)"""
+        for state, value in grad_values.items():
+            if _inexact(value):
+                continue
+            hint = (
+                ", or pass `allow_int=True` for a `float0` gradient"
+                if "allow_int" in self._transform_kwargs
+                else ""
+            )
+            raise TypeError(
+                f"`grad_states` names {state_label(state, value)}, but "
+                f"{self._traces.name} can be differentiated only with respect to "
+                f"floating-point or complex values. Remove it from `grad_states`{hint}."
+            )
 
     def _arrange(self, state_grads: Any, grads: Any, value: Any, aux: Any) -> Any:
         """The result in the layout the options ask for (`jax.grad`'s, plus the
@@ -406,7 +427,10 @@ def grad(
         and the states held by the arguments in `argnums`: those it does not use get
         zero gradients, as `eqx.filter_grad` gives unused arrays, so the gradients of
         a model have the structure of [`eqstate.trainable`][]`(model)` whatever the
-        loss reads.
+        loss reads. As `eqx.filter_grad`, a filter selects only states holding
+        floating-point or complex values, used or not: step counters and
+        [`eqstate.RandomState`][]s are left out. A handle of such a state named
+        explicitly raises a `TypeError`, unless `allow_int=True`.
     - `argnums`: the positional arguments to differentiate with respect to. Defaults
         to `0` without `grad_states`, to none with them.
     - `has_aux`: `fun` returns `(value, aux)`.
