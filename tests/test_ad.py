@@ -273,6 +273,42 @@ def test_failure_inside_grad_keeps_values(linear):
     assert calls.value == 0
 
 
+def _aux_of(transform, f):
+    if transform == "grad":
+        return es.transform.grad(f, has_aux=True)(1.0)[1]
+    if transform == "value_and_grad":
+        return es.transform.value_and_grad(f, has_aux=True)(1.0)[0][1]
+    if transform == "jacrev":
+        return es.transform.jacrev(f, has_aux=True)(1.0)[1]
+    if transform == "vjp":
+        return es.transform.vjp(f, 1.0, has_aux=True)[2]
+    return es.transform.jvp(f, (1.0,), (1.0,), has_aux=True)[2]
+
+
+@pytest.mark.parametrize(
+    "transform", ("grad", "value_and_grad", "jacrev", "vjp", "jvp")
+)
+def test_python_scalars_in_aux_come_back_as_they_are(transform):
+    w = es.ParamState(jnp.array(2.0), name="w")
+    aux = {"converged": True, "n_steps": 3, "tol": 0.5, "y": jnp.array(1.0)}
+
+    def loss(x):
+        return w.value * x, aux
+
+    got = _aux_of(transform, loss)
+    assert got["converged"] is True and got["n_steps"] == 3 and got["tol"] == 0.5
+    assert type(got["n_steps"]) is int and type(got["tol"]) is float
+    ref = jax.grad(lambda x: (2.0 * x, aux), has_aux=True)(1.0)[1]
+    assert jax.tree.map(type, got) == jax.tree.map(type, ref)
+
+    @es.transform.jit
+    def step(x):
+        grad, found = es.transform.grad(loss, has_aux=True)(x)
+        return grad if found["converged"] else -grad  # Python control flow on aux
+
+    assert step(1.0) == 2.0
+
+
 def test_has_aux_needs_a_pair_and_says_so():
     with pytest.raises(TypeError, match=r"has_aux=True`, loss must return a pair"):
 

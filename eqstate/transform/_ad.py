@@ -251,7 +251,8 @@ class _Differentiable:
             for state, value in grad_values.items():
                 if state in index:
                     values[index[state]] = value
-            out, updates, new = traced.evaluate(values, args, kwargs)
+            # Python scalars in `aux` come back as they are, as from `jax.grad`.
+            out, updates, new = traced.evaluate(values, args, kwargs, has_aux)
             main, aux = _split_aux(out, traced.name) if has_aux else (out, None)
             aux_leaves, rebuild_aux = partition(aux)
             self.box["rebuild_aux"] = rebuild_aux

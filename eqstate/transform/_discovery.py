@@ -108,9 +108,14 @@ class Discovery:
         )
 
     def evaluate(
-        self, values: Sequence[Any], args: tuple, kwargs: dict | None = None
+        self,
+        values: Sequence[Any],
+        args: tuple,
+        kwargs: dict | None = None,
+        python_scalars: bool = False,
     ) -> tuple[Any, dict[State, Any], list[tuple[State, Any]]]:
-        """Evaluates the function on `args` with `values` for `self.states`.
+        """Evaluates the function on `args` with `values` for `self.states`. With
+        `python_scalars`, the Python scalars in the output come back as they are.
 
         **Returns:**
 
@@ -129,7 +134,7 @@ class Discovery:
             trace.run(call.leaves, values)
         )
         out, updated, fresh, new_values = trace.under_fresh_handles(
-            out_leaves, updated, new_values
+            out_leaves, updated, new_values, python_scalars
         )
         return (
             out,

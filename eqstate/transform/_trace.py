@@ -29,6 +29,9 @@ from ._leaves import (
 compat.hide_from_tracebacks(__file__)
 
 
+_PYTHON_SCALARS = (bool, int, float, complex)
+
+
 class NewStateRef:
     """Stands for a new state's handle in the output tree of a trace."""
 
@@ -149,27 +152,39 @@ class Trace:
             updated = unflatten_each(self.updated_defs, updated_leaves)
         return out, updated, unflatten_each(self.new_defs, needed[n_out + n_updated :])
 
-    def build_output(self, out_leaves: Sequence[Any], fresh: Sequence[Any]) -> Any:
-        """The output tree, with `fresh` handles in place of the new states."""
-        if self.simple_out:
+    def build_output(
+        self,
+        out_leaves: Sequence[Any],
+        fresh: Sequence[Any],
+        python_scalars: bool = False,
+    ) -> Any:
+        """The output tree, with `fresh` handles in place of the new states, and with
+        `python_scalars` the Python scalars the function returned when traced in
+        place of their arrays (as `jax.grad` returns an auxiliary output)."""
+        if self.simple_out and not python_scalars:
             return jtu.tree_unflatten(self.out_def, out_leaves)
         full = list(self.out_template)
         for i, leaf in zip(self.out_index, out_leaves):
-            full[i] = leaf
+            if not (python_scalars and type(full[i]) in _PYTHON_SCALARS):
+                full[i] = leaf
         for i, leaf in enumerate(full):
             if isinstance(leaf, NewStateRef):
                 full[i] = fresh[leaf.index]
         return jtu.tree_unflatten(self.out_def, full)
 
     def under_fresh_handles(
-        self, out_leaves: Sequence[Any], updated: list, new_values: list
+        self,
+        out_leaves: Sequence[Any],
+        updated: list,
+        new_values: list,
+        python_scalars: bool = False,
     ) -> tuple[Any, list, list, list]:
         """`(out, updated, fresh, new_values)` of a call: fresh handles for the new
         states (the trace's own ones have no value outside it), in their place in
         the output and as the keys of the `StateDict`s held by the output and by the
         values (e.g. an optimiser's state built in the function)."""
         fresh = [fresh_copy(s) for s in self.new_states]
-        out = self.build_output(out_leaves, fresh)
+        out = self.build_output(out_leaves, fresh, python_scalars)
         if fresh:
             handles = dict(zip(self.new_states, fresh))
             out, updated, new_values = rekeyed((out, updated, new_values), handles)
@@ -299,7 +314,8 @@ class _Recorder:
             if is_state(leaf) and leaf in new_index:
                 self.template.append(NewStateRef(new_index[leaf]))
             elif traced:
-                self.template.append(None)
+                # Python scalars are traced, but kept for `build_output`.
+                self.template.append(leaf if type(leaf) in _PYTHON_SCALARS else None)
                 self.out_index.append(i)
                 dynamic.append(leaf)
             else:
