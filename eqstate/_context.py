@@ -498,6 +498,7 @@ class TraceFrame(Frame):
         "parent",
         "preloaded",
         "reads",
+        "rule_mapped",
         "values",
         "written",
     )
@@ -514,6 +515,8 @@ class TraceFrame(Frame):
         self.new_states: list[Any] = []
         self.preloaded = preloaded
         self.missing: list[Any] = []
+        # States an inner `vmap` maps per lane, around custom rules (`mapped_in_rules`).
+        self.rule_mapped: set[Any] = set()
 
     def _import(self, state: Any) -> Any:
         if self.preloaded is None:
@@ -603,13 +606,24 @@ class RuleFrame(Frame):
     reads and does not write (a written state's value depends on where the rule
     runs, which eqstate cannot tell). Anything else raises `TraceContextError`."""
 
-    __slots__ = ("values",)
+    __slots__ = ("mapped", "values")
 
-    def __init__(self, values: dict[Any, Any]):
+    def __init__(self, values: dict[Any, Any], mapped: Iterable[Any] = ()):
         self.values = values
+        self.mapped = frozenset(mapped)
         self.jax_trace = None
 
     def read(self, state):
+        if state in self.mapped:
+            raise TraceContextError(
+                _IN_RULE.format(
+                    label=state_label(state),
+                    why="but an `eqstate.transform.vmap` inside the function maps it "
+                    "(`in_states`), and the rule, run from outside that vmap, would "
+                    "see every member's value instead of its own. Differentiate "
+                    "inside the vmap (a vmap of grad).",
+                )
+            )
         value = self.values.get(state, MISSING)
         if value is MISSING:
             raise TraceContextError(
@@ -654,13 +668,26 @@ def rule_reads() -> int:
 
 
 @contextlib.contextmanager
-def rules_see(values: dict[Any, Any]) -> Iterator[None]:
-    """Runs the `with` block in a `RuleFrame` over `values`."""
-    token = enter(RuleFrame(values))
+def rules_see(values: dict[Any, Any], mapped: Iterable[Any] = ()) -> Iterator[None]:
+    """Runs the `with` block in a `RuleFrame` over `values`, in which reading a
+    state in `mapped` raises."""
+    token = enter(RuleFrame(values, mapped))
     try:
         yield
     finally:
         leave(token)
+
+
+def mapped_in_rules(states: Iterable[Any]) -> None:
+    """Records, in every trace around the current frame, that `states` are mapped per
+    lane by a `vmap` whose function has custom rules: when such a trace is
+    differentiated, the rules run outside the vmap and would see the whole stacked
+    value, so their reads of these states raise instead."""
+    frame: Any = current_frame()
+    while frame is not None:
+        if isinstance(frame, TraceFrame):
+            frame.rule_mapped.update(states)
+        frame = getattr(frame, "parent", None)
 
 
 def label_here(state: Any) -> str:

@@ -495,6 +495,36 @@ def _expected_surrogate(x, threshold):
 
 @pytest.mark.parametrize(
     "differentiate",
+    (
+        es.transform.grad,
+        lambda f: es.transform.jit(es.transform.grad(f)),
+        es.transform.jacfwd,
+    ),
+)
+def test_a_custom_rule_reading_a_state_an_inner_vmap_maps_is_an_error(
+    getkey, differentiate
+):
+    threshold = es.ParamState(jnp.array([0.1, 0.3, 0.45]), name="threshold")
+    spike = _surrogate_spike(threshold)
+    x = jr.normal(getkey(), (3, 3))
+    # One threshold per member: a rule run from outside the vmap cannot see its own.
+    per_member = es.transform.vmap(
+        lambda x: spike(x).sum(), in_axes=0, in_states={0: threshold}
+    )
+    with pytest.raises(es.TraceContextError, match=r"'threshold' .*vmap.* maps it"):
+        differentiate(lambda x: per_member(x).sum())(x)
+    inside = es.transform.vmap(
+        es.transform.grad(lambda x: spike(x).sum()), in_axes=0, in_states={0: threshold}
+    )(x)
+    assert tree_allclose(inside, _expected_surrogate(x, threshold.value[:, None]))
+    # A state the vmap shares between members is read as it is.
+    shared = es.transform.vmap(lambda x: spike(x).sum(), in_axes=0)
+    got = differentiate(lambda x: shared(x).sum())(x)
+    assert tree_allclose(got, _expected_surrogate(x, threshold.value[None]))
+
+
+@pytest.mark.parametrize(
+    "differentiate",
     [
         lambda f: es.transform.grad(f),
         lambda f: jax.grad(es.transform.StatefulFunction(f)),

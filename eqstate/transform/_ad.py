@@ -231,7 +231,10 @@ class _Differentiable:
     def rules_see(self) -> Any:
         """A context in which the custom rules JAX runs in a backward pass (a
         `jax.custom_vjp`'s `bwd`) read the values the function was traced with."""
-        return _context.rules_see(self.traced.trace.read_only(self.traced.values))
+        trace = self.traced.trace
+        return _context.rules_see(
+            trace.read_only(self.traced.values), trace.rule_mapped
+        )
 
     def grad_values(self) -> StateDict:
         traced = self.traced

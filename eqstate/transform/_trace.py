@@ -90,6 +90,9 @@ class Trace:
     # `_context.rule_reads`).
     has_custom_rules: bool
     rule_reads_before: int
+    # The states an inner `vmap` maps per lane around custom rules, which those rules
+    # cannot read when this trace is differentiated (see `_context.mapped_in_rules`).
+    rule_mapped: frozenset[State]
     # `flat_jit`'s function, made on first use.
     flat_jitted: dict = dataclasses.field(default_factory=dict)
 
@@ -123,7 +126,7 @@ class Trace:
         if self.has_custom_rules:
             # JAX runs a custom rule's Python when it differentiates this evaluation:
             # the states the rule reads must be the ones the trace was given.
-            with _context.rules_see(self.read_only(values)):
+            with _context.rules_see(self.read_only(values), self.rule_mapped):
                 flat = evaluate(*leaves)
         else:
             flat = evaluate(*leaves)
@@ -378,6 +381,7 @@ class _Recorder:
             cacheable=not any(isinstance(c, Tracer) for c in jaxpr.consts),
             has_custom_rules=_has_custom_rules(jaxpr.jaxpr),
             rule_reads_before=_context.rule_reads(),
+            rule_mapped=frozenset(self.frame.rule_mapped),
         )
 
     def _needed_outputs(self, n_out: int, written: set[State]) -> list[int]:

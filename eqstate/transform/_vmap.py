@@ -484,6 +484,8 @@ def _call_vmapped(
     """`traced` run under `eqx.filter_vmap`, its states' new values written back."""
     values = dict(zip(traced.states, traced.values))
     roles = _state_roles(traced, values, mapped_axis)
+    if traced.trace.has_custom_rules:
+        _context.mapped_in_rules([*roles.mapped, *roles.randoms])
     size = axis_size_of(axes, args, axis_size, _state_sizes(traced, mapped_axis))
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
     out, new_mapped, new_broadcast, reseeded = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
