@@ -13,6 +13,7 @@ import jax
 from jax.core import Tracer
 from jaxtyping import PyTree
 
+from ._checkpoint_checks import refuse_under_transforms
 from ._checkpoint_file import read_array, read_checkpoint, write_checkpoint
 from ._checkpoint_match import check_entries, is_state_mapping, load_target
 from ._checkpoint_paths import state_paths, stored_leaves, values_from_arrays
@@ -20,6 +21,10 @@ from ._context import to_value
 from ._multi_process import device_put, resolve_backend
 from ._state import State
 from ._state_dict import StateDict
+
+
+_SAVE_FIX = "step(x)\n    eqstate.save(path, eqstate.values_of(model), model=model)"
+_LOAD_FIX = "eqstate.assign(eqstate.load(path, model))\n    step(x)"
 
 
 def _short_repr(x: Any, limit: int = 60) -> str:
@@ -77,9 +82,12 @@ def save(
     **Raises:**
 
     [`eqstate.CheckpointError`][] if a state is not in `model`, if states lack unique
-    names when there is no `model`, if two arrays would get the same path, or
-    if the file cannot be written (a read-only directory, a full disk: the
-    `OSError` is its cause). `TypeError` if `states` is not a mapping of states.
+    names when there is no `model`, if two arrays would get the same path, if
+    the file cannot be written (a read-only directory, a full disk: the
+    `OSError` is its cause), or if called inside a JAX transform (`jit`, a loop
+    body, `vmap`), which would write the file only once, while tracing: save
+    between calls of the compiled step. `TypeError` if `states` is not a mapping
+    of states.
 
     !!! Example
 
@@ -98,6 +106,7 @@ def save(
         assert (loaded[model["w"]] == 1).all() and loaded[model["n"]] == 2
         ```
     """
+    refuse_under_transforms("save", _SAVE_FIX)
     path = os.fspath(path)
     if not is_state_mapping(states):
         raise TypeError(
@@ -158,9 +167,12 @@ def load(
     eqstate checkpoint, has an unknown format version, is truncated, malformed or
     corrupted (a checksum does not match), lacks a path the target needs or holds one
     it does not have, or holds an array whose shape or dtype differs from the
-    target's. The file is read part by part, each part only once the parts before it
-    have vouched for its size, so a large file that is not a checkpoint costs a few
-    bytes of reading.
+    target's; or if called inside a JAX transform (`jit`, a loop body, `vmap`),
+    which would read the file only once, while tracing, and bake its values into
+    the compiled function: load before calling the compiled step,
+    `eqstate.assign(eqstate.load(path, model))`. The file is read part by part,
+    each part only once the parts before it have vouched for its size, so a large
+    file that is not a checkpoint costs a few bytes of reading.
 
     !!! Example
 
@@ -184,6 +196,7 @@ def load(
         assert (new[0].value == jnp.array([1.0, 2.0])).all() and new[1].value == 7
         ```
     """
+    refuse_under_transforms("load", _LOAD_FIX)
     path = os.fspath(path)
     if resolve_backend(backend, path, "load") == "orbax":
         from ._orbax import load_orbax

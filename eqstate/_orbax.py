@@ -28,6 +28,7 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import PyTree
 
+from ._checkpoint_checks import refuse_under_transforms
 from ._checkpoint_match import check_entries, load_target
 from ._checkpoint_paths import Leaf, state_paths, stored_leaves, values_from_arrays
 from ._context import to_value
@@ -414,9 +415,13 @@ class CheckpointManager:
 
         **Raises:**
 
-        [`eqstate.CheckpointError`][] as [`eqstate.save`][] does, or if `step` is
-        not higher than the latest step saved.
+        [`eqstate.CheckpointError`][] as [`eqstate.save`][] does (inside a JAX
+        transform too), or if `step` is not higher than the latest step saved.
         """
+        refuse_under_transforms(
+            "save",
+            "step(x)\n    manager.save(n, eqstate.values_of(model), model=model)",
+        )
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:
             raise CheckpointError(
@@ -451,8 +456,11 @@ class CheckpointManager:
         **Raises:**
 
         [`eqstate.CheckpointError`][] if there is no such checkpoint, or as
-        [`eqstate.load`][] does.
+        [`eqstate.load`][] does (inside a JAX transform too).
         """
+        refuse_under_transforms(
+            "load", "eqstate.assign(manager.load(model))\n    step(x)"
+        )
         self._manager.wait_until_finished()
         steps = self.steps()
         if step is None:

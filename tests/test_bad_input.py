@@ -422,6 +422,17 @@ def checkpoint_wrong_shape():
     return lambda: es.load(path, {"w": _w((4,))}), []
 
 
+@case(
+    "loading a checkpoint inside a jitted function",
+    es.CheckpointError,
+    "read once, while the function is traced",
+)
+def checkpoint_load_in_jit():
+    model = {"w": _w()}
+    path = _checkpoint_of(model, lambda p: None)
+    return es.transform.jit(lambda: es.assign(es.load(path, model))), [model["w"]]
+
+
 @case("an unknown checkpoint backend", ValueError, "Unknown checkpoint backend")
 def checkpoint_unknown_backend():
     model = {"w": _w()}

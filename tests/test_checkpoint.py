@@ -25,7 +25,7 @@ from eqstate import _checkpoint
 from eqstate._checkpoint import load, save
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .helpers import tree_bitwise_equal, unchecked
+from .helpers import leak_a_tracer, tree_bitwise_equal, unchecked
 
 
 _DTYPES = (
@@ -310,15 +310,77 @@ def test_state_at_several_paths_is_stored_under_the_first(tmp_path):
     assert loaded.states == (shared,)
 
 
-def test_save_refuses_tracers(tmp_path):
+def test_save_refuses_leaked_tracers(tmp_path):
     w = es.ParamState(jnp.ones(2), name="w")
-
-    @jax.jit
-    def f(x):
-        save(tmp_path / "c", {w: x})
-
     with pytest.raises(es.CheckpointError, match=r"`w`.*tracer"):
-        f(jnp.ones(2))
+        save(tmp_path / "c", {w: leak_a_tracer((2,))})
+    assert os.listdir(tmp_path) == []
+
+
+# Each runs `body()` once inside a transform that traces it.
+_TRANSFORMS = {
+    "eqstate jit": lambda body: es.transform.jit(body)(),
+    "jax.jit": lambda body: jax.jit(body)(),
+    "eqstate scan": lambda body: es.transform.scan(
+        lambda c, _: (body(), None), None, length=1
+    ),
+    "jax.lax.scan": lambda body: jax.lax.scan(
+        lambda c, _: (body(), None), None, length=1
+    ),
+    "eqstate vmap": lambda body: es.transform.vmap(lambda _: body())(jnp.ones(2)),
+    "eager jax.vmap": lambda body: jax.vmap(lambda _: body())(jnp.ones(2)),
+}
+
+
+@pytest.mark.parametrize("transform", _TRANSFORMS.values(), ids=_TRANSFORMS.keys())
+def test_load_inside_a_transform_is_refused(checkpoint, transform):
+    # Traced once, a load would read the file once and bake its values into the
+    # compiled function: a newer checkpoint would never be seen.
+    path, w, n = checkpoint
+
+    def body():
+        es.assign(load(path, [w, n]))
+
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"(?s)Cannot load .* inside a JAX transform.*"
+        r"read once.*eqstate\.assign\(eqstate\.load\(path, model\)\)",
+    ):
+        transform(body)
+    assert (w.value == jnp.array([1.0, 2.0, 3.0])).all() and n.value == 7
+
+
+@pytest.mark.parametrize("transform", _TRANSFORMS.values(), ids=_TRANSFORMS.keys())
+def test_save_inside_a_transform_is_refused(checkpoint, transform):
+    # Even of concrete values: traced once, later calls would write nothing.
+    path, w, n = checkpoint
+    before = path.read_bytes()
+    values = es.StateDict({w: jnp.zeros(3), n: jnp.array(0)})
+
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"(?s)Cannot save .* inside a JAX transform.*written once.*"
+        r"after calling the compiled step",
+    ):
+        transform(lambda: save(path, values))
+    assert path.read_bytes() == before
+    assert os.listdir(path.parent) == [path.name]
+
+
+def test_checkpoint_manager_refuses_to_load_or_save_inside_a_transform(tmp_path):
+    w = es.ParamState(jnp.ones(2), name="w")
+    with es.CheckpointManager(tmp_path, async_save=False) as manager:
+        values = es.values_of(w)
+        manager.save(1, values)
+        with pytest.raises(
+            es.CheckpointError, match=r"(?s)Cannot load .*manager\.load"
+        ):
+            jax.jit(lambda: manager.load(values))()
+        with pytest.raises(
+            es.CheckpointError, match=r"(?s)Cannot save .*manager\.save"
+        ):
+            jax.jit(lambda: manager.save(2, values))()
+        assert manager.steps() == (1,)
 
 
 def test_save_into_missing_directory(tmp_path):
