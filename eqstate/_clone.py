@@ -14,7 +14,7 @@ from ._custom_types import Filter
 from ._filters import to_predicate
 from ._pretty_print import state_label, value_summary
 from ._run import states_of
-from ._state import fresh_copy, is_state, NonBatchState, State
+from ._state import creation_order, fresh_copy, is_state, NonBatchState, State
 from ._state_dict import rekeyed
 
 
@@ -38,7 +38,9 @@ def _register(tree: _T, states: tuple[State, ...], values: list[PyTree]) -> _T:
     value, registered in the innermost context. A `StateDict` held in a value (e.g.
     an optimiser's state) is keyed by the fresh handles too."""
     frame = _context.current_frame()
-    fresh = {state: fresh_copy(state) for state in states}
+    # In the originals' creation order: a StateDict flattens in the creation order of
+    # its handles, so one of the copy's states then flattens like the original's.
+    fresh = {s: fresh_copy(s) for s in sorted(states, key=creation_order)}
     for state, value in zip(states, rekeyed(values, fresh)):
         frame.add_new(fresh[state], value)
     return _replace_handles(tree, fresh)
@@ -55,7 +57,10 @@ def clone(tree: _T) -> _T:
     that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
     are: JAX arrays are immutable, so sharing them is safe. A `StateDict` held in a
     value (an optimiser's state, a snapshot of the best weights) is keyed by the new
-    handles, so that it refers to the clone's states, not to the original's.
+    handles, so that it refers to the clone's states, not to the original's. The new
+    handles are created in the creation order of the originals, so a `StateDict` of
+    the clone's states flattens like the original's (Equinox's serialisation matches
+    leaves by that order).
 
     `copy.deepcopy` of a handle raises instead, since it cannot choose the context
     to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]
