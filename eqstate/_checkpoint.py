@@ -211,4 +211,4 @@ def load(
         _placed_like(leaf, read_array(spec, by_path[spec.path], data))
         for spec, leaf in specs
     ]
-    return values_from_arrays(expected, specs, arrays)
+    return values_from_arrays(expected, specs, arrays, by_path)

@@ -27,6 +27,9 @@ object with
     first entry starts at 0 and each next one where the previous ended);
 - `length`: its size in bytes, `prod(shape) * itemsize`;
 - `crc32`: the CRC32 of its bytes, an unsigned integer;
+- `weak_type`: whether the array was weakly typed (made from a Python scalar), a
+    boolean; loading restores it. Files written before eqstate recorded it lack the
+    field: their arrays take the weak type of the target's current values;
 - `key_impl` (PRNG keys only): the key implementation, e.g. `"threefry2x32"`. The
     entry then holds `jax.random.key_data` of the keys, and loading restores them with
     `jax.random.wrap_key_data(data, impl=key_impl)`.
@@ -110,6 +113,7 @@ def write_checkpoint(path: str, leaves: list[tuple[Leaf, Any]]) -> None:
             "offset": offset,
             "length": blob.nbytes,
             "crc32": zlib.crc32(blob),
+            "weak_type": spec.weak_type,
         }
         if spec.key_impl is not None:
             entry["key_impl"] = spec.key_impl
@@ -317,6 +321,8 @@ def _parse_header(path: str, raw: bytes) -> list[dict[str, Any]]:
             raise malformed(f"entry `{name}` has an invalid shape {shape}")
         if not isinstance(entry.get("key_impl", ""), str):
             raise malformed(f"entry `{name}` has an invalid 'key_impl'")
+        if not isinstance(entry.get("weak_type", False), bool):
+            raise malformed(f"entry `{name}` has an invalid 'weak_type'")
         try:
             dtype = np.dtype(entry["dtype"])
         except Exception:  # NumPy parses dtype strings with several error types.

@@ -43,6 +43,7 @@ class Leaf(NamedTuple):
     dtype: np.dtype  # of the stored bytes: for PRNG keys, of their key data
     shape: tuple[int, ...]
     key_impl: str | None
+    weak_type: bool
 
 
 def _key_text(entry: Any, states: Mapping[State, str]) -> str:
@@ -152,16 +153,22 @@ def stored_leaves(
             if _is_key(leaf):
                 impl = str(jax.random.key_impl(leaf))
                 data = jax.eval_shape(jax.random.key_data, leaf)
-                spec = Leaf(path, state, np.dtype(data.dtype), data.shape, impl)
+                spec = Leaf(path, state, np.dtype(data.dtype), data.shape, impl, False)
             else:
-                spec = Leaf(path, state, np.dtype(leaf.dtype), tuple(leaf.shape), None)
+                weak = bool(getattr(leaf, "weak_type", False))
+                spec = Leaf(
+                    path, state, np.dtype(leaf.dtype), tuple(leaf.shape), None, weak
+                )
             seen[path] = state
             out.append((spec, leaf))
     return out
 
 
 def values_from_arrays(
-    expected: Mapping[State, PyTree], specs: list[tuple[Leaf, Any]], arrays: list[Any]
+    expected: Mapping[State, PyTree],
+    specs: list[tuple[Leaf, Any]],
+    arrays: list[Any],
+    entries: Mapping[str, Mapping[str, Any]],
 ) -> StateDict:
     """The values of the states of `expected`, made of `arrays`.
 
@@ -170,16 +177,18 @@ def values_from_arrays(
     - `expected`: the target's current values, which give each value's structure.
     - `specs`: the arrays of `expected` as `stored_leaves` lists them.
     - `arrays`: one loaded array for each of `specs`, in the same order.
+    - `entries`: the checkpoint's entries by path, which say whether each array was
+        weakly typed when saved.
 
     **Returns:**
 
     A `StateDict` from each state of `expected` to its value rebuilt from `arrays`.
     """
     loaded: dict[State, list[Any]] = {state: [] for state in expected}
-    for (spec, leaf), array in zip(specs, arrays, strict=True):
-        if getattr(leaf, "weak_type", False):
-            # Files hold dtypes only: without this, a value made from a Python scalar
-            # would come back strongly typed and promote differently.
+    for (spec, _), array in zip(specs, arrays, strict=True):
+        # Checkpoints written before entries recorded `weak_type` take the target's.
+        weak = entries[spec.path].get("weak_type", spec.weak_type)
+        if weak is True and spec.key_impl is None:
             array = weakly_typed(array)
         loaded[spec.state].append(array)
     return state_dict_of(

@@ -9,7 +9,7 @@ makes eqstate slower or its errors less precise, never wrong:
 - the current trace (`current_trace`, `is_top_level`, `in_trace`) is read through
   `jax.extend.core` (JAX 0.10 on) when the private module is missing.
 - a value loaded from a checkpoint is made weakly typed again (`weakly_typed`) when
-  the state's value was; without the internal it stays strongly typed.
+  it was saved weakly typed; without the internal it stays strongly typed.
 
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.

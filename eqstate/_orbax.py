@@ -8,8 +8,8 @@ writes, with two items:
     (`layers.0.bn.running_mean`). PRNG keys are stored as their key data. Plain Orbax
     restores it without eqstate.
 - `eqstate`: JSON `{"format": "eqstate-orbax", "version": 1, "entries": [...]}`, one
-    entry per array as in the single-file header (`path`, `dtype`, `shape`, `key_impl`
-    for keys) plus `checksum`: a 32-bit checksum of the array's bytes, computed on
+    entry per array as in the single-file header (`path`, `dtype`, `shape`,
+    `weak_type`, `key_impl` for keys) plus `checksum`: a 32-bit checksum of the array's bytes, computed on
     the devices, so that a corrupted shard is refused on restore as the single-file
     format refuses a corrupted file.
 
@@ -159,6 +159,7 @@ def _save_args(
             "path": spec.path,
             "dtype": spec.dtype.name,
             "shape": list(spec.shape),
+            "weak_type": spec.weak_type,
             "checksum": checksum,
         }
         if spec.key_impl is not None:
@@ -296,7 +297,7 @@ def restore_with(
     stored = restore(ocp.args.Composite(**{_STATE_ITEM: args}))[_STATE_ITEM]
     _verify(where, specs, stored, by_path)
     arrays = [_value(spec, leaf, stored[spec.path]) for spec, leaf in specs]
-    return values_from_arrays(expected, specs, arrays)
+    return values_from_arrays(expected, specs, arrays, by_path)
 
 
 def load_orbax(

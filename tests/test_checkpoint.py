@@ -1049,6 +1049,74 @@ def test_round_trip_keeps_weak_types(backend, tmp_path):
     assert tree_bitwise_equal(forward(new, x), forward(old, x))
 
 
+def _scale_states(weak: bool) -> tuple[es.State, es.State]:
+    """A state made from a Python scalar (weakly typed) and a strongly typed one, or
+    the other way round, under the same names in both."""
+    scale, bias = es.State(1.0, name="scale"), es.State(2.0, name="bias")
+    (bias if weak else scale).value = jnp.float32(0.5)  # strongly typed now
+    return scale, bias
+
+
+def _ckpt_path(tmp_path, backend):
+    return tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqstate")
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_weak_types_come_back_as_saved_whatever_the_target(backend, tmp_path):
+    # Training can make a state made from a Python scalar strongly typed: resumed
+    # weakly typed, `scale * x` would take the bfloat16 of `x` instead of float32.
+    saved, target, x = (
+        _scale_states(False),
+        _scale_states(True),
+        jnp.ones(3, jnp.bfloat16),
+    )
+    path = _ckpt_path(tmp_path, backend)
+    es.save(path, es.values_of(saved), backend=backend)
+    loaded = es.load(path, es.values_of(target), backend=backend)
+    for old, new in zip(saved, target):
+        assert loaded[new].weak_type == old.value.weak_type != new.value.weak_type
+        assert (loaded[new] * x).dtype == (old.value * x).dtype
+
+
+def _without_weak_types(path: pathlib.Path, backend: str) -> None:
+    """Rewrites the checkpoint at `path` as eqstate wrote it before its entries
+    recorded weak types."""
+    if backend == "orbax":
+        meta_file = path / "eqstate" / "metadata"
+        meta = json.loads(meta_file.read_text())
+        for entry in meta["entries"]:
+            entry.pop("weak_type", None)
+        meta_file.write_text(json.dumps(meta))
+        return
+    header, data = _header(path), path.read_bytes()[_data_start(path) :]
+    for entry in header["entries"]:
+        entry.pop("weak_type", None)
+    path.write_bytes(_raw_checkpoint(json.dumps(header).encode(), data))
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_a_checkpoint_without_weak_types_takes_the_targets(backend, tmp_path):
+    saved, target = _scale_states(False), _scale_states(True)
+    path = _ckpt_path(tmp_path, backend)
+    es.save(path, es.values_of(saved), backend=backend)
+    _without_weak_types(path, backend)
+    loaded = es.load(path, es.values_of(target), backend=backend)
+    for old, new in zip(saved, target):
+        assert loaded[new].weak_type == new.value.weak_type
+        assert tree_bitwise_equal(jnp.asarray(loaded[new]), old.value)
+
+
+def test_a_weak_type_that_is_not_a_boolean_is_malformed(checkpoint):
+    path, w, n = checkpoint
+    header, data = _header(path), path.read_bytes()[_data_start(path) :]
+    header["entries"][0]["weak_type"] = "yes"
+    path.write_bytes(_raw_checkpoint(json.dumps(header).encode(), data))
+    with pytest.raises(
+        es.CheckpointError, match="entry `w` has an invalid 'weak_type'"
+    ):
+        load(path, es.values_of([w, n]))
+
+
 def test_weakly_typed_keeps_value_dtype_and_device():
     from eqstate._jax_compat import weakly_typed
 
