@@ -72,8 +72,10 @@ def save(
     - `states`: the values to save, a [`eqstate.StateDict`][] (or a mapping from
         handles to values), e.g. `eqstate.values_of(model)`.
     - `model`: a PyTree holding the handles, e.g. an `eqx.Module`; it gives each state
-        its path. A state found at several places is stored under the first. If
-        omitted, every state must have a unique name. (Keyword only argument.)
+        its path, and so do the states keying a `StateDict` inside a value (an
+        optimiser's moments), whether or not their own values are saved. A state
+        found at several places is stored under the first. If omitted, every state
+        must have a unique name. (Keyword only argument.)
     - `backend`: `"single-file"` (this format), `"orbax"` (a directory in which
         every process writes its own shards; needs `eqstate[orbax]`), or `None`:
         Orbax when the program runs as several processes (`jax.process_count() >
@@ -149,7 +151,8 @@ def load(
         their names, or from `model`). The target's current values give the expected
         shapes and dtypes.
     - `model`: only with a `StateDict` target: a PyTree holding its states, to take
-        their paths from. This loads a checkpoint saved with
+        their paths from (and those of the states keying a `StateDict` inside a
+        value, as when saving). This loads a checkpoint saved with
         `save(path, states, model=model)` where `states` is part of the model's
         states, e.g. only its parameters. (Keyword only argument.)
     - `backend`: `"single-file"`, `"orbax"`, or `None` to tell from `path`: a

@@ -60,14 +60,15 @@ def _key_text(entry: Any, states: Mapping[State, str]) -> str:
 
 def _state_text(state: State, states: Mapping[State, str]) -> str:
     """A state met inside a value (a StateDict in an optimiser's state) is stored under
-    its own path (or name), which stays the same across runs and processes."""
+    its own path in the model (or its name), which stays the same across runs and
+    processes."""
     text = states.get(state, state.name)
     if text is None:
         raise CheckpointError(
             f"A value holds a StateDict entry for {state_label(state)}, which has no "
-            "path here: it is neither among the states saved (pass `model=` holding "
-            "it, or save its value too) nor named. Give it a `name=`, or save the "
-            "model's states with `model=`."
+            "path in the checkpoint: it is not in `model` (or no `model` was given), "
+            "and it has no name. Pass `model=` holding it (e.g. the whole model, "
+            "when saving only its optimiser state), or give it a `name=`."
         )
     return text
 
@@ -93,8 +94,12 @@ def _is_key(x: Any) -> bool:
 def state_paths(
     states: tuple[State, ...], model: PyTree | None, verb: str
 ) -> dict[State, str]:
-    """The path under which each state is stored: its PyTree path in `model` (the
-    first one, if it sits at several), or its name when there is no model."""
+    """The path under which each of `states` is stored: its PyTree path in `model`
+    (the first one, if it sits at several), or its name when there is no model.
+
+    With a model, the result also holds the path of every other state in it: a
+    handle met inside a value (an optimiser's moments keyed by parameters) is stored
+    under its path in the model, whether or not its own value is saved."""
     if model is not None:
         found = cast(tuple[tuple[tuple, State], ...], states_of(model, with_paths=True))
         paths = {state: _path_text(path) for path, state in found}
@@ -107,7 +112,7 @@ def state_paths(
                 "the model holding every state of the StateDict, or leave the others "
                 "out of it, e.g. use `eqstate.values_of(model)`."
             )
-        return {s: paths[s] for s in states}
+        return paths
     named: dict[State, str] = {}
     by_name: dict[str, State] = {}
     for state in states:
@@ -137,11 +142,14 @@ def stored_leaves(
     paths: Mapping[State, str], values: Mapping[State, PyTree]
 ) -> list[tuple[Leaf, Any]]:
     """Every array of every state's value with the path it is stored under, in order;
-    a value with several leaves gets one entry per leaf (`opt.mu.0`)."""
+    a value with several leaves gets one entry per leaf (`opt.mu.0`). `paths` holds
+    the path of every state of `values`, and of the states keying StateDicts inside
+    them."""
     out: list[tuple[Leaf, Any]] = []
     seen: dict[str, State] = {}
-    for state, base in paths.items():
-        for subpath, leaf in jtu.tree_leaves_with_path(values[state]):
+    for state, value in values.items():
+        base = paths[state]
+        for subpath, leaf in jtu.tree_leaves_with_path(value):
             path = _join(base, _path_text(subpath, paths))
             if path in seen:
                 raise CheckpointError(

@@ -12,6 +12,7 @@ import tracemalloc
 import zlib
 
 import eqstate as es
+import eqstate.nn as enn
 import equinox as eqx
 import hypothesis
 import jax
@@ -1001,9 +1002,11 @@ class _Trained(eqx.Module):
     b: es.ParamState
     opt_state: es.LongTermState
 
-    def __init__(self, scale: float):
-        self.w = es.ParamState(jnp.ones(3) * scale)
-        self.b = es.ParamState(jnp.ones(2) * scale)
+    def __init__(
+        self, scale: float, names: tuple[str | None, str | None] = (None, None)
+    ):
+        self.w = es.ParamState(jnp.ones(3) * scale, name=names[0])
+        self.b = es.ParamState(jnp.ones(3) * scale, name=names[1])
         params = es.values_of(self, es.ParamState)
         self.opt_state = es.LongTermState(optax.adam(1e-3).init(params))
 
@@ -1022,6 +1025,73 @@ def test_optimiser_state_of_state_dicts_loads_into_a_fresh_model(tmp_path, backe
     mu = fresh.opt_state.value[0].mu
     assert (mu[fresh.w] == 1).all() and (mu[fresh.b] == 1).all()
     assert (fresh.w.value == 2).all()
+
+
+class _TwoNorms(eqx.Module):
+    first: enn.BatchNorm  # both layers name their parameters "weight" and "bias"
+    second: enn.BatchNorm
+    opt_state: es.LongTermState
+
+    def __init__(self):
+        self.first, self.second = enn.BatchNorm(3), enn.BatchNorm(3)
+        params = es.values_of(self, es.ParamState)
+        self.opt_state = es.LongTermState(optax.adam(1e-3).init(params))
+
+
+def _with_moments(model, moments: list[jax.Array]) -> None:
+    """Gives the parameters of `model` the first Adam moments `moments`, in order."""
+    params = es.states_of(model, es.ParamState)
+    adam, *rest = model.opt_state.value
+    mu = es.StateDict(dict(zip(params, moments, strict=True)))
+    model.opt_state.value = (adam._replace(mu=mu), *rest)
+
+
+def _opt_state_only(model) -> es.StateDict:
+    return es.StateDict({model.opt_state: model.opt_state.value})
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+@pytest.mark.parametrize(
+    "build", (_TwoNorms, lambda: _Trained(1.0)), ids=("two BatchNorms", "unnamed")
+)
+def test_saving_only_the_optimiser_state_takes_parameter_paths_from_model(
+    backend, build, tmp_path
+):
+    # The moments are StateDicts keyed by the parameters, whose values are not saved:
+    # their paths come from `model=` too (unnamed, or named alike in both layers).
+    model, fresh = build(), build()
+    moments = [jnp.full(3, float(i)) for i in range(4 if build is _TwoNorms else 2)]
+    _with_moments(model, moments)
+    path = _ckpt_path(tmp_path, backend)
+    es.save(path, _opt_state_only(model), model=model, backend=backend)
+    loaded = es.load(path, _opt_state_only(fresh), model=fresh, backend=backend)
+    mu = loaded[fresh.opt_state][0].mu
+    assert tree_bitwise_equal(
+        [mu[p] for p in es.states_of(fresh, es.ParamState)], moments
+    )
+
+
+def test_parameters_keying_a_saved_value_are_matched_by_path_not_name(tmp_path):
+    # Names that do not identify the parameters (swapped in the model built afresh)
+    # must not load one parameter's moment into another.
+    model, fresh = _Trained(1.0, ("w", "b")), _Trained(0.0, ("b", "w"))
+    _with_moments(model, [jnp.full(3, 5.0), jnp.full(3, 7.0)])
+    path = tmp_path / "opt.eqstate"
+    es.save(path, _opt_state_only(model), model=model)
+    loaded = es.load(path, _opt_state_only(fresh), model=fresh)
+    mu = loaded[fresh.opt_state][0].mu
+    assert (mu[fresh.w] == 5).all() and (mu[fresh.b] == 7).all()
+
+
+def test_a_value_keyed_by_an_unnamed_state_outside_the_model_is_refused(tmp_path):
+    stray = es.ParamState(jnp.ones(3))
+    model = {"opt": es.LongTermState(es.StateDict({stray: jnp.zeros(3)}))}
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"entry for unnamed ParamState .* not in `model`.*give it a `name=`",
+    ):
+        es.save(tmp_path / "c", es.values_of(model), model=model)
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("backend", ["single-file", "orbax"])
