@@ -79,13 +79,16 @@ def save(
     - `backend`: `"single-file"` (this format), `"orbax"` (a directory in which
         every process writes its own shards; needs `eqstate[orbax]`), or `None`:
         Orbax when the program runs as several processes (`jax.process_count() >
-        1`), else the single file. (Keyword only argument.)
+        1`), else the single file. Orbax replaces an Orbax checkpoint already at
+        `path` (it removes it first, then writes), and refuses a path holding
+        anything else. (Keyword only argument.)
 
     **Raises:**
 
     [`eqstate.CheckpointError`][] if a state is not in `model`, if states lack unique
     names when there is no `model`, if two arrays would get the same path, if
-    the file cannot be written (a read-only directory, a full disk: the
+    the Orbax backend finds a file or a directory that is not an Orbax checkpoint
+    at `path`, if the file cannot be written (a read-only directory, a full disk: the
     `OSError` is its cause), or if called inside a JAX transform (`jit`, a loop
     body, `vmap`), which would write the file only once, while tracing: save
     between calls of the compiled step. `TypeError` if `states` is not a mapping

@@ -34,7 +34,7 @@ from ._checkpoint_paths import Leaf, state_paths, stored_leaves, values_from_arr
 from ._context import to_value
 from ._errors import CheckpointError
 from ._multi_process import device_put
-from ._pretty_print import state_label
+from ._pretty_print import first_and_more, state_label
 from ._state import State
 from ._state_dict import StateDict
 
@@ -193,11 +193,42 @@ def _refuse_empty_arrays(leaves: list[tuple[Leaf, Any]]) -> None:
             )
 
 
+_NOT_A_CHECKPOINT = (
+    "Cannot save an Orbax checkpoint to {path!r}: it is {what}, not an Orbax "
+    "checkpoint. Orbax replaces what is at the path whole, so saving would delete "
+    "it. Nothing was written or removed. Save to a new path{fix}."
+)
+_FILE_FIX = ", or with `backend='single-file'` to replace a single-file checkpoint"
+_DIRECTORY_FIX = (
+    ", e.g. a subdirectory `os.path.join(path, 'checkpoint')`, or keep a series of "
+    "checkpoints in the directory with `eqstate.CheckpointManager(path)`"
+)
+
+
+def _refuse_to_replace(path: str) -> None:
+    """Raises `CheckpointError` if `path` holds something that is not an Orbax
+    checkpoint (or an empty directory), which Orbax would remove before writing."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            _NOT_A_CHECKPOINT.format(path=path, what="a file", fix=_FILE_FIX)
+        )
+    held = sorted(os.listdir(path))
+    if held and not os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")):
+        shown = first_and_more(repr(name) for name in held)
+        what = f"a directory holding {shown}"
+        raise CheckpointError(
+            _NOT_A_CHECKPOINT.format(path=path, what=what, fix=_DIRECTORY_FIX)
+        )
+
+
 def save_orbax(
     path: str, states: Mapping[State, PyTree], *, model: PyTree | None = None
 ) -> None:
     """`eqstate.save(path, states, model=model, backend='orbax')`."""
     ocp = orbax("Saving a checkpoint with the Orbax backend")
+    _refuse_to_replace(path)
     args, _ = _save_args(ocp, states, model)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(os.path.abspath(path), args=args, force=True)

@@ -440,6 +440,18 @@ def checkpoint_unknown_backend():
     return lambda: es.save(path, es.values_of(model), backend="zip"), []
 
 
+@case(
+    "an Orbax save to a directory holding other files",
+    es.CheckpointError,
+    "holding 'notes.txt', not an Orbax checkpoint",
+)
+def orbax_save_over_other_files():
+    w = _w()
+    directory = tempfile.mkdtemp()
+    pathlib.Path(directory, "notes.txt").write_text("precious")
+    return lambda: es.save(directory, es.values_of(w), backend="orbax"), [w]
+
+
 @case("an Orbax checkpoint with a flipped byte", es.CheckpointError, "corrupted")
 def orbax_flipped_byte():
     model = {"w": es.ParamState(jnp.arange(1000.0), name="w")}

@@ -1211,3 +1211,60 @@ def test_orbax_refuses_an_empty_array_before_touching_the_old_checkpoint(tmp_pat
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     loaded = es.load(path, es.values_of(model["w"]), model=model, backend="orbax")
     assert (loaded[model["w"]] == jnp.arange(3.0)).all()
+
+
+def _files(root: pathlib.Path) -> dict[str, bytes | None]:
+    """Everything under `root` (itself included), with each file's bytes."""
+    found = [root, *root.rglob("*")] if root.is_dir() else [root]
+    return {
+        str(p.relative_to(root.parent)): p.read_bytes() if p.is_file() else None
+        for p in found
+    }
+
+
+def _run_directory(path: pathlib.Path) -> None:
+    (path / "logs").mkdir(parents=True)
+    (path / "notes.txt").write_text("precious")
+    (path / "logs" / "train.log").write_text("step 1")
+
+
+def _single_file_checkpoint(path: pathlib.Path) -> None:
+    es.save(path, es.values_of(es.ParamState(jnp.ones(3), name="w")))
+
+
+@pytest.mark.parametrize(
+    "make, what, fix",
+    (
+        (_run_directory, r"a directory holding 'logs', 'notes\.txt'", "subdirectory"),
+        (_single_file_checkpoint, "a file", "backend='single-file'"),
+    ),
+    ids=("directory of other files", "single-file checkpoint"),
+)
+def test_orbax_save_refuses_to_replace_what_is_not_a_checkpoint(
+    tmp_path, make, what, fix
+):
+    # Orbax removes what is at the path before writing: a run's directory would go.
+    path = tmp_path / "run"
+    make(path)
+    before = _files(path)
+    w = es.ParamState(jnp.zeros(3), name="w")
+    with pytest.raises(
+        es.CheckpointError,
+        match=rf"(?s)Cannot save an Orbax checkpoint to .*/run': it is {what}, not an "
+        rf"Orbax checkpoint.*Nothing was written or removed.*{fix}",
+    ):
+        es.save(path, es.values_of(w), backend="orbax")
+    assert _files(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_orbax_save_replaces_an_earlier_checkpoint_or_fills_an_empty_directory(
+    tmp_path,
+):
+    w = es.ParamState(jnp.zeros(3), name="w")
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    es.save(path, es.values_of(w), backend="orbax")
+    w.value = jnp.ones(3)
+    es.save(path, es.values_of(w), backend="orbax")
+    assert (es.load(path, es.values_of(w))[w] == 1).all()
