@@ -150,7 +150,7 @@ def _save_args(
     """Orbax's save arguments for `states`, and the eqstate entries they describe."""
     values = {state: to_value(value) for state, value in states.items()}
     leaves = stored_leaves(state_paths(tuple(values), model, "save"), values)
-    _refuse_empty_arrays(leaves)
+    _refuse_what_orbax_cannot_save(leaves)
     arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
@@ -180,17 +180,32 @@ def _save_args(
     return args, entries
 
 
-def _refuse_empty_arrays(leaves: list[tuple[Leaf, Any]]) -> None:
+def _bits(dtype: np.dtype) -> int:
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits
+    return dtype.itemsize * 8
+
+
+def _refuse_what_orbax_cannot_save(leaves: list[tuple[Leaf, Any]]) -> None:
     """Raises `CheckpointError`, before anything is written or removed, for an array
-    with no elements: Orbax cannot save those."""
+    with no elements or of a dtype narrower than a byte (`int4`, `float4_e2m1fn`):
+    Orbax cannot save those."""
     for spec, _ in leaves:
         if 0 in spec.shape:
-            raise CheckpointError(
-                f"Cannot save entry `{spec.path}` (shape {tuple(spec.shape)}, dtype "
-                f"{spec.dtype}) with the Orbax backend: Orbax cannot save arrays with "
-                "no elements. Nothing was written. Save with "
-                "`backend='single-file'`, or leave the empty state out of `states`."
-            )
+            why, fix = "arrays with no elements", "leave the empty state out"
+        elif (bits := _bits(spec.dtype)) < 8:
+            why = f"dtypes narrower than a byte ({spec.dtype} has {bits} bits)"
+            fix = "convert the value first, e.g. to `int8` or `bfloat16`"
+        else:
+            continue
+        raise CheckpointError(
+            f"Cannot save entry `{spec.path}` (shape {tuple(spec.shape)}, dtype "
+            f"{spec.dtype}) of {state_label(spec.state)} with the Orbax backend: "
+            f"Orbax cannot save {why}. Nothing was written or removed. Save with "
+            f"`backend='single-file'`, which stores it bit for bit, or {fix}."
+        )
 
 
 _NOT_A_CHECKPOINT = (

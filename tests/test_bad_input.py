@@ -452,6 +452,17 @@ def orbax_save_over_other_files():
     return lambda: es.save(directory, es.values_of(w), backend="orbax"), [w]
 
 
+@case(
+    "an Orbax save of an `int4` array",
+    es.CheckpointError,
+    r"dtype int4\) of State 'q' .* narrower than a byte",
+)
+def orbax_sub_byte_dtype():
+    q = es.State(jnp.zeros(4, jnp.int4), name="q")
+    path = os.path.join(tempfile.mkdtemp(), "model")
+    return lambda: es.save(path, es.values_of(q), backend="orbax"), [q]
+
+
 @case("an Orbax checkpoint with a flipped byte", es.CheckpointError, "corrupted")
 def orbax_flipped_byte():
     model = {"w": es.ParamState(jnp.arange(1000.0), name="w")}

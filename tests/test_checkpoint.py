@@ -1232,6 +1232,31 @@ def _single_file_checkpoint(path: pathlib.Path) -> None:
     es.save(path, es.values_of(es.ParamState(jnp.ones(3), name="w")))
 
 
+@pytest.mark.parametrize("name", ("int4", "uint4", "int2", "uint2", "float4_e2m1fn"))
+def test_orbax_refuses_a_sub_byte_dtype_before_touching_the_old_checkpoint(
+    tmp_path, name
+):
+    dtype = getattr(jnp, name, None)
+    if dtype is None:
+        pytest.skip(f"this JAX has no {name}")
+    model = {
+        "w": es.ParamState(jnp.arange(3.0), name="w"),
+        "q": es.State(jnp.zeros(4, dtype), name="q"),
+    }
+    path = tmp_path / "ckpt"
+    es.save(path, es.values_of(model["w"]), model=model, backend="orbax")
+    before = _files(path)
+    with pytest.raises(
+        es.CheckpointError,
+        match=rf"(?s)`q` \(shape \(4,\), dtype {name}\) of State 'q' .*narrower "
+        "than a byte.*Nothing was written or removed.*backend='single-file'",
+    ):
+        es.save(path, es.values_of(model), model=model, backend="orbax")
+    assert _files(path) == before and os.listdir(tmp_path) == ["ckpt"]
+    loaded = es.load(path, es.values_of(model["w"]), model=model, backend="orbax")
+    assert (loaded[model["w"]] == jnp.arange(3.0)).all()
+
+
 @pytest.mark.parametrize(
     "make, what, fix",
     (
