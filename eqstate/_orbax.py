@@ -252,11 +252,21 @@ def save_orbax(
 # Loading -----------------------------------------------------------------------------
 
 
+def _is_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("path"), str)
+        and isinstance(entry.get("dtype"), str)
+        and isinstance(entry.get("shape"), list)
+    )
+
+
 def _check_meta(where: str, meta: Any) -> list[dict[str, Any]]:
     if (
         not isinstance(meta, dict)
         or meta.get("format") != _FORMAT
         or not isinstance(meta.get("entries"), list)
+        or not all(map(_is_entry, meta["entries"]))
     ):
         raise CheckpointError(
             f"{where!r} is an Orbax checkpoint, but not one written by `eqstate.save` "
@@ -340,7 +350,15 @@ def restore_with(
     entries = _check_meta(where, meta[_META_ITEM])
     by_path = check_entries(where, target, [spec for spec, _ in specs], entries)
     args = ocp.args.PyTreeRestore(restore_args=_restore_args(ocp, specs))
-    stored = restore(ocp.args.Composite(**{_STATE_ITEM: args}))[_STATE_ITEM]
+    try:
+        stored = restore(ocp.args.Composite(**{_STATE_ITEM: args}))[_STATE_ITEM]
+    except Exception as e:  # Orbax and TensorStore raise many kinds for bad files.
+        raise CheckpointError(
+            f"Cannot read the arrays of the checkpoint {where!r}: Orbax failed to "
+            f"restore them ({type(e).__name__}: {e}). Its files are damaged or "
+            "incomplete (changed or cut short after they were written); copy it "
+            "again or use an earlier checkpoint."
+        ) from e
     _verify(where, specs, stored, by_path)
     arrays = [_value(spec, leaf, stored[spec.path]) for spec, leaf in specs]
     return values_from_arrays(expected, specs, arrays, by_path)

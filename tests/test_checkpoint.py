@@ -2,6 +2,7 @@ import errno
 import json
 import os
 import pathlib
+import re
 import signal
 import struct
 import subprocess
@@ -1255,6 +1256,39 @@ def test_orbax_refuses_a_sub_byte_dtype_before_touching_the_old_checkpoint(
     assert _files(path) == before and os.listdir(tmp_path) == ["ckpt"]
     loaded = es.load(path, es.values_of(model["w"]), model=model, backend="orbax")
     assert (loaded[model["w"]] == jnp.arange(3.0)).all()
+
+
+def _flip_middle(path: pathlib.Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def _entries_of_numbers(path: pathlib.Path) -> None:
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, "entries": [1, 2]}))
+
+
+@pytest.mark.parametrize(
+    "file, damage",
+    (
+        ("state/_METADATA", lambda p: p.write_text("{")),
+        ("state/_METADATA", lambda p: p.write_text("{}")),
+        ("state/manifest.ocdbt", _flip_middle),
+        ("eqstate/metadata", _entries_of_numbers),
+    ),
+    ids=("not JSON", "empty JSON", "flipped byte", "entries of numbers"),
+)
+def test_damaged_orbax_metadata_gives_checkpoint_error(tmp_path, file, damage):
+    model = {"w": es.ParamState(jnp.arange(64.0)), "n": es.ShortTermState(3)}
+    path = tmp_path / "ckpt"
+    es.save(path, es.values_of(model), model=model, backend="orbax")
+    damage(path / file)
+    with pytest.raises(es.CheckpointError, match=re.escape(f"'{path}'")) as info:
+        es.load(path, model)
+    # Orbax's own error is kept as the cause.
+    message, cause = str(info.value), info.value.__cause__
+    assert ("damaged" in message and cause is not None) or "malformed" in message
 
 
 @pytest.mark.parametrize(
