@@ -86,13 +86,14 @@ def save(
     **Raises:**
 
     [`eqstate.CheckpointError`][] if a state is not in `model`, if states lack unique
-    names when there is no `model`, if two arrays would get the same path, if
-    the Orbax backend finds a file or a directory that is not an Orbax checkpoint
-    at `path`, if the file cannot be written (a read-only directory, a full disk: the
-    `OSError` is its cause), or if called inside a JAX transform (`jit`, a loop
-    body, `vmap`), which would write the file only once, while tracing: save
-    between calls of the compiled step. `TypeError` if `states` is not a mapping
-    of states.
+    names when there is no `model`, if two arrays would get the same path, if a
+    value is a leaked tracer or an array that has been deleted (donated to a
+    jitted call), if the Orbax backend finds a file or a directory that is not an
+    Orbax checkpoint at `path`, if the file cannot be written (a read-only
+    directory, a full disk: the `OSError` is its cause), or if called inside a JAX
+    transform (`jit`, a loop body, `vmap`), which would write the file only once,
+    while tracing: save between calls of the compiled step. `TypeError` if
+    `states` is not a mapping of states. Nothing is written or removed then.
 
     !!! Example
 

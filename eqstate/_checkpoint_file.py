@@ -53,9 +53,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  # registers the names `bfloat16`, `float8_*` with NumPy
 import numpy as np
-from jax.core import Tracer
 
 from ._atomic_file import write_atomically
+from ._checkpoint_checks import check_savable
 from ._checkpoint_paths import Leaf
 from ._errors import CheckpointError
 from ._multi_process import require_fully_addressable, SAVE_FIX
@@ -84,12 +84,7 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 
 
 def _host_bytes(spec: Leaf, leaf: Any) -> memoryview:
-    if isinstance(leaf, Tracer):
-        raise CheckpointError(
-            f"Cannot save `{spec.path}` ({state_label(spec.state)}): its value is a "
-            "JAX tracer. `eqstate.save` writes a file, so call it outside `jax.jit`, "
-            "`jax.vmap` and eqstate transforms, on concrete values."
-        )
+    check_savable(spec, leaf)
     require_fully_addressable(
         leaf, f"`{spec.path}` ({state_label(spec.state)})", "save", SAVE_FIX
     )

@@ -28,7 +28,7 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from ._checkpoint_checks import refuse_under_transforms
+from ._checkpoint_checks import check_savable, refuse_under_transforms
 from ._checkpoint_match import check_entries, load_target
 from ._checkpoint_paths import Leaf, state_paths, stored_leaves, values_from_arrays
 from ._context import to_value
@@ -135,12 +135,7 @@ def checksums(arrays: list[jax.Array]) -> list[int]:
 
 
 def _stored_array(spec: Leaf, leaf: Any) -> jax.Array:
-    if isinstance(leaf, Tracer):
-        raise CheckpointError(
-            f"Cannot save `{spec.path}` ({state_label(spec.state)}): its value is a "
-            "JAX tracer. Checkpoints are written outside `jax.jit`, `jax.vmap` and "
-            "eqstate transforms, from concrete values."
-        )
+    check_savable(spec, leaf)
     return jax.random.key_data(leaf) if spec.key_impl is not None else leaf
 
 

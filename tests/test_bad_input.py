@@ -433,6 +433,19 @@ def checkpoint_load_in_jit():
     return es.transform.jit(lambda: es.assign(es.load(path, model))), [model["w"]]
 
 
+@case(
+    "saving an array that has been deleted (donated)",
+    es.CheckpointError,
+    r"`w` \(ParamState 'w'\): its value .* has been deleted",
+)
+def save_deleted_array():
+    w = _w()
+    stale = es.StateDict({w: jnp.ones(3)})
+    stale[w].delete()
+    path = os.path.join(tempfile.mkdtemp(), "model.eqstate")
+    return lambda: es.save(path, stale), [w]
+
+
 @case("an unknown checkpoint backend", ValueError, "Unknown checkpoint backend")
 def checkpoint_unknown_backend():
     model = {"w": _w()}

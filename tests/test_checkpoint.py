@@ -312,11 +312,32 @@ def test_state_at_several_paths_is_stored_under_the_first(tmp_path):
     assert loaded.states == (shared,)
 
 
-def test_save_refuses_leaked_tracers(tmp_path):
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_save_refuses_leaked_tracers(tmp_path, backend):
     w = es.ParamState(jnp.ones(2), name="w")
     with pytest.raises(es.CheckpointError, match=r"`w`.*tracer"):
-        save(tmp_path / "c", {w: leak_a_tracer((2,))})
+        save(tmp_path / "c", {w: leak_a_tracer((2,))}, backend=backend)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_saving_a_deleted_array_names_the_state_and_keeps_the_old_checkpoint(
+    tmp_path, backend
+):
+    # As after a call that donated the buffers of values taken before it.
+    w = es.ParamState(jnp.ones(3), name="w")
+    path = _ckpt_path(tmp_path, backend)
+    es.save(path, es.values_of(w), backend=backend)
+    before = _files(path)
+    stale = es.StateDict({w: jnp.arange(3.0)})
+    stale[w].delete()
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"`w` \(ParamState 'w'\): its value \(shape \(3,\), dtype float32\) "
+        r"is an array that has been deleted.*donate_states=True",
+    ):
+        es.save(path, stale, backend=backend)
+    assert _files(path) == before and os.listdir(tmp_path) == [path.name]
 
 
 # Each runs `body()` once inside a transform that traces it.
