@@ -5,6 +5,10 @@ other leaf. A handle is not array-like, so a module holding handles would be sav
 without any state value, and `eqx.tree_deserialise_leaves` would load none. The only
 point where a handle sees this happening is Equinox's array-like test
 (`hasattr(leaf, "__jax_array__")`), which `State.__jax_array__` routes here.
+
+That test runs leaf by leaf after `eqx.tree_serialise_leaves` has opened its file for
+writing, so the refusal cannot keep a file already at that path: Equinox has
+truncated it (and written the leaves before the handle). The message says so.
 """
 
 import sys
@@ -16,7 +20,8 @@ from ._pretty_print import state_label
 _SERIALISE = (
     "`eqx.tree_serialise_leaves` met {label}. A handle holds no value, so Equinox would "
     "skip it and save none of the values of the states: the file would load back as a "
-    "model with its initial states. Save the values next to the model's arrays, as a "
+    "model with its initial states. (Equinox had already opened the file for writing: "
+    "a file that was at that path is now truncated.) Save the values next to the model's arrays, as a "
     "StateDict (a PyTree of arrays), and leave the handles out:\n"
     "    eqx.tree_serialise_leaves(path, (eqx.filter(model, eqx.is_array), "
     "eqstate.values_of(model)))\n"

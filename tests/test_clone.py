@@ -323,6 +323,8 @@ def test_eqx_serialisation_of_handles_is_refused_with_the_recipe(getkey):
     model = _Model(getkey())
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "model.eqx")
+        with open(path, "wb") as f:
+            f.write(b"an earlier checkpoint")
         with pytest.raises(TreePathError) as info:
             eqx.tree_serialise_leaves(path, model)
         assert isinstance(info.value.__cause__, TreePathError)
@@ -332,6 +334,10 @@ def test_eqx_serialisation_of_handles_is_refused_with_the_recipe(getkey):
             cause
         )
         assert "eqstate.values_of(model)" in str(cause)
+        # Equinox truncates the file before it meets a handle: the message says so.
+        assert "a file that was at that path is now truncated" in str(cause)
+        with open(path, "rb") as f:
+            assert b"an earlier checkpoint" not in f.read()
         with pytest.raises(TreePathError) as info:
             eqx.tree_deserialise_leaves(path, model)
         assert "eqx.tree_deserialise_leaves` met" in str(info.value.__cause__.__cause__)  # pyright: ignore
