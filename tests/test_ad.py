@@ -11,6 +11,16 @@ import pytest
 from .helpers import traces_per_key, tree_allclose
 
 
+_GRAD_FAMILY = (
+    es.transform.grad,
+    es.transform.value_and_grad,
+    es.transform.vector_grad,
+    es.transform.jacrev,
+    es.transform.jacfwd,
+    es.transform.hessian,
+)
+
+
 pytestmark = pytest.mark.usefixtures("tracing_mode")
 
 
@@ -337,17 +347,7 @@ def test_argnums_errors_speak_of_the_users_argnums(argnums, args, kwargs, match)
         es.transform.grad(f, argnums=argnums)(*args, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "transform",
-    (
-        es.transform.grad,
-        es.transform.value_and_grad,
-        es.transform.vector_grad,
-        es.transform.jacrev,
-        es.transform.jacfwd,
-        es.transform.hessian,
-    ),
-)
+@pytest.mark.parametrize("transform", _GRAD_FAMILY, ids=lambda t: t.__name__)
 @pytest.mark.parametrize("argnums", ((0, 0), (0, -2), (1, 0, 1)))
 def test_repeated_argnums_are_rejected_by_name(transform, argnums):
     def f(x, y):
@@ -369,18 +369,7 @@ def test_negative_argnums_count_from_the_end_as_in_jax(argnums):
     assert tree_allclose(ours, ref)
 
 
-@pytest.mark.parametrize(
-    "transform",
-    [
-        es.transform.grad,
-        es.transform.value_and_grad,
-        es.transform.vector_grad,
-        es.transform.jacrev,
-        es.transform.jacfwd,
-        es.transform.hessian,
-    ],
-    ids=lambda t: t.__name__,
-)
+@pytest.mark.parametrize("transform", _GRAD_FAMILY, ids=lambda t: t.__name__)
 def test_decorator_and_keyword_forms_match_the_direct_call(transform, getkey):
     w = es.ParamState(jr.normal(getkey(), (2,)), name="w")
     x = jr.normal(getkey(), (2,))

@@ -124,19 +124,22 @@ def _check_index(index: Any) -> None:
         )
 
 
+def _not_scalar(x: Any) -> str | None:
+    """What makes `x` no scalar (`"type list"`, `"shape (3,)"`), or `None`."""
+    if isinstance(x, Sequence):
+        return f"type {type(x).__name__}"
+    return f"shape {jnp.shape(x)}" if jnp.ndim(x) != 0 else None
+
+
 def _branch_index(pred: Any) -> Any:
     """`pred` as the index of `cond`'s branch, by the rules of `jax.lax.cond`: a
     scalar bool, or a number that is true when non-zero."""
     if pred is None:
         raise TypeError("`cond` got None as its predicate; pass a boolean scalar.")
-    if isinstance(pred, Sequence) or jnp.ndim(pred) != 0:
+    not_scalar = _not_scalar(pred)
+    if not_scalar:
         raise TypeError(
-            f"`cond` needs a scalar predicate, got {pred!r} of "
-            + (
-                f"type {type(pred).__name__}."
-                if isinstance(pred, Sequence)
-                else f"shape {jnp.shape(pred)}."
-            )
+            f"`cond` needs a scalar predicate, got {pred!r} of {not_scalar}."
         )
     try:
         dtype = jnp.result_type(pred)
@@ -235,15 +238,11 @@ def ifelse(
     if not branches:
         raise ValueError("`ifelse` needs at least one branch.")
     for i, c in enumerate(conditions):
-        if isinstance(c, Sequence) or jnp.ndim(c) != 0:
+        not_scalar = _not_scalar(c)
+        if not_scalar:
             raise TypeError(
-                f"`ifelse` needs scalar conditions, got condition {i} of "
-                + (
-                    f"type {type(c).__name__}."
-                    if isinstance(c, Sequence)
-                    else f"shape {jnp.shape(c)}."
-                )
-                + " Reduce it to one boolean, e.g. with `jnp.all` or `jnp.any`."
+                f"`ifelse` needs scalar conditions, got condition {i} of {not_scalar}. "
+                "Reduce it to one boolean, e.g. with `jnp.all` or `jnp.any`."
             )
     flags = jnp.stack([jnp.asarray(c, dtype=bool) for c in conditions])
     index = jnp.argmax(flags)
