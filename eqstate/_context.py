@@ -49,7 +49,9 @@ def to_value(value: Any) -> Any:
 
 
 def _to_array(x: Any) -> Any:
-    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+    # A copy: on some JAX releases `jnp.asarray` of a NumPy array shares its buffer,
+    # which the caller may change afterwards.
+    return x if isinstance(x, jax.Array) else jnp.array(x)
 
 
 def has_tracer(value: Any) -> bool:

@@ -73,7 +73,8 @@ class State(Generic[_Value]):
         """**Arguments:**
 
         - `value`: the initial value, a PyTree of arrays. Each leaf is converted with
-            `jnp.asarray` and registered in the innermost context.
+            `jnp.array` (NumPy arrays are copied) and registered in the innermost
+            context.
         - `tag`: a free-form label, for [`eqstate.filters.WithTag`][]. (Keyword only
             argument.)
         - `name`: a name shown in messages and printing. (Keyword only argument.)

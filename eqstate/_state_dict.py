@@ -58,9 +58,10 @@ class StateDict(_MappingBase):
         """**Arguments:**
 
         - `values`: the contents, a mapping (or iterable of pairs) from handles to
-            PyTrees of arrays. Each leaf is converted with `jnp.asarray`. (Typed to
-            also accept what optax returns, e.g. `optax.apply_updates(params,
-            updates)`: a `StateDict` at run time, declared as a PyTree of arrays.)
+            PyTrees of arrays. Each leaf is converted with `jnp.array` (NumPy arrays
+            are copied). (Typed to also accept what optax returns, e.g.
+            `optax.apply_updates(params, updates)`: a `StateDict` at run time,
+            declared as a PyTree of arrays.)
         """
         if isinstance(values, Mapping):
             items = values.items()

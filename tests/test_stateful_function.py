@@ -409,12 +409,22 @@ def test_one_static_argument_named_twice_matches_jax_jit(transform, static):
 
 
 def test_a_state_written_from_a_numpy_argument_holds_a_copy():
-    n = es.State(jnp.zeros(2), name="n")
-    arr = np.ones(2, np.float32)
-    StatefulFunction(lambda x: setattr(n, "value", x))(arr)
-    arr[0] = 99.0
-    assert isinstance(n.value, jax.Array)
-    assert (n.value == 1.0).all()
+    # Some JAX releases share a NumPy array's buffer in `jnp.asarray` when it happens
+    # to be aligned: many arrays, so that some are.
+    for size in range(1, 40):
+        n = es.State(jnp.zeros(size), name="n")
+        write = StatefulFunction(lambda x, n=n: setattr(n, "value", x))
+        arrays = [np.ones(size, np.float32) for _ in range(4)]
+        created = es.State(arrays[0])
+        sd = es.StateDict({created: arrays[1]})
+        n.value = arrays[2]
+        eager = n.value
+        write(arrays[3])
+        for arr in arrays:
+            arr[0] = 99.0
+        for value in (created.value, sd[created], eager, n.value):
+            assert isinstance(value, jax.Array)
+            assert (value == 1.0).all()
 
 
 def test_eager_calls_give_jax_arrays_like_jax_jit():

@@ -134,7 +134,7 @@ class Trace:
         for k in self.given:
             x = needed[k]
             if not isinstance(x, jax.Array):
-                needed[k] = jnp.asarray(x)
+                needed[k] = jnp.array(x)  # a copy, as in `_context.to_value`
         return needed
 
     def read_only(self, values: Sequence[Any]) -> dict[State, Any]:
