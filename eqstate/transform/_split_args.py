@@ -113,12 +113,7 @@ class ArgSplitter:
                 dynamic.append(arg)
                 continue
             last = remembered.get(i)
-            if (
-                last is not None
-                and last[0] is arg
-                and last[3] == last[4]
-                and (not last[5] or _unchanged(last[5]))
-            ):
+            if last is not None and last[0] is arg and _unchanged_since(*last[3:]):
                 parts.append(last[1])
                 dynamic.extend(last[2])
                 continue
@@ -317,15 +312,21 @@ class Recent:
     def split(self, args: tuple) -> tuple[int, list] | None:
         """`(key, dynamic leaves)` of `args` if it is such a call with this model,
         unchanged; else `None`."""
-        if len(args) != self.n or self.copies != self.containers:
+        if len(args) != self.n:
             return None
-        if self.others and not _unchanged(self.others):
+        if not _unchanged_since(self.copies, self.containers, self.others):
             return None
         rest = args[1:]
         for arg in rest:
             if type(arg) is not ArrayImpl:
                 return None
         return self.key, [*self.leaves, *rest]
+
+
+def _unchanged_since(copies: tuple, containers: tuple, others: list) -> bool:
+    """Whether a remembered argument's lists and dicts (see `_mutable_containers`)
+    still hold the very objects they held when it was split."""
+    return copies == containers and (not others or _unchanged(others))
 
 
 def _is_frozen(treedef: PyTreeDef) -> bool:
