@@ -678,6 +678,19 @@ def test_cell_input_of_the_wrong_shape_names_the_cell_and_both_shapes():
         batched(jnp.zeros((10, 3)))
 
 
+def test_lstm_under_vmap_with_only_its_hidden_state_mapped_names_the_cell_state():
+    lstm = enn.LSTMCell(2, 4, batch_size=8)
+    step = es.transform.vmap(lstm, in_states={0: lstm.hidden})
+    with pytest.raises(
+        ValueError,
+        match=r"got an input of shape \(2,\) \(batch shape \(\)\), but its state "
+        r"'cell' has shape \(8, 4\).*map every carried state",
+    ):
+        step(jnp.zeros((8, 2)))
+    both = es.transform.vmap(lstm, in_states={0: es.states_of(lstm, es.ShortTermState)})
+    assert both(jnp.zeros((8, 2))).shape == (8, 4)
+
+
 def test_cells_refuse_non_positive_sizes():
     with pytest.raises(ValueError, match="GRUCell needs a positive `hidden_size`"):
         enn.GRUCell(3, 0)

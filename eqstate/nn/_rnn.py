@@ -7,7 +7,7 @@ shape of a call follows the input and the hidden state, never a static field.
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
@@ -95,28 +95,38 @@ class _RecurrentCell(eqx.Module):
             f"hidden_size={self.hidden_size})"
         )
 
-    def _check_input(self, x: Array, hidden: Array) -> tuple[int, ...]:
-        """The batch shape of the call, or `ValueError` naming both shapes."""
+    def _check_input(
+        self, x: Array, states: tuple[ShortTermState, ...], carry: _Carry
+    ) -> tuple[int, ...]:
+        """The batch shape of the call, or `ValueError` naming the input's shape and
+        that of the first carried state whose batch shape differs."""
         if x.ndim == 0 or x.shape[-1] != self.input_size:
             raise ValueError(
                 f"{self._name()} takes one time step of shape (*batch, "
                 f"{self.input_size}), got shape {x.shape}. To run a whole sequence, "
                 "loop over its time axis with `eqstate.transform.for_loop(cell, xs)`."
             )
-        batch, hidden_batch = x.shape[:-1], hidden.shape[:-1]
-        if batch != hidden_batch:
-            raise ValueError(
-                f"{self._name()} got an input of shape {x.shape} (batch shape "
-                f"{batch}), but its hidden state has shape {hidden.shape} here (batch "
-                f"shape {hidden_batch}). Give the hidden state the batch of the input "
-                f"before the sequence, outside transforms: `cell.reset(batch_size="
-                f"{batch if len(batch) != 1 else batch[0]})`. Inside "
-                "`eqstate.transform.vmap`, map the hidden state along with the input: "
-                "`vmap(cell, in_states={0: eqstate.states_of(cell, "
-                "eqstate.ShortTermState)})`; the hidden state of an ensemble keeps "
-                "its members axis first: `cell.reset(batch_size=(members, *batch))`."
-            )
+        batch = x.shape[:-1]
+        for state, value in zip(states, carry):
+            if value.shape[:-1] != batch:
+                self._refuse_batch(x, batch, state, value)
         return batch
+
+    def _refuse_batch(
+        self, x: Array, batch: tuple[int, ...], state: ShortTermState, value: Array
+    ) -> NoReturn:
+        carried = "hidden state" if state is self.hidden else f"state '{state.name}'"
+        raise ValueError(
+            f"{self._name()} got an input of shape {x.shape} (batch shape {batch}), "
+            f"but its {carried} has shape {value.shape} here (batch shape "
+            f"{value.shape[:-1]}). Give the carried states the batch of the input "
+            "before the sequence, outside transforms: `cell.reset(batch_size="
+            f"{batch if len(batch) != 1 else batch[0]})`. Inside "
+            "`eqstate.transform.vmap`, map every carried state along with the input: "
+            "`vmap(cell, in_states={0: eqstate.states_of(cell, "
+            "eqstate.ShortTermState)})`; the carried states of an ensemble keep "
+            "their members axis first: `cell.reset(batch_size=(members, *batch))`."
+        )
 
     def reset(self, batch_size: int | tuple[int, ...] | None = None) -> None:
         """Sets the hidden state to zeros, e.g. before a new sequence.
@@ -181,7 +191,7 @@ class _RecurrentCell(eqx.Module):
         x = jnp.asarray(x)
         states = self._carry_states()
         carry = tuple(state.value for state in states)
-        batch_shape = self._check_input(x, carry[0])
+        batch_shape = self._check_input(x, states, carry)
         new = _map_over_batch(self._step, self._params(), x, carry, batch_shape)
         new = tuple(value.astype(old.dtype) for old, value in zip(carry, new))
         for state, value in zip(states, new):
