@@ -87,6 +87,11 @@ def _promotion_keeps(dtype: Any, new: Any) -> bool:
         return False
 
 
+def is_weak(x: Any) -> bool:
+    """Whether `x` (an array, tracer or `jax.ShapeDtypeStruct`) is weakly typed."""
+    return getattr(getattr(x, "aval", x), "weak_type", False)
+
+
 def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     _refuse_deleted(state, new)
     if isinstance(new, Tracer) and compat.is_dead_tracer(new):
@@ -99,13 +104,13 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
             "a state's value is a PyTree of arrays, and JAX cannot make an array of "
             "it. Write an array, or a Python or NumPy number."
         ) from None
+    weak = is_weak(new)
     if new.shape == old.shape and new.dtype == old.dtype:
-        return new
+        # A Python scalar written to a strongly typed state leaves it strong: the
+        # state's values promote alike whichever number was written (`3.0` or `3`).
+        return new.astype(new.dtype) if weak and not is_weak(old) else new
     # A weakly typed value (a Python scalar) may take the state's dtype if JAX's own
     # promotion would keep that dtype: `count.value = 0` works for a float state.
-    weak = getattr(new, "weak_type", False) or getattr(
-        getattr(new, "aval", None), "weak_type", False
-    )
     if new.shape == old.shape and weak and _promotion_keeps(old.dtype, new):
         return new.astype(old.dtype)
     raise StateValueError(

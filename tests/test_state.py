@@ -138,6 +138,37 @@ def test_weak_type_may_change_on_write():
     assert not s.value.weak_type
 
 
+@pytest.mark.parametrize("how", ["eager", "jit", "StateDict.set", "scope"])
+@pytest.mark.parametrize("number", [3.0, 3])
+def test_a_python_scalar_written_to_a_strongly_typed_state_leaves_it_strong(
+    how, number
+):
+    s = es.State(jnp.array(2.0, jnp.float32), name="s")
+
+    def write():
+        s.value = number
+
+    if how == "eager":
+        write()
+    elif how == "jit":
+        es.transform.jit(write)()
+    elif how == "StateDict.set":
+        es.assign(es.values_of(s).set(s, number))
+    else:
+        with es.scope(es.values_of(s)) as sc:
+            write()
+        es.assign(sc.states)
+    assert s.value == 3.0 and not s.value.weak_type
+    # So it promotes as the float32 it was, not as a Python scalar would.
+    assert (jnp.ones(2, jnp.bfloat16) * s.value).dtype == jnp.float32
+
+
+def test_a_python_scalar_written_to_a_weakly_typed_state_leaves_it_weak():
+    s = es.State(0.0)
+    s.value = 1.0
+    assert s.value.weak_type
+
+
 def test_reading_a_state_of_a_finished_scope_raises_state_not_found():
     with es.scope(es.StateDict()):
         s = es.State(jnp.zeros(2), name="inner")

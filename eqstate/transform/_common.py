@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
+from .._context import is_weak
 from .._filters import to_predicate
 from .._shapes import shape_dtype
 from .._state import is_state, State
@@ -70,8 +71,7 @@ def strong(tree: Any) -> Any:
     """Drops weak types, so that loop carries keep one type across iterations."""
 
     def to_strong(x):
-        weak = getattr(getattr(x, "aval", x), "weak_type", False)
-        return jnp.asarray(x, dtype=x.dtype) if weak else x
+        return jnp.asarray(x, dtype=x.dtype) if is_weak(x) else x
 
     return jtu.tree_map(to_strong, tree)
 
