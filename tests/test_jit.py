@@ -366,6 +366,68 @@ def test_failing_jit_keeps_every_value(rnn):
     assert steps.value == 0 and (h.value == 0).all()
 
 
+@pytest.mark.parametrize("how", ["argnames", "argnums"])
+def test_a_static_flag_that_selects_the_written_states_runs_the_branch_it_names(how):
+    # The train/eval pattern: only training writes the statistics.
+    count = es.State(jnp.array(0), name="count")
+    traces = []
+
+    def step(x, train):
+        traces.append(train)
+        if train:
+            count.value = count.value + 1
+        return x
+
+    if how == "argnames":
+        jitted = es.transform.jit(step, static_argnames="train")
+        call = lambda train: jitted(jnp.ones(2), train=train)  # noqa: E731
+    else:
+        jitted = es.transform.jit(step, static_argnums=1)
+        call = lambda train: jitted(jnp.ones(2), train)  # noqa: E731
+    call(True)
+    call(False)
+    assert int(count.value) == 1
+    traced = len(traces)
+    for _ in range(5):
+        call(True)
+        call(False)
+    assert int(count.value) == 6
+    # Each flag keeps its own plan: alternating runs neither branch in Python again.
+    assert len(traces) == traced
+
+
+def test_a_static_argument_that_selects_the_read_states_traces_once_per_value():
+    a, b = es.State(jnp.ones(3)), es.State(2 * jnp.ones(3))
+    traces = []
+
+    @es.transform.jit(static_argnums=1)
+    def h(x, use_a):
+        traces.append(use_a)
+        return x * (a.value if use_a else b.value)
+
+    x = jnp.ones(3)
+    assert (h(x, True) == 1).all() and (h(x, False) == 2).all()
+    traced = len(traces)
+    for _ in range(5):
+        assert (h(x, True) == 1).all() and (h(x, False) == 2).all()
+    assert len(traces) == traced
+
+
+def test_a_key_error_of_the_function_while_jax_retraces_runs_it_once():
+    runs = []
+
+    @es.transform.jit(static_argnums=1)
+    def f(x, name):
+        runs.append(name)
+        return x * {"a": 1.0}[name]
+
+    f(jnp.ones(2), "a")
+    runs.clear()
+    with pytest.raises(KeyError, match="b"):
+        f(jnp.ones(2), "b")
+    assert runs == ["b"]
+
+
 def test_user_errors_while_jax_retraces_are_not_swallowed(rnn):
     def f(x):
         if x.shape[0] == 4:

@@ -100,6 +100,27 @@ def test_dropped_jitted_constructors_leave_the_world_flat():
     assert len(_context.WORLD) == before
 
 
+def test_a_jitted_function_keeps_a_bounded_number_of_dropped_models(monkeypatch):
+    from eqstate.transform import _dispatch, _function_traces, _split_args
+
+    kept = 4  # instead of 256 argument structures and 128 trace keys, to run fast
+    for module, name in [
+        (_split_args, "KEYS_KEPT"),
+        (_dispatch, "KEYS_KEPT"),
+        (_function_traces, "CACHE_SIZE"),
+    ]:
+        monkeypatch.setattr(module, name, kept)
+    f = es.transform.jit(lambda model, x: model.h.value.sum() + x)
+    gc.collect()
+    before = len(_context.WORLD)
+    for _ in range(30):
+        f(_Model(), 1.0)  # each model dropped after its call
+    gc.collect()
+    # Each model holds three states; the function remembers the last few models
+    # (its argument structures, traces and plans), never all thirty.
+    assert len(_context.WORLD) - before <= 3 * 2 * kept
+
+
 def test_transforms_pass_under_debug_nans():
     w = es.ParamState(jnp.array([1.0, 2.0]))
     h = es.ShortTermState(jnp.zeros(2))

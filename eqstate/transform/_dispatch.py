@@ -366,7 +366,10 @@ class _PerKey(dict):
         self._options = options
 
     def __missing__(self, key: int) -> Callable:
-        """The jitted function for `key`, made on first use."""
+        """The jitted function for `key`, made on first use (forgetting the oldest
+        beyond `KEYS_KEPT`: keys are never reused once forgotten)."""
+        if len(self) >= KEYS_KEPT:
+            self.pop(next(iter(self)), None)
         fn = self[key] = jax.jit(ft.partial(self._body, key), **self._options)
         return fn
 
@@ -397,6 +400,7 @@ class JitDispatch:
         self._name = traces.name
         self._parser = traces.parser
         self._static_names = frozenset(traces.parser.static_argnames)
+        self._has_static = bool(self._static_names or traces.parser.static_positions)
         self._donate = donate_states
         self._state_shardings = (
             None if state_shardings is None else sharding_rule(state_shardings)
@@ -407,8 +411,10 @@ class JitDispatch:
         self._lock = threading.Lock()
         self._warned = False
         self._splitter = self._new_splitter()
-        # Plans of split calls, by the splitter's key of their arguments.
+        # Plans of split calls, by the splitter's key of their arguments; of the
+        # others, by their static arguments (which may select other states).
         self._plans_by_key: dict[int, _Plan] = {}
+        self._plans_by_static: dict[tuple, _Plan] = {}
 
     def _new_splitter(self) -> ArgSplitter:
         return ArgSplitter(self._parser.static_positions, self._parser.static_argnames)
@@ -423,6 +429,7 @@ class JitDispatch:
         with self._lock:
             self._plans.clear()
             self._plans_by_key.clear()
+            self._plans_by_static.clear()
             self._current = None
             self._splitter = self._new_splitter()
         self._traces.clear()
@@ -459,6 +466,9 @@ class JitDispatch:
                 plan = self._plans_by_key[key]
             else:
                 key, dynamic = _UNSPLIT
+                if self._has_static:
+                    static = self._static_key(args, kwargs)
+                    plan = self._plans_by_static.get(static, plan)
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
             written = plan.get_written(values)
@@ -471,10 +481,13 @@ class JitDispatch:
                 if not plan.simple_out:
                     out = self._splitter.output(key, out)
             elif kwargs:
+                # Not `kwargs` itself: a refused call takes the unplanned path with
+                # the caller's own static values, not their `Static` wrappers.
+                typed = kwargs
                 names = self._static_names
                 if names and not names.isdisjoint(kwargs):
-                    kwargs = self._typed_static(kwargs)
-                out, updated = jitted(written, read, *args, **kwargs)
+                    typed = self._typed_static(kwargs)
+                out, updated = jitted(written, read, *args, **typed)
             elif len(args) == 1:
                 # Spelled out: a call through `*args` builds JAX's dispatch a tuple.
                 out, updated = jitted(written, read, args[0])
@@ -494,9 +507,9 @@ class JitDispatch:
     ) -> Any:
         """Takes the unplanned path for a call that `plan` refused (one of
         `_REFUSALS`). Re-raises the errors of the function itself."""
+        if getattr(exc, "_eqstate_from_trace", False):
+            raise exc
         if isinstance(exc, _JIT_REFUSALS):
-            if getattr(exc, "_eqstate_from_trace", False):
-                raise exc
             self._raise_if_planned(exc, plan, args, kwargs)
         return self._call_unplanned(args, kwargs)
 
@@ -511,6 +524,9 @@ class JitDispatch:
             if found is None:
                 raise _PlanMismatch
             plan = found
+        elif self._has_static:
+            static = self._static_key(args, kwargs)
+            plan = self._plans_by_static.get(static, plan)
         out, updated = self._call_plan(plan, frame, args, kwargs, split)
         if updated:
             frame.commit_values(plan.updated_states, updated)
@@ -553,6 +569,23 @@ class JitDispatch:
             self._plans_by_key.clear()
         self._plans_by_key[split[0]] = plan
         return out, plan.unpack(updated)
+
+    def _static_key(self, args: tuple, kwargs: dict) -> tuple:
+        """The static arguments of a call, compared by type and value as `jax.jit`
+        compares them."""
+        n = len(args)
+        positions = self._parser.static_positions
+        positional = tuple(Static(args[i]) for i in positions if -n <= i < n)
+        names = self._parser.static_argnames
+        named = tuple((k, Static(kwargs[k])) for k in names if k in kwargs)
+        return positional, named
+
+    def _remember_static(self, plan: _Plan, args: tuple, kwargs: dict) -> None:
+        """Sends later calls with these static arguments to `plan` (not split)."""
+        by_static = self._plans_by_static
+        if len(by_static) >= KEYS_KEPT:
+            by_static.clear()
+        by_static[self._static_key(args, kwargs)] = plan
 
     def _typed_static(self, kwargs: dict) -> dict:
         """`kwargs` with each static one wrapped so that `jax.jit` keys it by type
@@ -603,6 +636,8 @@ class JitDispatch:
             # before JAX traced it: the call takes the path without a plan.
             return False, None
         self._current = plan
+        if self._has_static and not plan.split:
+            self._remember_static(plan, args, kwargs)
         if updated:
             frame.commit_values(plan.updated_states, updated)
         return True, out
@@ -636,12 +671,29 @@ class JitDispatch:
                 if donate and may_fail_at_run_time(trace.jaxpr.jaxpr):
                     self._warn_not_donating()
                     donate = False
+                if len(self._plans) >= KEYS_KEPT:
+                    self._forget_oldest_plan()
                 plan = self._plans[key] = _Plan(trace, split, donate)
                 self._constrain(plan, frame)
                 plan.jitted = self._make_jitted(plan, donate)
                 if donate:
                     plan.undonated = self._make_jitted(plan, False)
         return plan
+
+    def _forget_oldest_plan(self) -> None:
+        """Drops the oldest plan but the current one: a plan holds its states'
+        handles, and so their values, which a model dropped by its caller must not
+        keep alive for good."""
+        old = next((k for k, p in self._plans.items() if p is not self._current), None)
+        if old is None:
+            return
+        plan = self._plans.pop(old)
+        for key, found in list(self._plans_by_key.items()):
+            if found is plan:
+                self._plans_by_key.pop(key, None)
+        for static, found in list(self._plans_by_static.items()):
+            if found is plan:
+                self._plans_by_static.pop(static, None)
 
     def _warn_not_donating(self) -> None:
         if not self._warned:

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import is_
 from typing import Any
 
@@ -83,7 +83,7 @@ class ArgSplitter:
         # One argument's structure, and a call's (the numbers of its arguments').
         self._forgotten = 0  # how many times `_parts` forgot its oldest part
         self._parts = _Numbering(on_forget=self._forget_parts)
-        self._keys = _Numbering(on_forget=self._forget_last_call)
+        self._keys = _Numbering(on_forget=self._forget_key)
         self._last_call: tuple[list[int] | None, int] = (None, -1)
         # The split of the last call `f(model, *arrays)`, to split the next one fast.
         self.recent: Recent | None = None
@@ -155,11 +155,12 @@ class ArgSplitter:
         model, _, leaves, copies, containers, others = last
         return Recent(len(args), key, model, leaves, copies, containers, others)
 
-    def _forget_last_call(self) -> None:
+    def _forget_key(self, key: int) -> None:
         self._last_call = (None, -1)
         self.recent = self.pair = None
+        self._outputs.pop(key, None)
 
-    def _forget_parts(self) -> None:
+    def _forget_parts(self, part: int) -> None:
         self._forgotten += 1
         self._last.clear()
         self.recent = self.pair = None
@@ -263,7 +264,7 @@ class _Numbering:
     """Numbers hashable values: the same value, the same number, for the last
     `KEYS_KEPT` values."""
 
-    def __init__(self, on_forget: Any = None):
+    def __init__(self, on_forget: Callable[[int], None] | None = None):
         self._numbers: OrderedDict[Any, int] = OrderedDict()
         self._values: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -279,7 +280,7 @@ class _Numbering:
                         _, old = self._numbers.popitem(last=False)
                         del self._values[old]
                         if self._on_forget is not None:
-                            self._on_forget()
+                            self._on_forget(old)
                     number = self._numbers[value] = next(_ids)
                     self._values[number] = value
         return number
