@@ -466,7 +466,9 @@ class JitDispatch:
                 plan = self._plans_by_key[key]
             else:
                 key, dynamic = _UNSPLIT
-                if self._has_static:
+                if self._has_static and len(self._plans_by_static) > 1:
+                    # Static arguments that select other states have plans of their
+                    # own (one in use: the current plan, at no cost).
                     static = self._static_key(args, kwargs)
                     plan = self._plans_by_static.get(static, plan)
             # The hot path, inlined: one dict lookup per state each way.
@@ -574,11 +576,12 @@ class JitDispatch:
         """The static arguments of a call, compared by type and value as `jax.jit`
         compares them."""
         n = len(args)
-        positions = self._parser.static_positions
-        positional = tuple(Static(args[i]) for i in positions if -n <= i < n)
-        names = self._parser.static_argnames
-        named = tuple((k, Static(kwargs[k])) for k in names if k in kwargs)
-        return positional, named
+        parser = self._parser
+        key = [(type(args[i]), args[i]) for i in parser.static_positions if -n <= i < n]
+        if kwargs:
+            names = parser.static_argnames
+            key += [(k, type(kwargs[k]), kwargs[k]) for k in names if k in kwargs]
+        return tuple(key)
 
     def _remember_static(self, plan: _Plan, args: tuple, kwargs: dict) -> None:
         """Sends later calls with these static arguments to `plan` (not split)."""
