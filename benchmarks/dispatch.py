@@ -14,6 +14,10 @@ median per-call time (and min-max over the rounds) of:
 - `floor(array)`: the floor's function taking that array as an argument, where the
   floor, like `jit(closed)`, has it as a constant: what JAX alone charges for an
   array passed rather than baked in;
+- `floor(flag)` and `transform.jit(flag)`: a training step and an evaluation step in
+  turn, chosen by a static `train` flag (only training writes the states), through
+  `jax.jit` of the pure function and through `eqstate.transform.jit`: a pair of calls
+  per round, so compare these two with each other;
 - `jax.jit(module)` and `eqx.filter_jit(module)`: what plain JAX and Equinox pay for
   a module argument: the floor's function taking an `eqx.Module` that holds the array,
   through `jax.jit` and `eqx.filter_jit`;
@@ -24,6 +28,7 @@ to show that tracing cost grows linearly with N.
 """
 
 import argparse
+import functools as ft
 
 import eqstate as es
 import equinox as eqx
@@ -45,6 +50,19 @@ def _systems(n: int) -> dict:
     @jax.jit
     def pure(values, x):
         return {k: v * 0.5 + x for k, v in values.items()}, x.sum()
+
+    def step_or_eval(x, train):
+        return step(x) if train else sum(s.value.sum() for s in states) + x.sum()
+
+    @ft.partial(jax.jit, static_argnames="train")
+    def pure_or_eval(values, x, train):
+        if train:
+            return pure(values, x)
+        return values, sum(v.sum() for v in values.values()) + x.sum()
+
+    def floor_flag():
+        box["dict"], _ = pure_or_eval(box["dict"], x, train=True)
+        return pure_or_eval(box["dict"], x, train=False)[1]
 
     sf_pure = es.transform.StatefulFunction(step)
 
@@ -104,6 +122,12 @@ def _systems(n: int) -> dict:
         systems["jit(closed)"] = lambda: closed(x)
         systems["jit(model, x)"] = lambda: passed(model, x)
         systems["floor(array)"] = floor_with_array
+        flagged = es.transform.jit(step_or_eval, static_argnames="train")
+        systems["floor(flag)"] = floor_flag
+        systems["transform.jit(flag)"] = lambda: (
+            flagged(x, train=True),
+            flagged(x, train=False),
+        )[1]
     systems["jax.jit(module)"] = via_jax_module
     systems["eqx.filter_jit(module)"] = via_eqx_module
     return systems
