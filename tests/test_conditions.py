@@ -1,4 +1,5 @@
 import eqstate as es
+import equinox as eqx
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -126,6 +127,25 @@ def test_branches_with_different_outputs_fail_and_keep_values():
     with pytest.raises(TypeError):
         es.transform.cond(True, a, lambda: jnp.zeros(3))
     assert s.value == 0
+
+
+class _Out(eqx.Module):
+    flag: object  # a Python value: static, as for `eqx.filter_jit`
+
+
+@pytest.mark.parametrize(
+    "static", [(True, 1), (1, 1.0), (-0.0, 0.0)], ids=["bool-int", "int-float", "zeros"]
+)
+def test_branches_returning_static_values_that_are_equal_but_not_the_same_fail(static):
+    # `jax.lax.cond` refuses them too; picking one would return a branch's value
+    # whatever the predicate.
+    a, b = static
+    for pred in (True, jnp.array(True)):
+        with pytest.raises(TypeError, match=r"Static\("):
+            es.transform.cond(pred, lambda: _Out(a), lambda: _Out(b))
+    with pytest.raises(TypeError, match=r"Static\("):
+        es.transform.switch(1, [lambda: _Out(a), lambda: _Out(b)])
+    assert es.transform.cond(True, lambda: _Out(a), lambda: _Out(a)).flag is a
 
 
 def test_cond_matches_lax_under_grad():

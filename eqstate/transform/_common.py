@@ -14,6 +14,7 @@ from .._shapes import shape_dtype
 from .._state import is_state, State
 from .._state_dict import StateDict
 from ._leaves import dynamic_mask, in_module, is_dynamic
+from ._split_args import Static
 
 
 compat.hide_from_tracebacks(__file__)
@@ -39,8 +40,10 @@ class _Static:
         return f"Static({self.value!r})"
 
 
+# The value rides in the tree structure wrapped in a `Static`: JAX compares the
+# structures of `cond` branches with `==`, which must tell `True` from `1`.
 jtu.register_pytree_node(
-    _Static, lambda s: ((), s.value), lambda value, _: _Static(value)
+    _Static, lambda s: ((), Static(s.value)), lambda aux, _: _Static(aux.value)
 )
 
 

@@ -36,7 +36,10 @@ def switch(
     - `index`: which branch to run, an integer scalar; clamped to
         `[0, len(branches) - 1]` as in `jax.lax.switch`.
     - `branches`: functions of `*operands` returning outputs of the same structure,
-        shapes and dtypes. They may read and write states, but not create them.
+        shapes and dtypes, and the same Python values where they return any (a
+        module's `bool` field, a handle): `True` and `1`, or `0.0` and `-0.0`, differ
+        and raise `TypeError`, as in `jax.lax.switch`. They may read and write
+        states, but not create them.
     - `*operands`: passed to the chosen branch.
 
     **Returns:**

@@ -17,6 +17,7 @@ the very objects it held then.
 
 import dataclasses
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -46,7 +47,9 @@ class OutputMismatch(Exception):
 
 
 class Static:
-    """A static argument (`static_argnums`): hashed and compared by value."""
+    """A static value (an argument in `static_argnums`, a non-array leaf riding in a
+    tree structure): hashed by value, equal only to the very same value (see
+    `same_static`)."""
 
     __slots__ = ("value",)
 
@@ -57,12 +60,18 @@ class Static:
         return hash(self.value)
 
     def __eq__(self, other: object) -> bool:
-        # Typed, as `jax.jit` keys static arguments: `1 == 1.0 == True`.
-        return (
-            isinstance(other, Static)
-            and type(self.value) is type(other.value)
-            and self.value == other.value
-        )
+        return isinstance(other, Static) and same_static(self.value, other.value)
+
+    def __repr__(self) -> str:
+        return f"Static({self.value!r})"
+
+
+def same_static(a: Any, b: Any) -> bool:
+    """Whether two static values are the same: equal, of one type (`1 == 1.0 ==
+    True`, which `jax.jit` keys apart) and, for floats, of one sign (`-0.0 == 0.0`)."""
+    if type(a) is not type(b) or not a == b:
+        return False
+    return not isinstance(a, float) or math.copysign(1, a) == math.copysign(1, b)
 
 
 def unwrapped(kwargs: dict) -> dict:
