@@ -195,7 +195,10 @@ def jit(
     **Arguments:**
 
     - `fun`: the function to compile. If omitted, `jit` returns a decorator.
-    - `static_argnums`, `static_argnames`: as in `jax.jit`.
+    - `static_argnums`, `static_argnames`: as in `jax.jit`, except that a static
+        argument is static whether passed by position or by keyword, also when both
+        options are given (`jax.jit` then infers neither from the other); see
+        [`eqstate.transform.StatefulFunction`][].
     - `donate_states`: donate the buffers of the written states to the computation,
         so that they are updated in place. Donation never deletes a value someone
         else still holds: a call where a written state's value is also held by
