@@ -89,6 +89,28 @@ def test_checkpointed_for_loop_matches_for_loop(getkey):
     assert tree_allclose((got, got_v), (expected, v.value), rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "loop",
+    [
+        lambda f, xs: es.transform.checkpointed_for_loop(f, xs, base=2),
+        lambda f, xs: es.transform.checkpointed_scan(
+            lambda c, x: (c, f(x)), None, xs, base=2
+        )[1],
+        lambda f, xs: es.transform.map(f, xs, batch_size=2),
+    ],
+    ids=["checkpointed_for_loop", "checkpointed_scan", "batched map"],
+)
+def test_chunked_loops_stack_outputs_with_a_zero_size_axis_as_for_loop(loop):
+    def f(x):
+        return x * 2, jnp.zeros((0, 3))
+
+    xs = jnp.arange(7.0)
+    expected = es.transform.for_loop(f, xs)
+    got = loop(f, xs)
+    assert got[1].shape == expected[1].shape == (7, 0, 3)
+    assert (got[0] == expected[0]).all()
+
+
 def test_checkpointed_scan_gradient_uses_a_tenth_of_scans_memory():
     # The target of the feature: 10,000 steps of a 256-wide RNN.
     width, n = 256, 10_000

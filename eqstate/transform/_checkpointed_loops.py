@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
+from ._common import merge_leading_axes
 from ._loops import _check_pbar, _lax_scan, _scan
 from ._progress_bar import ProgressBar
 
@@ -66,7 +67,7 @@ def _rows(xs: Any, start: Any, size: int) -> Any:
 
 def _stack(main: Any, rest: Any) -> Any:
     """`main`, stacked as `(segments, steps, ...)`, as one axis, then `rest`."""
-    flat = jtu.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), main)
+    flat = merge_leading_axes(main)
     if rest is None:
         return flat
     return jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), flat, rest)

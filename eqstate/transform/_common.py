@@ -70,6 +70,15 @@ def show_static(tree: Any) -> Any:
     )
 
 
+def merge_leading_axes(tree: Any) -> Any:
+    """Every leaf of shape `(a, b, ...)` reshaped to `(a * b, ...)`: the outputs of a
+    loop over chunks, as one loop would stack them (also when a trailing axis has
+    size zero, which `reshape(-1, ...)` cannot infer)."""
+    return jtu.tree_map(
+        lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree
+    )
+
+
 def strong(tree: Any) -> Any:
     """Drops weak types, so that loop carries keep one type across iterations."""
 

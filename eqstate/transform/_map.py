@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._state import RandomState, split_and_advance, State
-from ._common import hide_static, show_static, strong
+from ._common import hide_static, merge_leading_axes, show_static, strong
 from ._discovery import Discovery
 from ._loops import _loop_length, _scan, _slice
 from ._trace import sub_jaxprs, Trace
@@ -202,7 +202,7 @@ def _scan_chunks(
         state_values, ys = jax.lax.scan(
             lambda c, x: chunk(c, x, size), state_values, batched
         )
-        parts.append(jtu.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), ys))
+        parts.append(merge_leading_axes(ys))
     if rest:
         tail = jtu.tree_map(lambda a: a[main * size :], xs)
         state_values, ys = chunk(state_values, tail, rest)
