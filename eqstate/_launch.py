@@ -191,6 +191,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         with local_processes(
             command, args.num_processes, cpu_devices=args.cpu_devices
         ) as procs:
-            return wait_all(procs, args.timeout)
+            return _exit_status(wait_all(procs, args.timeout))
     except KeyboardInterrupt:
         return 130
+
+
+def _exit_status(code: int) -> int:
+    """The launcher's exit status for a process's return code: a process killed by
+    signal N (code -N) gives 128 + N, as a shell reports it, and a message naming
+    the signal."""
+    if code >= 0:
+        return code
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+    print(f"eqstate.launch: a process was killed by signal {name}", file=sys.stderr)
+    return 128 - code

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -579,5 +580,23 @@ def test_launcher_sets_each_process_environment_and_kills_the_rest_on_failure(
     assert lines[0].startswith("[0] rank 0 of 2 127.0.0.1:") and lines[0].endswith(" 3")
     assert lines[1].startswith("[1] rank 1 of 2 127.0.0.1:")
     # Process 0 was sleeping: the launcher killed it rather than wait two minutes.
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True)
+    assert str(script) not in ps.stdout
+
+
+def test_launcher_reports_a_process_killed_by_a_signal_as_a_shell_does(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "if os.environ['SLURM_PROCID'] == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(120)\n"
+    )
+    command = [sys.executable, "-m", "eqstate.launch", "-n", "2", str(script)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=60, start_new_session=True
+    )
+    assert result.returncode == 128 + signal.SIGKILL, result.stdout + result.stderr
+    assert "killed by signal SIGKILL" in result.stderr
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True)
     assert str(script) not in ps.stdout
