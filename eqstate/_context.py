@@ -235,6 +235,12 @@ class Frame(abc.ABC):
     def peek(self, state: Any) -> Any:
         """The value without recording anything, or `MISSING`."""
 
+    def nested_new_value(self, state: Any, value: Any) -> Any:
+        """The value that `state`, created by a transform traced inside this frame
+        (a jitted constructor), starts from: `value`, unless an enclosing frame
+        replaces it (a lane of `vmap_new_states` re-keys a random state)."""
+        return value
+
     def check_trace(self, state: Any, *, creates: bool = False) -> None:
         """Raises `TraceContextError` naming `state` unless the current JAX trace is
         the one this frame was made in: a write (or with `creates`, a creation) from
@@ -583,8 +589,11 @@ class TraceFrame(Frame):
     def add_new(self, state, value):
         self.check_trace(state, creates=True)
         refuse_leaked_tracers(state, value, eager=False)
-        self.values[state] = value
+        self.values[state] = self.parent.nested_new_value(state, value)
         self.new_states.append(state)
+
+    def nested_new_value(self, state, value):
+        return self.parent.nested_new_value(state, value)
 
     def peek(self, state):
         value = self.values.get(state, MISSING)

@@ -313,7 +313,12 @@ def _as_key(seed_or_key: Any) -> Any:
             "A RandomState holds a typed PRNG key: pass an integer seed or a key from "
             f"`jax.random.key`, got {seed_or_key!r}."
         )
-    if isinstance(seed_or_key, (int, np.integer)) or (
+    if isinstance(seed_or_key, (int, np.integer)):
+        # A concrete key even inside a trace: one seed is the same in every lane, which
+        # lets `vmap_new_states` re-key a state a nested `jit` creates before its draws.
+        with jax.ensure_compile_time_eval():
+            return jax.random.key(seed_or_key)
+    if (
         hasattr(seed_or_key, "dtype")
         and jnp.issubdtype(seed_or_key.dtype, jnp.integer)
         and jnp.ndim(seed_or_key) == 0

@@ -545,7 +545,7 @@ class JitDispatch:
             done, out = self._call_planned(call, trace, frame, args, kwargs)
             if done:
                 return out
-        return self._traces.call_in(frame, call, self.flat_options())
+        return self._traces.call_in(frame, call, self.flat_options(), trace)
 
     def _call_plan(
         self,

@@ -8,7 +8,7 @@ import jax.tree_util as jtu
 from .. import _jax_compat as compat
 from .._state_dict import state_dict_of, StateDict
 from ._leaves import struct
-from ._stateful_function import StatefulFunction, traces_of
+from ._stateful_function import out_shapes, StatefulFunction, trace_of_call
 from ._trace import Trace
 
 
@@ -85,6 +85,6 @@ def eval_shape(
     sf = StatefulFunction(
         fun, state_returns="write", name=getattr(fun, "__name__", None)
     )
-    sf.make_jaxpr(*args, **kwargs)
-    out, _ = sf.get_out_shapes()
-    return (_state_shapes(traces_of(sf).by_key()), out) if return_state_shapes else out
+    entry = trace_of_call(sf, args, kwargs)
+    out, _ = out_shapes(entry)
+    return (_state_shapes(entry), out) if return_state_shapes else out

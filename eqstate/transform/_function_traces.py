@@ -218,12 +218,15 @@ class FunctionTraces:
         parent: "_context.Frame | Callable[[], _context.Frame]",
         values_of: ValuesOf,
         jit_options: dict | None = None,
+        traced: Trace | None = None,
     ) -> tuple[Trace, list, list, list]:
         """Finds (or makes) the trace that fits the caller's state values
-        (`values_of`), and evaluates it: `(trace, out leaves, updated, new values)`."""
+        (`values_of`), `traced` first, and evaluates it: `(trace, out leaves,
+        updated, new values)`."""
         for _ in range(_RETRIES):
             try:
-                trace, values = self.lookup(call, parent, values_of)
+                trace, values = self._given_or_lookup(traced, call, parent, values_of)
+                traced = None
                 return trace, *self.evaluate(trace, call.leaves, values, jit_options)
             except StaleTrace:
                 # The states changed shape between the trace and the call (another
@@ -231,21 +234,39 @@ class FunctionTraces:
                 continue
         raise UnstableStatesError(_KEEPS_CHANGING.format(name=self.name, n=_RETRIES))
 
+    def _given_or_lookup(
+        self,
+        trace: Trace | None,
+        call: CallArgs,
+        parent: "_context.Frame | Callable[[], _context.Frame]",
+        values_of: ValuesOf,
+    ) -> tuple[Trace, list]:
+        """`trace`, just made for `call`, if it fits `values_of(trace)`, else
+        `lookup`. A trace that closes over tracers is not kept, and tracing it again
+        would run the function twice (creating its states twice)."""
+        if trace is not None:
+            values = values_of(trace)
+            if values is not None and trace.stale_state(values) is None:
+                return trace, values
+        return self.lookup(call, parent, values_of)
+
     def call_in(
         self,
         frame: _context.Frame,
         call: CallArgs,
         jit_options: dict | None = None,
+        traced: Trace | None = None,
     ) -> Any:
         """Calls the function against `frame`: reads the values it needs from there,
-        evaluates the pure form, writes the results back and registers new states
-        (under fresh handles). Returns the function's output."""
+        evaluates the pure form (of `traced`, the trace just found for `call`, if it
+        still fits), writes the results back and registers new states (under fresh
+        handles). Returns the function's output."""
 
         def values_of(trace: Trace) -> list:
             return frame.read_many(trace.states) if trace.states else []
 
         trace, out, updated, new_values = self.call_against(
-            call, frame, values_of, jit_options
+            call, frame, values_of, jit_options, traced
         )
         out, updated, fresh, new_values = trace.under_fresh_handles(
             out, updated, new_values

@@ -11,7 +11,13 @@ from .. import _jax_compat as compat
 from .._custom_types import MISSING, Missing
 from ._decorator import decorator_form
 from ._dispatch import JitDispatch
-from ._stateful_function import calls_through, StatefulFunction, traces_of
+from ._stateful_function import (
+    calls_through,
+    out_shapes,
+    StatefulFunction,
+    trace_of_call,
+    traces_of,
+)
 
 
 compat.hide_from_tracebacks(__file__)
@@ -46,8 +52,7 @@ class JittedFunction(JitDispatch):
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The output's shapes and dtypes, as `jax.ShapeDtypeStruct`s, without
         computing anything or touching any value."""
-        sf = self.stateful_function.make_jaxpr(*args, **kwargs)
-        return sf.get_out_shapes(sf.get_arg_cache_key(*args, **kwargs))[0]
+        return out_shapes(trace_of_call(self.stateful_function, args, kwargs))[0]
 
     def clear_cache(self) -> None:
         """Drops every trace and compiled executable."""

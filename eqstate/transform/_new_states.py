@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
 from .._clone import mark_replicated
-from .._context import check_write
+from .._context import check_write, has_tracer
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
 from .._errors import BatchAxisError, TraceContextError
 from .._filters import to_predicate
@@ -47,6 +47,17 @@ _PRE_EXISTING_WRITE = (
     "`vmap_new_states` maps over the states its function creates; {label} existed "
     "before the call, and writing it from every lane has no single result. Use "
     "`eqstate.transform.vmap` with `in_states` to map over existing states."
+)
+
+
+_NESTED_SHARED_KEY = (
+    "{label} was created inside a transform nested in `vmap_new_states` (such as "
+    "`jit`) from a traced value that is the same in every lane. `vmap_new_states` "
+    "re-keys such a state per lane, but only after that transform ran, which may "
+    "have drawn from it: every member would draw the same numbers. Create it from a "
+    "seed or a concrete key (`RandomState(0)`, re-keyed at once), from a key that "
+    "differs across lanes (`es.random.split_key()`, a mapped argument), or outside "
+    "the nested transform."
 )
 
 
@@ -137,7 +148,19 @@ class _LaneFrame(_context.Frame):
         for state, value in updates.items():
             self._store(state, value)
         for state, value in new:
+            if isinstance(state, RandomState) and not _batched(value):
+                raise BatchAxisError(
+                    _NESTED_SHARED_KEY.format(label=state_label(state, value))
+                )
             self.add_new(state, value)
+
+    def nested_new_value(self, state, value):
+        # A transform traced in the lane (a jitted constructor) may draw from a new
+        # random state before it commits it here: re-key it now, as `add_new` does. A
+        # traced value may or may not differ across lanes: `commit` checks it.
+        if isinstance(state, RandomState) and not has_tracer(value):
+            return self._lane_key_for(state, jnp.shape(value))
+        return value
 
     def add_new(self, state, value):
         self.check_trace(state, creates=True)
@@ -363,7 +386,9 @@ def vmap_new_states(
     advances once per call. A `RandomState` created in `fun` with the same value in
     every lane (an integer seed) is re-keyed per lane: its seed is not used (see the
     how-to guide on random numbers). A batch of keys is replaced by a batch of the same
-    shape, all distinct.
+    shape, all distinct. This holds in a transform nested in `fun` (a jitted
+    constructor) too; there, a key computed from traced values that turns out the same
+    in every lane raises [`eqstate.BatchAxisError`][], as it may have been drawn from.
 
     `fun` is executed **exactly once per call**, traced under `eqx.filter_vmap` over a
     constructor that receives its lane's random key. There is no eager probe, so

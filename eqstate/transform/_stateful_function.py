@@ -196,15 +196,7 @@ class StatefulFunction:
         """`(out_shapes, state_shapes)`: `jax.ShapeDtypeStruct`s shaped like the
         output (new states' handles stay in place) and like the returned states'
         values."""
-        entry = self._traces.by_key(cache_key)
-        avals = [v.aval for v in entry.jaxpr.jaxpr.outvars]
-        structs = [struct((a.shape, a.dtype, a.weak_type)) for a in avals]
-        out = entry.build_output(structs[: entry.n_out], entry.new_states)
-        n_returned = sum(d.num_leaves for d in entry.returned_defs)
-        returned = unflatten_each(
-            entry.returned_defs, structs[entry.n_out : entry.n_out + n_returned]
-        )
-        return out, tuple(returned)
+        return out_shapes(self._traces.by_key(cache_key))
 
     def get_out_treedef(self, cache_key: Hashable = ()) -> PyTreeDef:
         """The tree structure of `(out, state_vals)` (see `get_out_shapes`)."""
@@ -610,6 +602,24 @@ class StatefulFunction:
 def traces_of(sf: StatefulFunction) -> FunctionTraces:
     """The traces behind `sf`, for transforms that call its pure form themselves."""
     return sf._traces
+
+
+def trace_of_call(sf: StatefulFunction, args: tuple, kwargs: dict) -> Trace:
+    """The trace of `sf` for a call, made on a miss. Unlike `make_jaxpr` then
+    `by_key`, this also gives a trace that is not kept (it closes over tracers)."""
+    return sf._trace_for(args, kwargs)
+
+
+def out_shapes(entry: Trace) -> tuple[PyTree, tuple]:
+    """`StatefulFunction.get_out_shapes` of one trace."""
+    avals = [v.aval for v in entry.jaxpr.jaxpr.outvars]
+    structs = [struct((a.shape, a.dtype, a.weak_type)) for a in avals]
+    out = entry.build_output(structs[: entry.n_out], entry.new_states)
+    n_returned = sum(d.num_leaves for d in entry.returned_defs)
+    returned = unflatten_each(
+        entry.returned_defs, structs[entry.n_out : entry.n_out + n_returned]
+    )
+    return out, tuple(returned)
 
 
 def calls_through(sf: StatefulFunction, dispatch: JitDispatch) -> None:
