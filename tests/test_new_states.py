@@ -440,3 +440,14 @@ def test_eval_shape_of_a_seeded_constructor_inside_a_build():
 
     w, _ = es.transform.vmap_new_states(member, axis_size=3)()
     assert len({tuple(r) for r in w.value.tolist()}) == 3
+
+
+def test_a_pre_existing_batch_of_keys_is_read_per_lane_keeping_its_shape(getkey):
+    # As the lane frame's docstring promises: a batch of the same shape, per lane.
+    noise = es.RandomState(jax.random.split(getkey(), 3), name="noise")
+    draws = es.transform.vmap_new_states(
+        lambda: es.ParamState(jax.vmap(lambda k: jr.normal(k, (2,)))(noise.value)),
+        axis_size=4,
+    )()
+    assert draws.value.shape == (4, 3, 2)
+    assert len({tuple(r) for r in draws.value.reshape(-1, 2).tolist()}) == 4 * 3

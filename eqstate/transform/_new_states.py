@@ -125,7 +125,8 @@ class _LaneFrame(_context.Frame):
         value = self.values.get(state, MISSING)
         if value is MISSING:
             if isinstance(state, RandomState):
-                value = self.values[state] = self._lane_key_for(state)
+                shape = jnp.shape(self.parent.fetch(state))
+                value = self.values[state] = self._lane_key_for(state, shape)
             else:
                 value = self.parent.fetch(state)
         return value
