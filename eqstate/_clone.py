@@ -127,11 +127,17 @@ def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
 
 def mark_replicated(state: State, replicated: bool) -> None:
     """Records on the handle whether `vmap_new_states` replicated `state` rather than
-    stacked it (its outermost call decides; a state it returns without creating it is
-    replicated): `member` copies such states whole, whatever `shared` says and
-    whatever their tag became. The handles a jitted build returns, and clones, are
-    copies that keep the record."""
+    stacked it (its outermost call decides): `member` copies such states whole,
+    whatever `shared` says and whatever their tag became. The handles a jitted build
+    returns, and clones, are copies that keep the record."""
     object.__setattr__(state, "_replicated", replicated)
+
+
+def mark_build(state: State, build: object) -> None:
+    """Records on the handle that the `vmap_new_states` call `build` built `state`, or
+    returned it without building it (a table tied into every member): `member` copies
+    such a state whole in a tree that holds a state `build` built."""
+    object.__setattr__(state, "_builds", state._builds | {build})
 
 
 def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
@@ -166,9 +172,11 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         `vmap_new_states` (also by a jitted build, and in [`eqstate.clone`][]s of
         it), the states it replicated (its `NonBatchState`s, those tagged
         `INIT_NO_BATCHING` and those matching its `state_to_exclude`, even after
-        `state_tag` replaced their tags) and the states it did not create (they
-        existed before the build, such as a table tied into every member) are
-        copied whole. Pass a filter for ensembles stacked some other way. (Keyword
+        `state_tag` replaced their tags) and the states it returned without
+        creating them (they existed before the build, such as a table tied into
+        every member) are copied whole; the latter only in a tree that also holds
+        states that build created, so a handle a build returned is sliced as usual
+        elsewhere. Pass a filter for ensembles stacked some other way. (Keyword
         only argument.)
 
     **Returns:**
@@ -228,6 +236,14 @@ def _copied_whole(
     with_paths: tuple[tuple[tuple, State], ...], shared: Callable[[tuple, State], bool]
 ) -> set[State]:
     """The states of an ensemble that `member` copies whole rather than slices: those
-    `vmap_new_states` replicated or found in its output without creating them (see
-    `mark_replicated`), and those `shared` selects (by path and state)."""
-    return {s for path, s in with_paths if s._replicated or shared(path, s)}
+    `vmap_new_states` replicated, those it returned without building them from a
+    build that built another state of the ensemble (see `mark_build`), and those
+    `shared` selects (by path and state)."""
+    builds = frozenset().union(
+        *(s._builds for _, s in with_paths if s._replicated is not None)
+    )
+
+    def tied(state: State) -> bool:
+        return state._replicated is None and not state._builds.isdisjoint(builds)
+
+    return {s for path, s in with_paths if s._replicated or tied(s) or shared(path, s)}

@@ -51,11 +51,12 @@ class State(Generic[_Value]):
     """
 
     # `_replicated`: whether `vmap_new_states` gave every member this state's one value
-    # (True: also a state it returned without creating it) or stacked a value per
-    # member (False); None for a state it never built (see `eqstate.member`). Copies
-    # of the handle keep it.
+    # (True) or stacked a value per member (False); None for a state it never built.
+    # `_builds`: the `vmap_new_states` calls that built the state or returned it
+    # without building it (see `eqstate.member`). Copies of the handle keep both.
     __slots__ = (
         "__weakref__",
+        "_builds",
         "_expired_in",
         "_name",
         "_order",
@@ -90,6 +91,7 @@ class State(Generic[_Value]):
         object.__setattr__(self, "_expired_in", None)
         object.__setattr__(self, "_order", next(_CREATION_ORDER))
         object.__setattr__(self, "_replicated", None)
+        object.__setattr__(self, "_builds", frozenset())
         try:
             converted = to_value(value)
         except TypeError as error:
@@ -344,6 +346,7 @@ def lazy_world_state(
     object.__setattr__(state, "_expired_in", None)
     object.__setattr__(state, "_order", next(_CREATION_ORDER))
     object.__setattr__(state, "_replicated", None)
+    object.__setattr__(state, "_builds", frozenset())
     _context.WORLD.add_lazy(state, make_value)
     return state
 

@@ -467,3 +467,19 @@ def test_member_of_a_tree_holding_the_default_random_state():
         jax.random.key_data(one["rng"].value),
         jax.random.key_data(es.random.DEFAULT.value),
     )
+
+
+def test_a_state_returned_by_a_build_is_copied_whole_only_with_that_build():
+    # A build that returns a hand-stacked ensemble's handle as a tied table does not
+    # change how `member` treats that handle in other trees.
+    hand = {"w": es.ParamState(jnp.arange(8.0).reshape(4, 2), name="w")}
+    built = es.transform.vmap_new_states(
+        lambda: {"table": hand["w"], "p": es.ParamState(es.random.normal())},
+        axis_size=3,
+    )()
+    assert tree_bitwise_equal(es.member(hand, 2)["w"].value, jnp.array([4.0, 5.0]))
+    one = es.member(built, 1)
+    assert tree_bitwise_equal(one["table"].value, hand["w"].value)
+    assert tree_bitwise_equal(
+        es.member(es.clone(built), 1)["table"].value, hand["w"].value
+    )

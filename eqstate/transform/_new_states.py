@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
-from .._clone import mark_replicated
+from .._clone import mark_build, mark_replicated
 from .._context import check_write, has_tracer
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
 from .._errors import BatchAxisError, TraceContextError
@@ -254,18 +254,17 @@ def _build(
         for state in made["new"]:
             expire(state, where)
         raise
-    _mark_pre_existing(out, made["new"])
+    _mark_build(out, made["new"])
     return out
 
 
-def _mark_pre_existing(out: Any, new: list[State]) -> None:
-    """Records on the states of `out` that existed before the build (a table tied
-    into every member) that every member holds their one value: `member` copies
-    them whole, as it copies replicated states."""
-    made_here = set(new)
-    for state in states_of((out,)):  # `out` may be a StateDict: its keys are new
-        if state not in made_here and state._replicated is None:
-            mark_replicated(state, True)
+def _mark_build(out: Any, new: list[State]) -> None:
+    """Records this build on its new states and on the states of `out` that existed
+    before it (a table tied into every member): `member` of a tree holding the
+    former copies the latter whole, as it copies replicated states."""
+    build = object()
+    for state in (*new, *states_of((out,))):  # `out` may be a StateDict
+        mark_build(state, build)
 
 
 def _lane_function(
