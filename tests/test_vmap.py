@@ -199,3 +199,13 @@ def test_a_key_reseeded_alike_in_every_lane_is_kept(run):
         jax.random.key_data(es.random.DEFAULT.value)
         == jax.random.key_data(default_after)
     ).all()
+
+
+def test_a_zero_size_batch_maps_to_an_empty_result_like_jax_vmap():
+    # The inferred size 0 is not checked as a user's `axis_size` (which stays > 0).
+    xs = jnp.zeros((0, 3))
+    s = es.State(jnp.zeros((0, 3)), name="s")
+    assert es.transform.vmap(lambda x: x * 2)(xs).shape == (0, 3)
+    assert es.transform.vmap(lambda x: x * s.value, in_states=s)(xs).shape == (0, 3)
+    noisy = es.transform.jit(es.transform.vmap(lambda x: x * es.random.normal()))
+    assert noisy(xs).shape == (0, 3)

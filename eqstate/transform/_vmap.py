@@ -68,9 +68,9 @@ def axis_size_of(
     *,
     required: bool = True,
 ) -> Any:
-    """The size of the mapped axis, shared by `axis_size` (if given), every mapped
-    argument, and every entry of `extra` (e.g. mapped states)."""
-    check_axis_size(axis_size)
+    """The size of the mapped axis, shared by `axis_size` (if given, already checked,
+    or inferred: it may be 0), every mapped argument, and every entry of `extra` (e.g.
+    mapped states)."""
     sizes: dict[str, int] = {} if axis_size is None else {"axis_size": axis_size}
     sizes.update(extra or {})
     for i, (axis, arg) in enumerate(zip(axes, args)):
