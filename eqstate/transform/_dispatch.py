@@ -573,8 +573,8 @@ class JitDispatch:
         return out, plan.unpack(updated)
 
     def _static_key(self, args: tuple, kwargs: dict) -> tuple:
-        """The static arguments of a call, compared by type and value as `jax.jit`
-        compares them."""
+        """The static arguments of a call, each with its type, so that `1`, `1.0` and
+        `True` select plans apart, as they select traces apart."""
         n = len(args)
         parser = self._parser
         key = [(type(args[i]), args[i]) for i in parser.static_positions if -n <= i < n]
