@@ -40,7 +40,6 @@ from ._errors import (
     TraceContextError,
 )
 from ._pretty_print import state_label
-from ._shapes import shape_dtype
 
 
 def to_value(value: Any) -> Any:
@@ -535,7 +534,7 @@ class TraceFrame(Frame):
         if self.preloaded is None:
             outer = self.parent.fetch(state)
             leaves, treedef = jtu.tree_flatten(outer)
-            leaves = [compat.new_input(self.jax_trace, shape_dtype(x)) for x in leaves]
+            leaves = [compat.new_input(self.jax_trace, x) for x in leaves]
             value = jtu.tree_unflatten(treedef, leaves)
         else:
             value = self.preloaded.get(state, MISSING)

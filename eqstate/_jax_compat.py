@@ -18,6 +18,7 @@ looked up here too, by `_from_jax`, and nowhere else.
 import contextlib
 import contextvars
 import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -191,11 +192,13 @@ def can_add_inputs(trace: Any) -> bool:
     )
 
 
-def new_input(trace: Any, aval: jax.ShapeDtypeStruct) -> jax.Array:
-    """Adds an input of type `aval` to the jaxpr being traced by `trace`, and returns the
-    tracer that stands for it. Only call this if `can_add_inputs(trace)`."""
-    abstract = _core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
-    return trace.new_arg(abstract, source_info=_source_info_util.current())
+def new_input(trace: Any, like: Any) -> jax.Array:
+    """Adds an input typed as `like` (an array, tracer or struct) to the jaxpr being
+    traced by `trace`, and returns the tracer that stands for it: with `like`'s full
+    type, its sharding and varying manual axes included (inside `jax.shard_map`, an
+    input typed as invariant would not mix with varying values). Only call this if
+    `can_add_inputs(trace)`."""
+    return trace.new_arg(jax.typeof(like), source_info=_source_info_util.current())
 
 
 def is_batched_here(x: Any) -> bool:
@@ -212,12 +215,55 @@ def is_batched_here(x: Any) -> bool:
 
 def varying_axes(x: Any) -> frozenset:
     """Inside `jax.shard_map`, the mesh axes along which `x` differs across devices."""
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return _varying_of(jax.typeof(x))
+
+
+def _varying_of(aval: Any) -> frozenset:
+    manual = getattr(aval, "manual_axis_type", None)
     # JAX 0.10: the varying axes of an aval; older releases called them `vma`.
     varying = getattr(manual, "varying", None)
     if varying is None:
-        varying = getattr(jax.typeof(x), "vma", frozenset())
+        varying = getattr(aval, "vma", frozenset())
     return frozenset(varying)
+
+
+# JAX 0.10 gives a struct its varying axes as `manual_axis_type`, older releases as
+# `vma` (both as the aval holds them).
+_STRUCT_FIELDS = inspect.signature(jax.ShapeDtypeStruct).parameters
+_VARYING_FIELD = next(
+    (f for f in ("manual_axis_type", "vma") if f in _STRUCT_FIELDS), None
+)
+
+
+def type_beyond_shape(aval: Any) -> Any:
+    """What the type `aval` says beyond shape, dtype and weak type, hashable: its
+    sharding where the type holds one (explicit or manual mesh axes) and the axes it
+    varies along inside `jax.shard_map`; `None` if nothing (outside `shard_map`, on
+    Auto meshes)."""
+    sharding = getattr(aval, "sharding", None)
+    axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if all(t == jax.sharding.AxisType.Auto for t in axis_types):
+        sharding = None
+    varying = None
+    if _VARYING_FIELD is not None and _varying_of(aval):
+        varying = getattr(aval, _VARYING_FIELD, None)
+    if sharding is None and varying is None:
+        return None
+    return (sharding, varying)
+
+
+def struct(
+    shape: tuple, dtype: Any, weak_type: bool, beyond: Any = None
+) -> jax.ShapeDtypeStruct:
+    """The `jax.ShapeDtypeStruct` of that type (`beyond` as `type_beyond_shape` gives
+    it)."""
+    sharding, varying = (None, None) if beyond is None else beyond
+    extra = (
+        {} if varying is None or _VARYING_FIELD is None else {_VARYING_FIELD: varying}
+    )
+    return jax.ShapeDtypeStruct(
+        shape, dtype, weak_type=weak_type, sharding=sharding, **extra
+    )
 
 
 def weakly_typed(x: jax.Array) -> jax.Array:

@@ -3,12 +3,17 @@
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import _jax_compat as compat
 
 
 def shape_dtype(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
     """The `jax.ShapeDtypeStruct` of `x` (an array, tracer, Python scalar or struct),
-    keeping its weak type: a weakly typed stand-in that became strong would give a
-    different trace cache key, and so a second trace.
+    keeping its weak type (a weakly typed stand-in that became strong would give a
+    different trace cache key, and so a second trace) and, inside `jax.shard_map`,
+    the mesh axes it varies along (an invariant stand-in would not mix with varying
+    values).
 
     **Arguments:**
 
@@ -18,14 +23,15 @@ def shape_dtype(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeS
     **Returns:**
 
     `x` itself if it is a struct and `shape` is not given (keeping its sharding), else a
-    new struct with `x`'s dtype and weak type.
+    new struct with `x`'s dtype, weak type and varying axes, and its sharding where
+    its type holds one (with `shape`: its mesh, unsplit).
     """
-    if isinstance(x, jax.ShapeDtypeStruct):
-        if shape is None:
-            return x
-        aval = x
-    else:
-        aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(
-        aval.shape if shape is None else shape, aval.dtype, weak_type=aval.weak_type
-    )
+    if isinstance(x, jax.ShapeDtypeStruct) and shape is None:
+        return x
+    aval = jax.typeof(x)
+    beyond = compat.type_beyond_shape(aval)
+    if shape is not None and beyond is not None and beyond[0] is not None:
+        # The spec was for the other shape; the mesh (its manual axes) still holds.
+        beyond = (NamedSharding(beyond[0].mesh, PartitionSpec()), beyond[1])
+    new_shape = aval.shape if shape is None else shape
+    return compat.struct(new_shape, aval.dtype, aval.weak_type, beyond)

@@ -315,3 +315,87 @@ def test_with_sharding_that_does_not_fit_a_value_names_the_state():
     split = jax.sharding.NamedSharding(mesh, P("data"))
     with pytest.raises(ValueError, match=r"Cannot place State 'step' \(f32\[\]\)"):
         es.values_of([step]).with_sharding(split)
+
+
+_NESTED = {
+    "cond": lambda f: es.transform.cond(True, f, lambda: None),
+    "switch": lambda f: es.transform.switch(0, [f, lambda: None]),
+    "jit": lambda f: es.transform.jit(f)(),
+    "remat": lambda f: es.transform.remat(f)(),
+    "while_loop": lambda f: es.transform.while_loop(
+        lambda i: i < 1, lambda i: (f(), i + 1)[1], 0
+    ),
+}
+
+
+@pytest.mark.parametrize("nested", sorted(_NESTED))
+def test_transforms_nested_in_shard_map_write_a_split_state(nested, tracing_mode):
+    # The nested trace must type the state as varying across devices, as its value is.
+    split = es.State(jnp.zeros(N), name="split")
+
+    def step(x):
+        def add():
+            split.value = split.value + x.sum()
+
+        _NESTED[nested](add)
+        return x
+
+    es.transform.shard_map(
+        step,
+        mesh=_mesh("data"),
+        in_specs=(P("data"),),
+        out_specs=P("data"),
+        state_specs={split: P("data")},
+    )(jnp.arange(float(N)))
+    assert tree_allclose(split.value, jnp.arange(float(N)))
+
+
+def test_grad_nested_in_shard_map_of_a_split_state(tracing_mode):
+    split = es.ParamState(jnp.ones(N), name="split")
+    seen = es.State(jnp.zeros(N), name="seen")
+
+    def step(x):
+        loss = lambda: (split.value * x).sum()  # noqa: E731
+        seen.value = es.transform.grad(loss, grad_states=[split])()[split]
+        return x
+
+    es.transform.shard_map(
+        step,
+        mesh=_mesh("data"),
+        in_specs=(P("data"),),
+        out_specs=P("data"),
+        state_specs=P("data"),
+    )(jnp.arange(float(N)))
+    assert tree_allclose(seen.value, jnp.arange(float(N)))
+
+
+def test_jit_of_shard_map_keeps_a_split_states_explicit_sharding():
+    mesh = _mesh("x", AxisType.Explicit)
+    s = es.State(jnp.zeros(2 * N), name="s")
+    es.shard([s], mesh, P("x"))
+
+    def add_one():
+        s.value = s.value + 1
+
+    sm = es.transform.shard_map(
+        add_one, mesh=mesh, in_specs=(), out_specs=P(), state_specs=P("x")
+    )
+    es.transform.jit(sm)()
+    assert tree_allclose(s.value, jnp.ones(2 * N))
+    assert s.value.sharding.spec == P("x")
+    assert jax.typeof(es.transform.jit(lambda: s.value)()) == jax.typeof(s.value)
+
+
+@pytest.mark.parametrize("loop", ["vmap", "map"])
+def test_vmap_and_map_nested_in_shard_map_mix_a_shard_with_a_replicated_state(loop):
+    w = es.State(jnp.array(2.0), name="w")
+    per_row = {
+        "vmap": es.transform.vmap,
+        "map": lambda f: ft.partial(es.transform.map, f),
+    }
+    scaled = lambda x: per_row[loop](lambda row: row * w.value)(x)  # noqa: E731
+    x = jnp.arange(2.0 * N).reshape(N, 2)
+    out = es.transform.shard_map(
+        scaled, mesh=_mesh("data"), in_specs=(P("data"),), out_specs=P("data")
+    )(x)
+    assert tree_allclose(out, 2 * x)

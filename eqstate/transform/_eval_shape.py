@@ -7,7 +7,7 @@ import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
 from .._state_dict import state_dict_of, StateDict
-from ._leaves import struct
+from ._leaves import aval_signature, struct
 from ._stateful_function import out_shapes, StatefulFunction, trace_of_call
 from ._trace import Trace
 
@@ -19,7 +19,7 @@ def _state_shapes(entry: Trace) -> StateDict:
     """The shapes and dtypes of every state a trace touches or creates, as
     they are after the call."""
     outvars = entry.jaxpr.jaxpr.outvars
-    structs = [struct((v.aval.shape, v.aval.dtype, v.aval.weak_type)) for v in outvars]
+    structs = [struct(aval_signature(v.aval)) for v in outvars]
     start = entry.n_out
     after = {}
     for state, treedef in (

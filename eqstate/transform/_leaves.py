@@ -9,6 +9,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
+from .. import _jax_compat as compat
 from .._custom_types import PyTreeDef
 
 
@@ -94,18 +95,23 @@ def dynamic_mask(tree: Any) -> list[bool]:
 
 
 def signature(x: Any) -> tuple:
-    """`(shape, dtype, weak_type)` of an array, tracer, scalar or ShapeDtypeStruct."""
+    """`(shape, dtype, weak_type, beyond)` of an array, tracer, scalar or
+    ShapeDtypeStruct, `beyond` what else its type says (see
+    `_jax_compat.type_beyond_shape`): a trace made for a value varying across
+    devices, or with an explicit sharding, must not serve another."""
     if type(x) is ArrayImpl:
-        return (x.shape, x.dtype, x.weak_type)
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return (x.shape, x.dtype, x.weak_type)
-    aval = jax.typeof(x)
-    return (aval.shape, aval.dtype, aval.weak_type)
+        return (x.shape, x.dtype, x.weak_type, compat.type_beyond_shape(x.aval))
+    return aval_signature(jax.typeof(x))
+
+
+def aval_signature(aval: Any) -> tuple:
+    """`signature` of a value of type `aval`."""
+    beyond = compat.type_beyond_shape(aval)
+    return (aval.shape, aval.dtype, aval.weak_type, beyond)
 
 
 def struct(sig: tuple) -> jax.ShapeDtypeStruct:
-    shape, dtype, weak_type = sig
-    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type)
+    return compat.struct(*sig)
 
 
 def flatten_each(values: Sequence[Any]) -> list[Any]:

@@ -50,7 +50,7 @@ def _rows(
     paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(placeholder)[0]]
     return [
         [type(state).__name__, state_name(state) + path, str(shape), str(dtype), access]
-        for path, (shape, dtype, _) in zip(paths, sigs)
+        for path, (shape, dtype, *_) in zip(paths, sigs)
     ]
 
 

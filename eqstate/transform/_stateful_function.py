@@ -18,7 +18,7 @@ from . import _function_traces
 from ._call_args import ArgParser, CallArgs
 from ._dispatch import JitDispatch
 from ._function_traces import FunctionTraces
-from ._leaves import struct, unflatten_each
+from ._leaves import aval_signature, struct, unflatten_each
 from ._report import check_sequence, misfits, refuse_new_states, states_table
 from ._trace import StaleTrace, Trace
 
@@ -613,7 +613,7 @@ def trace_of_call(sf: StatefulFunction, args: tuple, kwargs: dict) -> Trace:
 def out_shapes(entry: Trace) -> tuple[PyTree, tuple]:
     """`StatefulFunction.get_out_shapes` of one trace."""
     avals = [v.aval for v in entry.jaxpr.jaxpr.outvars]
-    structs = [struct((a.shape, a.dtype, a.weak_type)) for a in avals]
+    structs = [struct(aval_signature(a)) for a in avals]
     out = entry.build_output(structs[: entry.n_out], entry.new_states)
     n_returned = sum(d.num_leaves for d in entry.returned_defs)
     returned = unflatten_each(

@@ -17,6 +17,7 @@ from .._state import expire, fresh_copy, is_state, State
 from .._state_dict import rekeyed
 from ._call_args import CallArgs
 from ._leaves import (
+    aval_signature,
     dynamic_mask,
     flatten_each,
     is_single_leaf,
@@ -356,8 +357,7 @@ class _Recorder:
             states=states,
             state_defs=state_defs,
             state_signatures=tuple(
-                (v.aval.shape, v.aval.dtype, v.aval.weak_type)
-                for v in invars[len(invars) - n_state_leaves :]
+                aval_signature(v.aval) for v in invars[len(invars) - n_state_leaves :]
             ),
             single_leaf_states=all(is_single_leaf(d) for d in state_defs),
             read_states=self.read_only,
