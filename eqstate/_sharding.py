@@ -27,7 +27,8 @@ def spec_rule(specs: Any) -> Callable[[State, Any], PartitionSpec | None]:
 
 
 def check_divisible(state: State, value: Any, mesh: Mesh, spec: PartitionSpec) -> None:
-    """Raises `ValueError` naming `state` if `spec` cannot split its value on `mesh`."""
+    """Raises `ValueError` naming `state` if `spec` cannot split its value on `mesh`
+    (too many entries, an axis not in the mesh, a size not a multiple)."""
     for leaf in jtu.tree_leaves(value):
         shape = leaf.shape
         if len(spec) > len(shape):
@@ -39,6 +40,7 @@ def check_divisible(state: State, value: Any, mesh: Mesh, spec: PartitionSpec) -
             if axes is None:
                 continue
             names = axes if isinstance(axes, tuple) else (axes,)
+            _check_axes_in_mesh(state, value, mesh, spec, names)
             devices = 1
             for name in names:
                 devices *= mesh.shape[name]
@@ -49,6 +51,18 @@ def check_divisible(state: State, value: Any, mesh: Mesh, spec: PartitionSpec) -
                     f"({devices} devices): the size must be a multiple of the number "
                     "of devices."
                 )
+
+
+def _check_axes_in_mesh(
+    state: State, value: Any, mesh: Mesh, spec: PartitionSpec, names: tuple
+) -> None:
+    unknown = [name for name in names if name not in mesh.shape]
+    if unknown:
+        raise ValueError(
+            f"The partition spec {spec} of {state_label(state, value)} names mesh "
+            f"axes {unknown}, but the mesh has only the axes "
+            f"{tuple(mesh.axis_names)}: name one of those."
+        )
 
 
 def shard(

@@ -399,3 +399,21 @@ def test_vmap_and_map_nested_in_shard_map_mix_a_shard_with_a_replicated_state(lo
         scaled, mesh=_mesh("data"), in_specs=(P("data"),), out_specs=P("data")
     )(x)
     assert tree_allclose(out, 2 * x)
+
+
+def test_a_spec_naming_an_axis_not_in_the_mesh_names_the_state_and_the_axes():
+    mesh = _mesh("x")
+    s = es.State(jnp.zeros(N), name="typo")
+    match = r"P\('y',\) of State 'typo'.*mesh has only the axes \('x',\)"
+    with pytest.raises(ValueError, match=match):
+        es.shard([s], mesh, P("y"))
+
+    def f(x):
+        s.value = s.value + 1
+        return x
+
+    sm = es.transform.shard_map(
+        f, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"), state_specs={s: P("y")}
+    )
+    with pytest.raises(ValueError, match=match):
+        sm(jnp.zeros(N))
