@@ -417,3 +417,23 @@ def test_a_spec_naming_an_axis_not_in_the_mesh_names_the_state_and_the_axes():
     )
     with pytest.raises(ValueError, match=match):
         sm(jnp.zeros(N))
+
+
+@pytest.mark.parametrize("n_specs", [1, 3])
+def test_shard_map_refuses_in_specs_of_another_length_than_the_arguments(n_specs):
+    sm = es.transform.shard_map(
+        lambda x, y: x + y,
+        mesh=_mesh("x"),
+        in_specs=(P("x"),) * n_specs,
+        out_specs=P("x"),
+    )
+    match = rf"`in_specs`.* has {n_specs} entries, but it is called with 2 positional"
+    with pytest.raises(ValueError, match=match):
+        sm(jnp.zeros(N), jnp.ones(N))
+
+
+def test_shard_map_takes_one_partition_spec_for_every_argument():
+    sm = es.transform.shard_map(
+        lambda x, y: x + y, mesh=_mesh("x"), in_specs=P("x"), out_specs=P("x")
+    )
+    assert tree_allclose(sm(jnp.zeros(N), jnp.ones(N)), jnp.ones(N))

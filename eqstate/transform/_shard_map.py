@@ -97,8 +97,19 @@ def _state_spec_rule(state_specs: Any) -> Callable[[State, Any], PartitionSpec]:
     return spec_of
 
 
-def _per_argument_specs(in_specs: Any) -> tuple:
-    return tuple(in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
+def _per_argument_specs(in_specs: Any, args: tuple, name: str) -> tuple:
+    """One spec per argument: `in_specs` itself (a tuple or list), or its one
+    PartitionSpec (or `None`) for every argument, as `jax.shard_map` takes it."""
+    if not isinstance(in_specs, (tuple, list)):
+        return (in_specs,) * len(args)
+    if len(in_specs) != len(args):
+        raise ValueError(
+            f"`in_specs` of the `shard_map` of {name} has {len(in_specs)} entries, "
+            f"but it is called with {len(args)} positional arguments: give one "
+            "PartitionSpec (or pytree of them) per argument, or one PartitionSpec "
+            "for all."
+        )
+    return tuple(in_specs)
 
 
 def _local_args(args: tuple, specs: tuple, mesh: Mesh) -> tuple:
@@ -174,8 +185,8 @@ def _call_sharded(
 ) -> Any:
     """One call of a `shard_map` function: find its states on one device's shard,
     then run it under `jax.shard_map` and write back the states it wrote."""
+    specs = _per_argument_specs(in_specs, args, traces.name)
     args = hide_static(args)  # a model's handles ride in the tree structure
-    specs = _per_argument_specs(in_specs)
     traced = Discovery(
         fun,
         show_static(_local_args(args, specs, mesh)),
@@ -213,8 +224,9 @@ def shard_map(
     **Arguments:**
 
     - `fun`: the function. If omitted, `shard_map` returns a decorator.
-    - `mesh`, `in_specs`, `out_specs`, `check_vma`: as in `jax.shard_map` (`in_specs`
-        is a tuple with one entry per positional argument).
+    - `mesh`, `in_specs`, `out_specs`, `check_vma`: as in `jax.shard_map`: `in_specs`
+        is a tuple with one entry per positional argument, or one PartitionSpec for
+        all.
     - `state_specs`: how each state is split across the mesh: a `PartitionSpec` for
         all, `{filter: PartitionSpec}` (first match), or `(state, value) ->
         PartitionSpec | None`. Unmatched states are replicated (`PartitionSpec()`).
@@ -228,8 +240,10 @@ def shard_map(
 
     **Raises:**
 
-    `ValueError` naming the state if a replicated state is written with a value that
-    differs across devices (reduce it first, e.g. with `jax.lax.pmean`).
+    - `ValueError` naming the state if a replicated state is written with a value
+        that differs across devices (reduce it first, e.g. with `jax.lax.pmean`).
+    - `ValueError` if `in_specs` has not one entry per positional argument, or if a
+        `PartitionSpec` (of `in_specs` or `state_specs`) names an axis not in `mesh`.
 
     !!! Example
 
