@@ -437,3 +437,14 @@ def test_shard_map_takes_one_partition_spec_for_every_argument():
         lambda x, y: x + y, mesh=_mesh("x"), in_specs=P("x"), out_specs=P("x")
     )
     assert tree_allclose(sm(jnp.zeros(N), jnp.ones(N)), jnp.ones(N))
+
+
+def test_shard_map_refuses_keyword_arguments_as_jax_shard_map():
+    def add(x, y):
+        return x + y
+
+    sm = es.transform.shard_map(
+        add, mesh=_mesh("x"), in_specs=(P("x"), P("x")), out_specs=P("x")
+    )
+    with pytest.raises(TypeError, match=r"of add takes positional arguments only.*'y'"):
+        sm(jnp.zeros(N), y=jnp.ones(N))

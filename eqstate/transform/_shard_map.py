@@ -226,7 +226,7 @@ def shard_map(
     - `fun`: the function. If omitted, `shard_map` returns a decorator.
     - `mesh`, `in_specs`, `out_specs`, `check_vma`: as in `jax.shard_map`: `in_specs`
         is a tuple with one entry per positional argument, or one PartitionSpec for
-        all.
+        all. The function takes positional arguments only.
     - `state_specs`: how each state is split across the mesh: a `PartitionSpec` for
         all, `{filter: PartitionSpec}` (first match), or `(state, value) ->
         PartitionSpec | None`. Unmatched states are replicated (`PartitionSpec()`).
@@ -244,6 +244,7 @@ def shard_map(
         that differs across devices (reduce it first, e.g. with `jax.lax.pmean`).
     - `ValueError` if `in_specs` has not one entry per positional argument, or if a
         `PartitionSpec` (of `in_specs` or `state_specs`) names an axis not in `mesh`.
+    - `TypeError` if called with keyword arguments.
 
     !!! Example
 
@@ -273,7 +274,13 @@ def shard_map(
     )
 
     @ft.wraps(fun)
-    def sharded(*args: Any) -> Any:
+    def sharded(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(
+                f"The `shard_map` of {traces.name} takes positional arguments only "
+                f"(as `jax.shard_map`), one per entry of `in_specs`; got keyword "
+                f"arguments {sorted(kwargs)}. Pass them by position."
+            )
         return _call_sharded(
             fun, traces, args, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
             spec_of=spec_of, check_vma=check_vma,
