@@ -9,7 +9,7 @@ from jaxtyping import PyTree
 
 from ._pretty_print import state_label
 from ._run import assign, values_of
-from ._state import State
+from ._state import is_state, State
 from ._state_dict import StateDict
 from ._state_rule import per_state_rule
 
@@ -77,7 +77,8 @@ def shard(
 
     **Arguments:**
 
-    - `states`: a [`eqstate.StateDict`][], or a PyTree holding handles (a model), whose
+    - `states`: a [`eqstate.StateDict`][] (or a mapping from handles to values), whose
+        values are placed and returned; or a PyTree holding handles (a model), whose
         values are read from the innermost context, placed, and written back there.
     - `mesh`: a `jax.sharding.Mesh`.
     - `specs`: how to split each state: one `PartitionSpec` for all; a mapping
@@ -106,8 +107,8 @@ def shard(
         ```
     """
     rule = spec_rule(specs)
-    is_dict = isinstance(states, StateDict)
-    values = states if is_dict else values_of(states)
+    is_dict = isinstance(states, Mapping) and any(map(is_state, states))
+    values = StateDict(states) if is_dict else values_of(states)
 
     def sharding(state: State, value: Any) -> NamedSharding:
         spec = rule(state, value)

@@ -448,3 +448,11 @@ def test_shard_map_refuses_keyword_arguments_as_jax_shard_map():
     )
     with pytest.raises(TypeError, match=r"of add takes positional arguments only.*'y'"):
         sm(jnp.zeros(N), y=jnp.ones(N))
+
+
+def test_shard_takes_a_plain_mapping_from_handles_as_a_state_dict():
+    w = es.ParamState(jnp.ones(2 * N), name="w")
+    placed = es.shard({w: w.value + 1}, _mesh("x"), P("x"))
+    assert isinstance(placed, es.StateDict) and list(placed) == [w]
+    assert placed[w].sharding.spec == P("x")
+    assert tree_allclose(placed[w], jnp.full(2 * N, 2.0))
