@@ -456,3 +456,10 @@ def test_shard_takes_a_plain_mapping_from_handles_as_a_state_dict():
     assert isinstance(placed, es.StateDict) and list(placed) == [w]
     assert placed[w].sharding.spec == P("x")
     assert tree_allclose(placed[w], jnp.full(2 * N, 2.0))
+
+
+def test_shard_map_docs_say_a_replicated_write_is_checked_only_with_check_vma():
+    # With check_vma=False JAX keeps no record of what differs across devices.
+    assert "Only with `check_vma=True`" in (es.transform.shard_map.__doc__ or "")
+    doc = (_EXAMPLES.parent / "docs" / "how-to" / "multi-device.md").read_text()
+    assert "with `check_vma=False` there is none" in doc

@@ -242,6 +242,9 @@ def shard_map(
 
     - `ValueError` naming the state if a replicated state is written with a value
         that differs across devices (reduce it first, e.g. with `jax.lax.pmean`).
+        Only with `check_vma=True` (the default): with `check_vma=False` JAX does
+        not record which values differ across devices, so nothing is checked, and
+        such a state keeps one device's value.
     - `ValueError` if `in_specs` has not one entry per positional argument, or if a
         `PartitionSpec` (of `in_specs` or `state_specs`) names an axis not in `mesh`.
     - `TypeError` if called with keyword arguments.
