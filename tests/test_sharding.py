@@ -404,7 +404,7 @@ def test_vmap_and_map_nested_in_shard_map_mix_a_shard_with_a_replicated_state(lo
 def test_a_spec_naming_an_axis_not_in_the_mesh_names_the_state_and_the_axes():
     mesh = _mesh("x")
     s = es.State(jnp.zeros(N), name="typo")
-    match = r"P\('y',\) of State 'typo'.*mesh has only the axes \('x',\)"
+    match = r"\('y',\) of State 'typo'.*mesh has only the axes \('x',\)"
     with pytest.raises(ValueError, match=match):
         es.shard([s], mesh, P("y"))
 
