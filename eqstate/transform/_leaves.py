@@ -100,8 +100,17 @@ def signature(x: Any) -> tuple:
     `_jax_compat.type_beyond_shape`): a trace made for a value varying across
     devices, or with an explicit sharding, must not serve another."""
     if type(x) is ArrayImpl:
-        return (x.shape, x.dtype, x.weak_type, compat.type_beyond_shape(x.aval))
+        return (x.shape, x.dtype, x.weak_type, _array_type_beyond_shape(x))
     return aval_signature(jax.typeof(x))
+
+
+def _array_type_beyond_shape(x: Any) -> Any:
+    """`type_beyond_shape` of an array, cheaply for the usual one: an array varies
+    across no devices, and only a `NamedSharding` can put mesh axes in its type
+    (`x.aval` costs microseconds to build)."""
+    if type(x.sharding) is not jax.sharding.NamedSharding:
+        return None
+    return compat.type_beyond_shape(x.aval)
 
 
 def aval_signature(aval: Any) -> tuple:
