@@ -447,10 +447,29 @@ def leave(token: contextvars.Token) -> None:
     _current.reset(token)
 
 
-class DictFrame(Frame):
-    """A strict frame over an explicit dictionary of values."""
+_SCOPE_ENDED = (
+    "Cannot use {label} through an `eqstate.scope` (or `eqstate.run`) that has ended: "
+    "its result is final. Code that inherited the scope's context (an asyncio task "
+    "created inside the `with` block, `asyncio.to_thread`, `contextvars.copy_context()`, "
+    "a thread started with a copied context) can no longer read, write or create states "
+    "through it. Finish that work inside the scope (e.g. `await` the task before the "
+    "block exits), or give it a scope of its own."
+)
 
-    __slots__ = ("eager", "new_states", "values")
+
+def scope_ended(label: str) -> TraceContextError:
+    """The error for a use of `label` through an ended `DictFrame`."""
+    return TraceContextError(_SCOPE_ENDED.format(label=label))
+
+
+class DictFrame(Frame):
+    """A strict frame over an explicit dictionary of values.
+
+    A task or thread that copied the context in which the frame is innermost keeps
+    it after the `scope` that made it has ended: `end` makes every later use raise.
+    """
+
+    __slots__ = ("eager", "ended", "new_states", "values")
     snapshots_at_once = True
 
     def __init__(self, values: Iterable[tuple[Any, Any]]):
@@ -458,6 +477,13 @@ class DictFrame(Frame):
         self.new_states: list[Any] = []
         self.jax_trace = compat.current_trace()
         self.eager = compat.is_top_level()
+        self.ended = False
+
+    def end(self) -> None:
+        """Refuses every later read, write and creation, and drops the values."""
+        self.ended = True
+        self.values = {}
+        self.new_states = []
 
     def read(self, state):
         if self.eager and not compat.is_top_level() and not compat.evaluates_at_once():
@@ -468,14 +494,19 @@ class DictFrame(Frame):
         try:
             return self.values[state]
         except KeyError:
+            if self.ended:
+                raise scope_ended(state_label(state)) from None
             raise _not_found(state, _NOT_IN_DICT) from None
 
     def write(self, state, value):
+        # An ended frame holds no value, so `fetch` refuses the write.
         self.check_trace(state)
         refuse_leaked_tracers(state, value, self.eager)
         self.values[state] = check_write(state, self.fetch(state), value)
 
     def commit(self, updates, new=()):
+        if self.ended and (updates or new):
+            raise scope_ended(state_label(next(iter(updates), None) or new[0][0]))
         self.check_commit_trace(updates, new)
         self.values.update(updates)
         for state, value in new:
@@ -483,6 +514,8 @@ class DictFrame(Frame):
             self.new_states.append(state)
 
     def add_new(self, state, value):
+        if self.ended:
+            raise scope_ended(state_label(state))
         self.check_trace(state, creates=True)
         refuse_leaked_tracers(state, value, self.eager)
         self.values[state] = value

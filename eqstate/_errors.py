@@ -11,7 +11,9 @@ class StateNotFoundError(KeyError):
 
 class TraceContextError(RuntimeError):
     """A state was used across a JAX trace boundary that eqstate cannot see: inside a raw
-    JAX transform, or after the trace that created it ended."""
+    JAX transform, or after the trace that created it ended. Also raised for a use
+    through an `eqstate.scope` that has ended, from a task or thread that inherited
+    its context."""
 
 
 class StateValueError(ValueError):

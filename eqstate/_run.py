@@ -51,6 +51,8 @@ def world() -> StateDict:
     A [`eqstate.StateDict`][]. Later writes to the world do not change it.
     """
     frame = _context.current_frame()
+    if isinstance(frame, _context.DictFrame) and frame.ended:
+        raise _context.scope_ended("`eqstate.world()`")
     eager = frame is _context.WORLD or (
         isinstance(frame, _context.DictFrame) and frame.eager
     )
@@ -88,6 +90,11 @@ _SNAPSHOT_ENDED = (
 )
 
 
+def _trace_ended(frame: _context.Frame) -> bool:
+    # An ended scope raises its own error when read through.
+    return isinstance(frame, _context.TraceFrame) and frame.ended
+
+
 class _ReadThrough(Mapping):
     """The values of `states`, each read through `frame` when first looked up (unless
     `known` holds it already): the world as seen from inside a scope or an eqstate
@@ -110,7 +117,7 @@ class _ReadThrough(Mapping):
             raise KeyError(state)
         value = self._read.get(state, MISSING)
         if value is MISSING:
-            if getattr(self._frame, "ended", False):
+            if _trace_ended(self._frame):
                 raise TraceContextError(
                     _SNAPSHOT_ENDED.format(label=state_label(state))
                 )
@@ -120,7 +127,7 @@ class _ReadThrough(Mapping):
     def peek_items(self) -> Iterator[tuple[State, Any]]:
         """`(state, value)` pairs with the values looked up so far, and what the
         frame holds of the others, without reading them (`MISSING` if nothing)."""
-        ended = getattr(self._frame, "ended", False)
+        ended = getattr(self._frame, "ended", False)  # A trace or a scope.
         for state in self._states:
             value = self._read.get(state, MISSING)
             if value is MISSING and not ended:
@@ -145,6 +152,13 @@ class scope:
     (reading any other state raises [`eqstate.StateNotFoundError`][]), and states
     created inside are added to it. The world is never touched. When the block exits
     normally, `scope.states` holds the result; if it raises, nothing is kept.
+
+    The scope is a context of its thread or task, so code that copies the context
+    inside the block (an asyncio task created there, `asyncio.to_thread`,
+    `contextvars.copy_context()`) runs in the scope too. Once the block has exited,
+    such code can no longer read, write or create states through it: that raises
+    [`eqstate.TraceContextError`][], and the result never changes. Await such work
+    before the block exits.
 
     !!! Example
 
@@ -188,7 +202,10 @@ class scope:
         _context.leave(self._token)
         assert self._frame is not None
         if exc_type is None:
-            self._states = state_dict_of(self._frame.values)
+            self._states = state_dict_of(dict(self._frame.values))
+        # A task or thread that copied the context inside the block still holds the
+        # frame: ending it makes its later uses raise instead of changing the result.
+        self._frame.end()
         self._frame = None
 
     @property
@@ -225,7 +242,8 @@ def run(
     **Returns:**
 
     `(new_states, out)`: `states` with the writes applied and new states added, and
-    the output of `fn`.
+    the output of `fn`. As with `scope`, code that copied the context inside `fn` (an
+    asyncio task it created, say) cannot use the states once `run` has returned.
 
     !!! Example
 

@@ -1,6 +1,7 @@
 """Every bad input in `docs/bad-input.md`, each a test: the error it gets, and every
 state left as it was. The page's table and `CASES` must list the same cases."""
 
+import contextvars
 import copy
 import os
 import pathlib
@@ -132,6 +133,18 @@ def escaped_handle():
     escaped = []
     es.transform.StatefulFunction(lambda: escaped.append(es.State(jnp.zeros(2))))()
     return lambda: escaped[0].value, []
+
+
+@case(
+    "a write, from a copied context, to a scope that has ended",
+    es.TraceContextError,
+    "ParamState 'w' through an `eqstate.scope`.*has ended.*`await` the task",
+)
+def write_after_scope_ended():
+    w = _w()
+    with es.scope(es.values_of([w])):
+        copied = contextvars.copy_context()  # as an asyncio task created here does
+    return lambda: copied.run(setattr, w, "value", jnp.ones(3)), [w]
 
 
 @case(

@@ -1,3 +1,5 @@
+import asyncio
+import contextvars
 import threading
 
 import eqstate as es
@@ -175,6 +177,113 @@ def test_threads_each_run_their_own_scope():
         t.join()
     assert results == {i: i + 50 for i in range(8)}
     assert s.value == 0
+
+
+def _context_of_a_scope(count, *, raises=False):
+    """The `contextvars` context copied inside a scope over `count`, and the scope."""
+    sc = es.scope(es.StateDict({count: jnp.array(0)}))
+    try:
+        with sc:
+            count.value = count.value + 1
+            copied = contextvars.copy_context()
+            if raises:
+                raise ValueError("boom")
+    except ValueError:
+        pass
+    return copied, sc
+
+
+def _increment(count):
+    count.value = count.value + 1
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        _increment,
+        es.transform.jit(_increment),
+        lambda count: count.value,
+        lambda count: es.world(),
+        lambda count: es.State(jnp.zeros(2)),
+        lambda count: es.assign({count: jnp.array(5)}),
+    ],
+    ids=["write", "jit", "read", "world", "create", "assign"],
+)
+def test_code_that_copied_a_scope_context_cannot_use_it_once_the_scope_ended(use):
+    count = es.State(jnp.array(0), name="count")
+    copied, sc = _context_of_a_scope(count)
+    result = sc.states
+    with pytest.raises(es.TraceContextError, match=r"`eqstate.scope`.*has ended"):
+        copied.run(use, count)
+    assert result[count] == 1 and sc.states[count] == 1 and count.value == 0
+
+
+def test_a_scope_that_raised_is_ended_too():
+    count = es.State(jnp.array(0), name="count")
+    copied, _ = _context_of_a_scope(count, raises=True)
+    with pytest.raises(es.TraceContextError, match=r"State 'count'.*has ended"):
+        copied.run(_increment, count)
+
+
+def test_an_asyncio_task_outliving_its_scope_leaves_the_result_unchanged():
+    count = es.State(jnp.array(0), name="count")
+    step = es.transform.jit(_increment)
+
+    async def worker():
+        for _ in range(10):
+            step(count)
+            await asyncio.sleep(0)
+
+    async def main():
+        with es.scope(es.StateDict({count: jnp.array(0)})) as sc:
+            task = asyncio.create_task(worker())
+            await asyncio.sleep(0)
+        first = int(sc.states[count])
+        with pytest.raises(es.TraceContextError, match=r"State 'count'.*await"):
+            await task
+        return first, int(sc.states[count])
+
+    first, later = asyncio.run(main())
+    assert first == later == 1
+
+
+def test_an_awaited_task_writes_to_its_scope():
+    count = es.State(jnp.array(0), name="count")
+
+    async def main():
+        with es.scope(es.StateDict({count: jnp.array(0)})) as sc:
+            await asyncio.to_thread(_increment, count)
+            await asyncio.create_task(asyncio.to_thread(_increment, count))
+        return sc.states[count]
+
+    assert asyncio.run(main()) == 2
+
+
+def test_a_thread_with_a_context_copied_in_run_cannot_write_once_run_returned():
+    count = es.State(jnp.array(0), name="count")
+    new, copied = es.run(contextvars.copy_context, es.values_of([count]))
+    errors = []
+
+    def write_later():
+        try:
+            _increment(count)
+        except es.TraceContextError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=copied.run, args=(write_later,))
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "State 'count'" in str(errors[0])
+    assert new[count] == 0
+
+
+def test_a_world_snapshot_taken_in_a_scope_keeps_its_values_once_it_ended():
+    inside = es.State(jnp.array(3), name="inside")
+    outside = es.State(jnp.array(4), name="outside")
+    with es.scope(es.values_of([inside])):
+        snapshot = es.world()
+    assert snapshot[inside] == 3 and outside in snapshot
+    assert "State(name='outside'): <not visible here>" in repr(snapshot)
 
 
 def test_values_of_reads_the_states_of_a_pytree():
