@@ -33,6 +33,13 @@ def world() -> StateDict:
     A snapshot taken outside a transform and closed over is a plain value, like any
     array.
 
+    The *set* of states listed is read when a function is traced, like any Python
+    global: a kept trace (of [`eqstate.transform.jit`][], a `StatefulFunction`, ...)
+    of a function iterating over `world()` goes on using the states that existed
+    when it was traced, and ignores states created since (eager code sees them). To
+    use the current set, pass the states in (the model, or `values_of(model)`), or
+    call the function's `clear_cache()` after creating states.
+
     Inside [`eqstate.scope`][] or [`eqstate.run`][], the values are the scope's, as
     `state.value` reads them, in eager code and under a transform alike (compiling a
     function does not change what it reads): a world state the scope's dictionary

@@ -551,3 +551,25 @@ def test_a_state_dict_of_python_or_numpy_values_runs_as_arrays(convert):
 
     new, out = es.run(step, values)
     assert isinstance(out, jax.Array) and out == 1.0 and new[count] == 1.0
+
+
+@pytest.mark.parametrize(
+    "transform", [es.transform.jit, es.transform.StatefulFunction], ids=["jit", "sf"]
+)
+def test_a_kept_trace_iterating_the_world_keeps_the_states_it_was_traced_with(
+    transform,
+):
+    class Bias(es.ParamState):  # A kind of this test's own.
+        pass
+
+    def total():
+        return sum(es.world().filter(Bias).values())
+
+    kept = transform(total)
+    first = Bias(jnp.array(1.0))
+    assert kept() == 1
+    later = Bias(jnp.array(10.0))
+    assert kept() == 1 and total() == 11  # as documented in `world`
+    kept.clear_cache()
+    assert kept() == 11
+    assert first in es.world() and later in es.world()
