@@ -463,3 +463,23 @@ def test_shard_map_docs_say_a_replicated_write_is_checked_only_with_check_vma():
     assert "Only with `check_vma=True`" in (es.transform.shard_map.__doc__ or "")
     doc = (_EXAMPLES.parent / "docs" / "how-to" / "multi-device.md").read_text()
     assert "with `check_vma=False` there is none" in doc
+
+
+def test_a_state_and_an_argument_on_different_devices_name_the_state():
+    devices = jax.devices()
+    w = es.State(jax.device_put(jnp.ones(4), devices[3]), name="w")
+
+    @es.transform.jit
+    def f(x):
+        w.value = w.value + x
+
+    on_3, on_1 = (jax.device_put(jnp.ones(4), devices[i]) for i in (3, 1))
+    with pytest.raises(ValueError, match="incompatible devices") as first:
+        f(on_1)
+    f(on_3)  # makes the plan that later calls go through
+    with pytest.raises(ValueError, match="incompatible devices") as planned:
+        f(on_1)
+    for error in (first, planned):
+        notes = "\n".join(getattr(error.value, "__notes__", []))
+        assert "State 'w' on devices [3]" in notes
+    assert (w.value == 2).all()

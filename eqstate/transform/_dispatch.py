@@ -23,6 +23,7 @@ import jax
 from .. import _context, _jax_compat as compat
 from .._context import current_frame as _current_frame, WORLD
 from .._jax_compat import is_top_level
+from .._pretty_print import state_label
 from .._state import State
 from .._state_dict import sharding_rule
 from ._call_args import CallArgs
@@ -313,6 +314,30 @@ def may_fail_at_run_time(jaxpr: Any) -> bool:
     return False
 
 
+def _note_state_devices(exc: Exception, plan: _Plan, frame: _context.Frame) -> None:
+    """Adds to JAX's error about a call's values on different devices which devices
+    the call's states are on: JAX names them by eqstate's own argument names."""
+    if not isinstance(exc, ValueError) or "incompatible devices" not in str(exc):
+        return
+    values = frame.read_many(plan.states)
+    placed = "; ".join(
+        f"{state_label(s)} on devices {_device_ids(v)}"
+        for s, v in zip(plan.states, values)
+    )
+    exc.add_note(
+        f"`eqstate_written` and `eqstate_read` are the call's states: {placed}. Put "
+        "the arguments on their devices (`jax.device_put(x, state.value.sharding)`), "
+        "or move the states (`eqstate.shard`, or `state.value = jax.device_put(...)`)."
+    )
+
+
+def _device_ids(value: Any) -> list[int]:
+    leaves = jax.tree_util.tree_leaves(value)
+    return sorted(
+        {d.id for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
+    )
+
+
 def _jit_took_as_is(args: tuple, kwargs: dict) -> bool:
     """Whether a plan's `jax.jit` took these arguments (tracers) as eqstate would
     have: see `jax_jit_sees_as_eqstate`."""
@@ -515,6 +540,17 @@ class JitDispatch:
             self._raise_if_planned(exc, plan, args, kwargs)
         return self._call_unplanned(args, kwargs)
 
+    def _call_plan_naming_devices(
+        self, plan: _Plan, frame: _context.Frame, args: tuple, kwargs: dict
+    ) -> tuple[Any, list]:
+        """`_call_plan`, whose error about values on different devices also names
+        the plan's states and their devices (JAX names eqstate's own arguments)."""
+        try:
+            return self._call_plan(plan, frame, args, kwargs)
+        except ValueError as exc:
+            _note_state_devices(exc, plan, frame)
+            raise
+
     def _call_in_frame(
         self, plan: _Plan, frame: _context.Frame, args: tuple, kwargs: dict
     ) -> Any:
@@ -615,6 +651,7 @@ class JitDispatch:
             and plan.split == _needs_split(call, trace)
             and plan.fits(trace)
         ):
+            _note_state_devices(exc, plan, _context.current_frame())
             raise exc
 
     def _call_planned(
@@ -629,7 +666,7 @@ class JitDispatch:
         `(False, None)` if the call turns out not to fit it."""
         plan = self._plan_for(trace, frame, _needs_split(call, trace))
         try:
-            out, updated = self._call_plan(plan, frame, args, kwargs)
+            out, updated = self._call_plan_naming_devices(plan, frame, args, kwargs)
         except (_PlanMismatch, OutputMismatch):
             return False, None
         except KeyError as exc:
