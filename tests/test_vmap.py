@@ -114,6 +114,66 @@ def test_in_axes_none_and_keyword_arguments(getkey):
     assert tree_allclose(out, jnp.arange(3.0) + 11)
 
 
+def test_unmapped_python_scalars_reach_the_function_as_they_are():
+    # As in `jax.vmap`: `range(n)` and `if flag:` work on unmapped Python scalars.
+    traces = []
+
+    def f(x, n, flag, label, *, scale):
+        traces.append((n, flag, label, scale))
+        for _ in range(n):
+            x = x * 2 if flag else x
+        return x * scale if label == "scaled" else x
+
+    xs = jnp.arange(3.0)
+    vf = es.transform.vmap(f, in_axes=(0, None, None, None))
+    assert tree_allclose(vf(xs, 2, True, "scaled", scale=0.5), xs * 2)
+    assert traces[-1] == (2, True, "scaled", 0.5)
+    assert tree_allclose(vf(xs, 2, True, "scaled", scale=0.5), xs * 2)
+    assert tree_allclose(vf(xs, 3, False, None, scale=1), xs)
+    assert all(type(t[0]) is int and type(t[1]) is bool for t in traces)
+
+
+def test_an_unmapped_python_scalar_is_part_of_the_cache_key():
+    traces = []
+
+    def f(x, n):
+        traces.append(n)
+        return x * n
+
+    vf = es.transform.vmap(f, in_axes=(0, None))
+
+    @es.transform.jit
+    def calls(xs):
+        return vf(xs, 2) + vf(xs, 2) + vf(xs, 3)
+
+    xs = jnp.arange(3.0)
+    assert tree_allclose(calls(xs), xs * 7)
+    # The second call reused the trace of the first; a new value was traced anew.
+    assert traces.count(2) == traces.count(3) > 0
+
+
+def test_unmapped_python_scalars_stay_static_under_jit():
+    w = es.ParamState(jnp.ones(()), name="w")
+
+    def repeat(x, n):
+        for _ in range(n):
+            x = x * w.value * 2
+        return x
+
+    xs = jnp.arange(3.0)
+    outer = es.transform.jit(
+        lambda xs: es.transform.vmap(repeat, in_axes=(0, None))(xs, 3)
+    )
+    assert tree_allclose(outer(xs), xs * 8)
+    inner = es.transform.vmap(
+        es.transform.jit(repeat, static_argnums=1), in_axes=(0, None)
+    )
+    assert tree_allclose(inner(xs, 2), xs * 4)
+    # Mapped arguments are traced, and `jit` traces a Python scalar as `jax.jit` does.
+    traced = es.transform.vmap(es.transform.jit(lambda x, n: x * n), in_axes=(0, None))
+    assert tree_allclose(traced(xs, 2), xs * 2)
+
+
 def test_axis_size_inference_errors():
     with pytest.raises(ValueError, match="Cannot infer the size"):
         es.transform.vmap(lambda: 1.0)()

@@ -248,6 +248,9 @@ def vmap(
     - `fun`: the function to vectorise. If omitted, `vmap` returns a decorator.
     - `in_axes`, `out_axes`, `axis_name`, `axis_size`, `spmd_axis_name`: as in
         `jax.vmap` (the arrays in keyword arguments of the call are mapped along axis 0).
+        Python scalars in the arguments whose axis is `None` reach `fun` as they are,
+        as in `jax.vmap`, and so do those in keyword arguments: `range(n)` and
+        `if flag:` work on them, and each new value traces `fun` again.
     - `in_states`: the states to map, as `{axis: filter}` (a bare filter means axis
         0); filters as in [`eqstate.filters`][], e.g. `{0: ensemble_states}`.
     - `out_states`: the axis of mapped states in the output, as `{axis: filter}`;
@@ -276,11 +279,12 @@ def vmap(
     check_axis_size(axis_size)
     mapped_axis = ft.partial(axis_of, pairs=parse_state_axes(in_states, "in_states"))
     out_pairs = parse_state_axes(out_states, "out_states")
-    traces_of_size = _traces_by_size(fun, axis_name)
+    traces_of = _traces_by_size(fun, axis_name)
 
     @ft.wraps(fun)
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         axes = per_argument_axes(in_axes, len(args))
+        traces_of_size = ft.partial(traces_of, mapped_argnums=mapped_positions(axes))
         traced, size = _discover_lane(
             fun, traces_of_size, args, kwargs, axes, mapped_axis,
             axis_size=axis_size, axis_name=axis_name,
@@ -294,20 +298,33 @@ def vmap(
     return vmapped
 
 
+def mapped_positions(axes: tuple) -> tuple[int, ...]:
+    """The positions of the arguments that `axes` (one entry per argument) maps
+    somewhere: those whose entry holds an int."""
+    return tuple(i for i, axis in enumerate(axes) if jtu.tree_leaves(axis))
+
+
 def _traces_by_size(
     fun: Callable, axis_name: Hashable | None
-) -> Callable[[int | None], FunctionTraces]:
-    """The discovery traces of `fun` for a given axis size. With `axis_name`, a trace
-    needs the axis (and its size) in scope, so each size has its own; without, one
-    serves all."""
+) -> Callable[..., FunctionTraces]:
+    """The discovery traces of `fun` for a given axis size and mapped arguments. With
+    `axis_name`, a trace needs the axis (and its size) in scope, so each size has its
+    own; without, one serves all. Python scalars outside the mapped arguments (and in
+    keyword arguments) are static, as `jax.vmap` passes them to the function as they
+    are (see `ArgParser`)."""
     name = getattr(fun, "__name__", None)
-    traces: dict[int | None, FunctionTraces] = {}
+    traces: dict[tuple, FunctionTraces] = {}
 
-    def traces_of_size(size: int | None) -> FunctionTraces:
-        key = size if axis_name is not None else None
+    def traces_of_size(
+        size: int | None, mapped_argnums: tuple[int, ...]
+    ) -> FunctionTraces:
+        size = size if axis_name is not None else None
+        key = (size, mapped_argnums)
         if key not in traces:
-            axis_env = None if key is None else [(axis_name, key)]
-            traces[key] = traces_for(fun, name, axis_env=axis_env)
+            axis_env = None if size is None else [(axis_name, size)]
+            traces[key] = traces_for(
+                fun, name, axis_env=axis_env, transformed_argnums=mapped_argnums
+            )
         return kept_or_fresh(traces[key])
 
     return traces_of_size
