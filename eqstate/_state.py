@@ -14,7 +14,7 @@ from jaxtyping import ArrayLike, PyTree
 
 from . import _context
 from ._context import current_frame, label_here, to_value
-from ._errors import StateValueError
+from ._errors import BatchAxisError, StateValueError
 from ._pretty_print import state_doc, state_label
 from ._serialisation_guard import not_an_array, refuse_if_serialised
 
@@ -250,8 +250,22 @@ class RandomState(State[Any]):
         if n is not None:
             n = _key_count(n)
         with KEY_LOCK:
-            self.value, keys = split_and_advance(self.value, n)
+            key = self.value
+            _check_single_key(self, key)
+            self.value, keys = split_and_advance(key, n)
         return keys
+
+
+def _check_single_key(state: RandomState, key: Any) -> None:
+    """Raises `BatchAxisError` if `key` is a batch of keys: a draw splits one key."""
+    if jnp.ndim(key) != 0:
+        raise BatchAxisError(
+            f"{state_label(state, key)} holds a batch of keys of shape "
+            f"{jnp.shape(key)}, but a draw splits a single key. Inside "
+            "`eqstate.transform.vmap`, declare it in `in_states` (`in_states={0: "
+            "state}`) to draw from its own key in each lane; elsewhere, draw from one "
+            "of its keys (`jax.random.split(state.value[i])`)."
+        )
 
 
 # Held while a key is read, split and advanced in eager code, so that threads drawing

@@ -99,6 +99,20 @@ def test_random_states_are_split_per_lane_and_advance_once():
     assert tree_allclose(samples, expected)
 
 
+def test_drawing_from_an_undeclared_batch_of_keys_names_the_state():
+    rngs = es.RandomState(jr.split(jr.key(0), 3), name="rngs")
+
+    def noisy(x):
+        return x + jr.normal(rngs.split_key())
+
+    with pytest.raises(
+        es.BatchAxisError, match=r"RandomState 'rngs' .*shape \(3,\).*`in_states`"
+    ):
+        es.transform.vmap(noisy)(jnp.zeros(3))
+    out = es.transform.vmap(noisy, in_states={0: rngs})(jnp.zeros(3))
+    assert out.shape == (3,) and len(set(out.tolist())) == 3
+
+
 def test_axis_name_collectives(getkey):
     w = es.ParamState(jr.normal(getkey(), (4,)))
     out = es.transform.vmap(
