@@ -199,6 +199,15 @@ def test_axis_size_inference_errors():
         es.transform.vmap(lambda x: x, in_axes=(0, 0))(jnp.ones(2))
 
 
+@pytest.mark.parametrize("axis_name", (None, "i"))
+def test_a_declared_state_the_function_does_not_use_is_not_mapped(axis_name):
+    s = es.State(jnp.zeros((4, 2)), name="s")
+    unused = es.transform.vmap(lambda: 1.0, in_states={0: s}, axis_name=axis_name)
+    with pytest.raises(ValueError, match="none of the states declared in `in_states`"):
+        unused()
+    assert es.transform.vmap(lambda: 1.0, in_states=s, axis_size=4)().shape == (4,)
+
+
 def test_a_mapped_state_needs_the_axis():
     s = es.State(jnp.zeros(()), name="scalar")
     with pytest.raises(ValueError, match=r"maps State 'scalar' .* along axis 0"):

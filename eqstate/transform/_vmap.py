@@ -35,6 +35,12 @@ _UNDECLARED_BATCHED_WRITE = (
     "state}})`, or write a value that does not depend on the mapped arguments."
 )
 
+_NOTHING_MAPPED = (
+    "Cannot infer the size of the mapped axis: no argument is mapped, and the "
+    "function reads or writes none of the states declared in `in_states` (a declared "
+    "state is mapped only if the function uses it). Pass `axis_size`."
+)
+
 
 def per_argument_axes(in_axes: AxisSpec, n_args: int) -> tuple:
     """`in_axes` as one (prefix) entry per positional argument, as `jax.vmap` reads it."""
@@ -253,7 +259,9 @@ def vmap(
         as in `jax.vmap`, and so do those in keyword arguments: `range(n)` and
         `if flag:` work on them, and each new value traces `fun` again.
     - `in_states`: the states to map, as `{axis: filter}` (a bare filter means axis
-        0); filters as in [`eqstate.filters`][], e.g. `{0: ensemble_states}`.
+        0); filters as in [`eqstate.filters`][], e.g. `{0: ensemble_states}`. Only
+        the matching states the function reads or writes are mapped (and give the
+        axis size): with no mapped argument and none of them used, pass `axis_size`.
     - `out_states`: the axis of mapped states in the output, as `{axis: filter}`;
         by default their input axis. A state must keep its shape.
 
@@ -365,7 +373,7 @@ def _discover_lane(
         # Only states are mapped, so their values give the size: find them with
         # a stand-in size, then trace again with the real one.
         first = discover(1)
-        size = axis_size_of(axes, args, None, _state_sizes(first, mapped_axis))
+        size = _lane_count(axes, args, None, _state_sizes(first, mapped_axis))
     traced = discover(size)
     traced.refuse_new_states("`vmap` (use `vmap_new_states` to create states)")
     return traced, size
@@ -504,7 +512,7 @@ def _call_vmapped(
     roles = _state_roles(traced, values, mapped_axis)
     if traced.trace.has_custom_rules:
         _context.mapped_in_rules([*roles.mapped, *roles.randoms])
-    size = axis_size_of(axes, args, axis_size, _state_sizes(traced, mapped_axis))
+    size = _lane_count(axes, args, axis_size, _state_sizes(traced, mapped_axis))
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
     out, new_mapped, new_broadcast, reseeded = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
         _lane_function(traced, values, roles),
@@ -522,6 +530,17 @@ def _call_vmapped(
         updates[state] = outer_key if key is None else key
     traced.commit(updates)
     return out
+
+
+def _lane_count(
+    axes: tuple, args: tuple, axis_size: int | None, state_sizes: dict[str, int]
+) -> int:
+    """The size of the mapped axis, from `axis_size`, the mapped arguments and the
+    mapped states the function uses."""
+    size = axis_size_of(axes, args, axis_size, state_sizes, required=False)
+    if size is None:
+        raise ValueError(_NOTHING_MAPPED)
+    return size
 
 
 def _state_sizes(traced: Discovery, mapped_axis: Callable) -> dict[str, int]:
