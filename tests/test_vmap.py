@@ -1,4 +1,5 @@
 import eqstate as es
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -206,6 +207,13 @@ def test_a_declared_state_the_function_does_not_use_is_not_mapped(axis_name):
     with pytest.raises(ValueError, match="none of the states declared in `in_states`"):
         unused()
     assert es.transform.vmap(lambda: 1.0, in_states=s, axis_size=4)().shape == (4,)
+
+
+@pytest.mark.parametrize("transform", ("vmap", "vmap_new_states"))
+def test_in_axes_of_filter_vmap_style_raise_saying_what_is_accepted(transform):
+    f = getattr(es.transform, transform)(lambda x: x, in_axes=(eqx.if_array(0),))
+    with pytest.raises(TypeError, match=r"takes ints and None.*write `eqx.if_array"):
+        f(jnp.ones(3))
 
 
 def test_a_mapped_state_needs_the_axis():

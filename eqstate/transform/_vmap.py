@@ -44,6 +44,7 @@ _NOTHING_MAPPED = (
 
 def per_argument_axes(in_axes: AxisSpec, n_args: int) -> tuple:
     """`in_axes` as one (prefix) entry per positional argument, as `jax.vmap` reads it."""
+    _check_axis_leaves(in_axes)
     if in_axes is None or isinstance(in_axes, int):
         return (in_axes,) * n_args
     if isinstance(in_axes, (list, tuple)):
@@ -58,6 +59,20 @@ def per_argument_axes(in_axes: AxisSpec, n_args: int) -> tuple:
         f"`in_axes` must be an int, None, or a tuple/list with one entry per "
         f"argument, got {in_axes!r}."
     )
+
+
+def _check_axis_leaves(in_axes: AxisSpec) -> None:
+    """Raises `TypeError` unless every leaf of `in_axes` is an int (`None` entries are
+    empty subtrees)."""
+    for leaf in jtu.tree_leaves(in_axes):
+        if not isinstance(leaf, int):
+            raise TypeError(
+                f"`in_axes` holds {leaf!r}, but it takes ints and None, alone, one per "
+                "argument or as a pytree prefix of an argument, as in `jax.vmap`. "
+                "`eqx.filter_vmap`'s axes (`eqx.if_array`, callables) are not "
+                "supported: only the arrays of a mapped argument are mapped anyway, "
+                "so write `eqx.if_array(0)` as `0`."
+            )
 
 
 def check_axis_size(axis_size: int | None) -> None:
