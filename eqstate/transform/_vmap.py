@@ -262,8 +262,8 @@ def vmap(
     raises [`eqstate.BatchAxisError`][] naming it. Random states read inside are split
     per lane (so every lane draws different numbers) and their outer key advances
     once; one holding a batch of keys must be declared to be drawn from (each lane
-    then draws from its own key), else the draw raises `BatchAxisError`. States cannot be created inside `vmap`: use
-    [`eqstate.transform.vmap_new_states`][].
+    then draws from its own key), else the draw raises `BatchAxisError`. States
+    cannot be created inside `vmap`: use [`eqstate.transform.vmap_new_states`][].
 
     **Arguments:**
 
