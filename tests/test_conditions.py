@@ -148,6 +148,12 @@ def test_branches_returning_static_values_that_are_equal_but_not_the_same_fail(s
     assert es.transform.cond(True, lambda: _Out(a), lambda: _Out(a)).flag is a
 
 
+def test_branches_returning_the_same_nan_python_float_are_the_same():
+    nan = float("nan")
+    out = es.transform.cond(jnp.array(True), lambda: _Out(nan), lambda: _Out(nan))
+    assert out.flag is nan
+
+
 def test_cond_matches_lax_under_grad():
     w = es.ParamState(jnp.array(2.0))
 

@@ -68,7 +68,10 @@ class Static:
 
 def same_static(a: Any, b: Any) -> bool:
     """Whether two static values are the same: equal, of one type (`1 == 1.0 ==
-    True`, which `jax.jit` keys apart) and, for floats, of one sign (`-0.0 == 0.0`)."""
+    True`, which `jax.jit` keys apart) and, for floats, of one sign (`-0.0 == 0.0`).
+    An object is the same as itself, even a NaN (as in JAX's own comparisons)."""
+    if a is b:
+        return True
     if type(a) is not type(b) or not a == b:
         return False
     return not isinstance(a, float) or math.copysign(1, a) == math.copysign(1, b)
