@@ -549,6 +549,82 @@ def shard_map_varying_write():
     return lambda: f(jnp.ones(len(jax.devices()))), [s]
 
 
+def _mesh_x():
+    return jax.make_mesh((len(jax.devices()),), ("x",), axis_types=(AxisType.Auto,))
+
+
+@case("a `shard_map` spec naming an axis not in the mesh", ValueError, r"\['y'\]")
+def shard_map_unknown_axis():
+    s = es.State(jnp.zeros(len(jax.devices())), name="s")
+    f = es.transform.shard_map(
+        lambda x: setattr(s, "value", s.value + x) or x,
+        mesh=_mesh_x(),
+        in_specs=(P("x"),),
+        out_specs=P("x"),
+        state_specs=P("y"),
+    )
+    return lambda: f(jnp.ones(len(jax.devices()))), [s]
+
+
+@case("`shard_map` with too few `in_specs`", ValueError, "has 1 entries")
+def shard_map_in_specs_length():
+    f = es.transform.shard_map(
+        lambda x, y: x + y, mesh=_mesh_x(), in_specs=(P("x"),), out_specs=P("x")
+    )
+    x = jnp.ones(len(jax.devices()))
+    return lambda: f(x, x), []
+
+
+@case("a `shard_map` function called with keywords", TypeError, "positional")
+def shard_map_keyword_arguments():
+    f = es.transform.shard_map(
+        lambda x: x, mesh=_mesh_x(), in_specs=(P("x"),), out_specs=P("x")
+    )
+    return lambda: f(x=jnp.ones(len(jax.devices()))), []
+
+
+@case(
+    "a draw inside `vmap` from an undeclared batch of keys",
+    es.BatchAxisError,
+    r"RandomState 'keys' .*holds a batch of keys of shape \(3,\)",
+)
+def vmap_draw_from_batched_keys():
+    keys = es.RandomState(jax.random.split(jax.random.key(0), 3), name="keys")
+
+    def draw(x):
+        return x + jax.random.normal(keys.split_key())
+
+    return lambda: es.transform.vmap(draw)(jnp.ones(3)), [keys]
+
+
+@case("`eqx.filter_vmap`-style `in_axes` for `vmap`", TypeError, "ints and None")
+def vmap_filter_vmap_axes():
+    import equinox as eqx
+
+    vmapped = es.transform.vmap(lambda x: x, in_axes=(eqx.if_array(0),))
+    return lambda: vmapped(jnp.ones(2)), []
+
+
+@case(
+    "`cond` branches returning equal Python values of other types",
+    TypeError,
+    r"Static\(True\)",
+)
+def cond_static_outputs_of_other_types():
+    import equinox as eqx
+
+    class Flagged(eqx.Module):
+        flag: object  # a Python value: static
+
+    s = es.State(jnp.array(0), name="s")
+
+    def bump(flag):
+        s.value = s.value + 1
+        return Flagged(flag)
+
+    return lambda: es.transform.cond(True, lambda: bump(True), lambda: bump(1)), [s]
+
+
 @case("a legacy uint32 key for a RandomState", TypeError, "typed PRNG key")
 def legacy_key():
     return lambda: es.RandomState(jnp.zeros(2, jnp.uint32)), []
