@@ -237,12 +237,17 @@ _VARYING_FIELD = next(
 
 def type_beyond_shape(aval: Any) -> Any:
     """What the type `aval` says beyond shape, dtype and weak type, hashable: its
-    sharding where the type holds one (explicit or manual mesh axes) and the axes it
-    varies along inside `jax.shard_map`; `None` if nothing (outside `shard_map`, on
-    Auto meshes)."""
+    sharding where the type splits it along explicit or manual mesh axes, and the
+    axes it varies along inside `jax.shard_map`; `None` if nothing (outside
+    `shard_map`: on Auto meshes, or replicated)."""
     sharding = getattr(aval, "sharding", None)
     axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-    if all(t == jax.sharding.AxisType.Auto for t in axis_types):
+    replicated = all(axes is None for axes in getattr(sharding, "spec", ()))
+    manual = jax.sharding.AxisType.Manual in axis_types
+    if all(t == jax.sharding.AxisType.Auto for t in axis_types) or (
+        replicated and not manual
+    ):
+        # On Auto axes, or replicated outside `shard_map`: nothing a trace needs.
         sharding = None
     varying = None
     if _VARYING_FIELD is not None and _varying_of(aval):
