@@ -73,27 +73,28 @@ def _stack(main: Any, rest: Any) -> Any:
     return jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), flat, rest)
 
 
-def _nested(step: Callable, carry: Any, xs: Any, n: int, base: int) -> Any:
-    """`n` steps over `xs` in `base` checkpointed segments, each nested likewise,
-    down to segments of at most `base` steps, which run as plain scans."""
+def _nested(step: Callable, carry: Any, xs: Any, start: Any, n: int, base: int) -> Any:
+    """`n` steps over the rows `start:start + n` of `xs`, in `base` checkpointed
+    segments, each nested likewise, down to segments of at most `base` steps, which
+    run as plain scans. Each level reads its rows by index, as the outer one does, so
+    that no level keeps a copy of them for the backward pass."""
     if n <= base:
-        return jax.lax.scan(step, carry, xs, length=n)
+        return jax.lax.scan(step, carry, _rows(xs, start, n), length=n)
     size = math.ceil(n / base)
     count, left = divmod(n, size)
 
     def segment(length: int) -> Callable:
         return jax.checkpoint(
-            lambda c, x: _nested(step, c, x, length, base), prevent_cse=False
+            lambda c, at: _nested(step, c, xs, at, length, base), prevent_cse=False
         )
 
-    main = jtu.tree_map(
-        lambda a: a[: count * size].reshape(count, size, *a.shape[1:]), xs
+    whole = segment(size)
+    carry, ys = jax.lax.scan(
+        lambda c, i: whole(c, start + i * size), carry, jnp.arange(count)
     )
-    carry, ys = jax.lax.scan(segment(size), carry, main, length=count)
     rest = None
     if left:
-        tail = jtu.tree_map(lambda a: a[count * size :], xs)
-        carry, rest = segment(left)(carry, tail)
+        carry, rest = segment(left)(carry, start + count * size)
     return carry, _stack(ys, rest)
 
 
@@ -117,7 +118,7 @@ def _checkpointed(
     count, left = divmod(n, size)
 
     def segment(carry, i):
-        return _nested(step, carry, _rows(xs, i * size, size), size, inner_base)
+        return _nested(step, carry, xs, i * size, size, inner_base)
 
     checkpointed = jax.checkpoint(segment, prevent_cse=False)
 
@@ -130,11 +131,11 @@ def _checkpointed(
     carry, ys = jax.lax.scan(outer, init, jnp.arange(count))
     rest = None
     if left:
-        tail = jtu.tree_map(lambda a: a[count * size :], xs)
         last = jax.checkpoint(
-            lambda c, x: _nested(step, c, x, left, inner_base), prevent_cse=False
+            lambda c: _nested(step, c, xs, count * size, left, inner_base),
+            prevent_cse=False,
         )
-        carry, rest = last(carry, tail)
+        carry, rest = last(carry)
         if pbar is not None:
             pbar.tick(n - 1, n, stride=left)
     return carry, _stack(ys, rest)
