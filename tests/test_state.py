@@ -160,7 +160,8 @@ def test_a_python_scalar_written_to_a_strongly_typed_state_leaves_it_strong(
         es.assign(sc.states)
     assert s.value == 3.0 and not s.value.weak_type
     # So it promotes as the float32 it was, not as a Python scalar would.
-    assert (jnp.ones(2, jnp.bfloat16) * s.value).dtype == jnp.float32
+    with jax.numpy_dtype_promotion("standard"):
+        assert (jnp.ones(2, jnp.bfloat16) * s.value).dtype == jnp.float32
 
 
 def test_a_python_scalar_written_to_a_weakly_typed_state_leaves_it_weak():
