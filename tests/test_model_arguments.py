@@ -3,6 +3,7 @@ static leaf, and its state is read and written exactly as if closed over."""
 
 import collections
 import dataclasses
+import functools as ft
 import warnings
 from typing import Any
 
@@ -167,6 +168,39 @@ def test_jit_of_model_and_x_after_the_same_model_sees_every_change(getkey):
     with pytest.raises(TypeError):
         f(model)  # one argument fewer
     assert (f(model, x) == 4.0).all()
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_jit_of_model_and_x_switches_plans_for_one_model(donate):
+    # Repeated `f(model, x)` calls reuse the plan found for the first; a call whose
+    # shapes need other states, or a cleared cache, must not run the old plan.
+    class Pair(eqx.Module):
+        short: es.State
+        long: es.State
+        scale: es.State
+
+    model = Pair(es.State(jnp.zeros(())), es.State(jnp.zeros(())), es.State(2.0))
+    mode = {"add": 1.0}
+
+    @ft.partial(es.transform.jit, donate_states=donate)
+    def f(m, x):
+        target = m.short if x.shape[0] < 3 else m.long
+        target.value = target.value + mode["add"] * x.sum()
+        return {"scaled": x * m.scale.value, "label": "out"}
+
+    expected = {"short": 0.0, "long": 0.0}
+    for n in (2, 2, 2, 4, 4, 2, 4, 2):
+        out = f(model, jnp.ones(n))
+        expected["short" if n < 3 else "long"] += n
+        assert out["label"] == "out" and (out["scaled"] == 2.0).all()
+        assert float(model.short.value) == expected["short"]
+        assert float(model.long.value) == expected["long"]
+    mode["add"] = 10.0  # the function changed: stale until the cache is cleared
+    f.clear_cache()
+    f(model, jnp.ones(2))
+    f(model, jnp.ones(2))
+    assert float(model.short.value) == expected["short"] + 40.0
+    assert float(model.scale.value) == 2.0
 
 
 def test_stateful_function_with_a_model_argument(getkey):
