@@ -24,6 +24,13 @@ def _mesh(name="x", axis_type=AxisType.Auto):
     return jax.make_mesh((N,), (name,), axis_types=(axis_type,))
 
 
+def _over_data(f, **options):
+    """`f` under `shard_map`, its one argument and its output split over "data"."""
+    return es.transform.shard_map(
+        f, mesh=_mesh("data"), in_specs=(P("data"),), out_specs=P("data"), **options
+    )
+
+
 def test_there_are_eight_devices():
     assert N == 8
 
@@ -173,20 +180,16 @@ def test_shard_map_refuses_a_spec_per_leaf_naming_the_state():
 
 
 def test_shard_map_refuses_a_replicated_state_written_per_device():
-    mesh = _mesh("data")
     s = es.State(jnp.array(0.0), name="replicated")
 
     def f(x):
         s.value = s.value + x.sum()
         return x
 
-    sm = es.transform.shard_map(
-        f, mesh=mesh, in_specs=(P("data"),), out_specs=P("data")
-    )
     with pytest.raises(
         ValueError, match=r"State 'replicated' is written inside `shard_map`"
     ):
-        sm(jnp.arange(float(N)))
+        _over_data(f)(jnp.arange(float(N)))
     assert s.value == 0
 
 
@@ -340,13 +343,7 @@ def test_transforms_nested_in_shard_map_write_a_split_state(nested, tracing_mode
         _NESTED[nested](add)
         return x
 
-    es.transform.shard_map(
-        step,
-        mesh=_mesh("data"),
-        in_specs=(P("data"),),
-        out_specs=P("data"),
-        state_specs={split: P("data")},
-    )(jnp.arange(float(N)))
+    _over_data(step, state_specs={split: P("data")})(jnp.arange(float(N)))
     assert tree_allclose(split.value, jnp.arange(float(N)))
 
 
@@ -359,13 +356,7 @@ def test_grad_nested_in_shard_map_of_a_split_state(tracing_mode):
         seen.value = es.transform.grad(loss, grad_states=[split])()[split]
         return x
 
-    es.transform.shard_map(
-        step,
-        mesh=_mesh("data"),
-        in_specs=(P("data"),),
-        out_specs=P("data"),
-        state_specs=P("data"),
-    )(jnp.arange(float(N)))
+    _over_data(step, state_specs=P("data"))(jnp.arange(float(N)))
     assert tree_allclose(seen.value, jnp.arange(float(N)))
 
 
@@ -395,9 +386,7 @@ def test_vmap_and_map_nested_in_shard_map_mix_a_shard_with_a_replicated_state(lo
     }
     scaled = lambda x: per_row[loop](lambda row: row * w.value)(x)  # noqa: E731
     x = jnp.arange(2.0 * N).reshape(N, 2)
-    out = es.transform.shard_map(
-        scaled, mesh=_mesh("data"), in_specs=(P("data"),), out_specs=P("data")
-    )(x)
+    out = _over_data(scaled)(x)
     assert tree_allclose(out, 2 * x)
 
 
