@@ -148,6 +148,33 @@ def test_unmapped_python_scalars_reach_the_function_as_they_are():
     assert all(type(t[0]) is int and type(t[1]) is bool for t in traces)
 
 
+def test_unmapped_python_scalars_inside_a_mapped_argument_stay_as_they_are():
+    # `jax.vmap` passes a leaf whose axis is `None` as it is, even when the other
+    # leaves of its argument are mapped.
+    seen = []
+
+    def f(batch, model):
+        seen.append((type(batch["n"]), type(model.flag)))
+        x = batch["x"]
+        for _ in range(batch["n"]):
+            x = x * 2 if model.flag else x
+        return x * model.w
+
+    class Model(eqx.Module):
+        w: jax.Array
+        flag: bool
+
+    axes = ({"x": 0, "n": None}, Model(0, None))  # pyright: ignore[reportArgumentType]
+    xs, model = jnp.arange(3.0), Model(jnp.arange(3.0), True)
+    batch = {"x": xs, "n": 2}
+    out = es.transform.vmap(f, in_axes=axes)(batch, model)
+    assert tree_allclose(out, jax.vmap(f, in_axes=axes)(batch, model))
+    assert tree_allclose(out, xs * 4 * model.w)
+    assert set(seen) == {(int, bool)}
+    out = es.transform.vmap(f, in_axes=axes)({"x": xs, "n": 3}, model)
+    assert tree_allclose(out, xs * 8 * model.w)
+
+
 def test_an_unmapped_python_scalar_is_part_of_the_cache_key():
     traces = []
 

@@ -84,7 +84,9 @@ class ArgParser:
     `transformed_argnums`, for a transform of some arguments only (`grad`'s
     `argnums`): Python scalars elsewhere (in the other arguments, and keyword
     arguments) stay static, as a JAX transform passes them to the function as they
-    are, so that `range(n)` works."""
+    are, so that `range(n)` works. `transformed_axes`, instead, for a transform of
+    some leaves only (`vmap`'s `in_axes`): one prefix tree per positional argument,
+    whose `None` entries leave their Python scalars static."""
 
     def __init__(
         self,
@@ -93,9 +95,11 @@ class ArgParser:
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
         transformed_argnums: Sequence[int] | None = None,
+        transformed_axes: tuple | None = None,
     ):
         self.name = name
         self.transformed_argnums = transformed_argnums
+        self.transformed_axes = transformed_axes
         self.static_argnums = _as_tuple(static_argnums, int, "static_argnums")
         names = _as_tuple(static_argnames, str, "static_argnames")
         params = _parameters(fun)
@@ -135,10 +139,16 @@ class ArgParser:
         leaves, treedef = jtu.tree_flatten((dyn_args, dyn_kwargs))
         fields = in_module((dyn_args, dyn_kwargs))
         mask = [is_traced(x, m) for x, m in zip(leaves, fields)]
+        transformed = None
         if self.transformed_argnums is not None:
             transformed = _leaves_of_positions(
                 dyn_args, leaves, self.transformed_argnums, n, static_index
             )
+        elif self.transformed_axes is not None:
+            transformed = _leaves_under_axes(
+                dyn_args, leaves, self.transformed_axes, n, static_index
+            )
+        if transformed is not None:
             mask = [
                 m and (t or not _is_python_scalar(x))
                 for x, m, t in zip(leaves, mask, transformed)
@@ -193,6 +203,41 @@ def _leaves_of_positions(
     for i, arg in zip(positions, dyn_args):
         marks += [i in wanted] * jtu.tree_structure(arg).num_leaves
     return marks + [False] * (len(leaves) - len(marks))
+
+
+def _leaves_under_axes(
+    dyn_args: tuple,
+    leaves: list,
+    axes: tuple,
+    n: int,
+    static_index: Any,
+) -> list[bool]:
+    """For each of `leaves` (of `(dyn_args, kwargs)`, flattened), whether `axes` (one
+    prefix tree per positional argument of a call with `n` of them, the static ones
+    left out of `dyn_args`) gives it an axis rather than `None`."""
+    positions = [i for i in range(n) if i not in static_index]
+    marks: list[bool] = []
+    for i, arg in zip(positions, dyn_args):
+        marks += _mapped_leaves(axes[i] if i < len(axes) else None, arg)
+    return marks + [False] * (len(leaves) - len(marks))
+
+
+def _mapped_leaves(axis: Any, arg: Any) -> list[bool]:
+    """For each leaf of `arg`, whether the prefix tree `axis` gives it an axis. An
+    `axis` that does not fit `arg` marks every leaf (the transform names the
+    mismatch)."""
+    n_leaves = jtu.tree_structure(arg).num_leaves
+    try:
+        marked = jtu.tree_map(
+            lambda a, sub: [a is not None] * jtu.tree_structure(sub).num_leaves,
+            axis,
+            arg,
+            is_leaf=lambda x: x is None,
+        )
+    except (ValueError, TypeError):
+        return [True] * n_leaves
+    marks = jtu.tree_leaves(marked)
+    return marks if len(marks) == n_leaves else [True] * n_leaves
 
 
 def _as_tuple(x: Any, kind: type, what: str) -> tuple:

@@ -24,15 +24,20 @@ def traces_for(
     static_argnums: Sequence[int] = (),
     axis_env: Sequence[tuple[Hashable, int]] | None = None,
     transformed_argnums: Sequence[int] | None = None,
+    transformed_axes: tuple | None = None,
 ) -> FunctionTraces:
     """A trace cache for `fun` that returns the states it writes, for a transform
     that calls it many times (`grad`, `checkpoint`, `vmap`): inside an enclosing
     trace, each call reuses the traces of the last (see `kept_or_fresh`). `axis_env`
-    puts named axes in scope while tracing; `transformed_argnums`: see
-    `ArgParser`."""
+    puts named axes in scope while tracing; `transformed_argnums`,
+    `transformed_axes`: see `ArgParser`."""
     label: str = name or getattr(fun, "__name__", type(fun).__name__)
     parser = ArgParser(
-        fun, label, tuple(static_argnums), transformed_argnums=transformed_argnums
+        fun,
+        label,
+        tuple(static_argnums),
+        transformed_argnums=transformed_argnums,
+        transformed_axes=transformed_axes,
     )
     env = None if axis_env is None else tuple(axis_env)
     return FunctionTraces(fun, label, parser, ("write",), env)

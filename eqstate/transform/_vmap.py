@@ -270,9 +270,11 @@ def vmap(
     - `fun`: the function to vectorise. If omitted, `vmap` returns a decorator.
     - `in_axes`, `out_axes`, `axis_name`, `axis_size`, `spmd_axis_name`: as in
         `jax.vmap` (the arrays in keyword arguments of the call are mapped along axis 0).
-        Python scalars in the arguments whose axis is `None` reach `fun` as they are,
-        as in `jax.vmap`, and so do those in keyword arguments: `range(n)` and
-        `if flag:` work on them, and each new value traces `fun` again.
+        Python scalars whose axis is `None` reach `fun` as they are, as in
+        `jax.vmap` (also inside an argument whose other leaves are mapped, e.g.
+        `in_axes=({"x": 0, "n": None},)`), and so do those in keyword arguments:
+        `range(n)` and `if flag:` work on them, and each new value traces `fun`
+        again.
     - `in_states`: the states to map, as `{axis: filter}` (a bare filter means axis
         0); filters as in [`eqstate.filters`][], e.g. `{0: ensemble_states}`. Only
         the matching states the function reads or writes are mapped (and give the
@@ -308,7 +310,7 @@ def vmap(
     @ft.wraps(fun)
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         axes = per_argument_axes(in_axes, len(args))
-        traces_of_size = ft.partial(traces_of, mapped_argnums=mapped_positions(axes))
+        traces_of_size = ft.partial(traces_of, axes=axes)
         traced, size = _discover_lane(
             fun, traces_of_size, args, kwargs, axes, mapped_axis,
             axis_size=axis_size, axis_name=axis_name,
@@ -322,36 +324,34 @@ def vmap(
     return vmapped
 
 
-def mapped_positions(axes: tuple) -> tuple[int, ...]:
-    """The positions of the arguments that `axes` (one entry per argument) maps
-    somewhere: those whose entry holds an int."""
-    return tuple(i for i, axis in enumerate(axes) if jtu.tree_leaves(axis))
-
-
 def _traces_by_size(
     fun: Callable, axis_name: Hashable | None
 ) -> Callable[..., FunctionTraces]:
     """The discovery traces of `fun` for a given axis size and mapped arguments. With
     `axis_name`, a trace needs the axis (and its size) in scope, so each size has its
-    own; without, one serves all. Python scalars outside the mapped arguments (and in
-    keyword arguments) are static, as `jax.vmap` passes them to the function as they
-    are (see `ArgParser`)."""
+    own; without, one serves all. Python scalars that `in_axes` does not map (and
+    those in keyword arguments) are static, as `jax.vmap` passes them to the function
+    as they are (see `ArgParser`)."""
     name = getattr(fun, "__name__", None)
     traces: dict[tuple, FunctionTraces] = {}
 
-    def traces_of_size(
-        size: int | None, mapped_argnums: tuple[int, ...]
-    ) -> FunctionTraces:
+    def traces_of_size(size: int | None, axes: tuple) -> FunctionTraces:
         size = size if axis_name is not None else None
-        key = (size, mapped_argnums)
+        key = (size, _hashable_axes(axes))
         if key not in traces:
             axis_env = None if size is None else [(axis_name, size)]
             traces[key] = traces_for(
-                fun, name, axis_env=axis_env, transformed_argnums=mapped_argnums
+                fun, name, axis_env=axis_env, transformed_axes=axes
             )
         return kept_or_fresh(traces[key])
 
     return traces_of_size
+
+
+def _hashable_axes(axes: tuple) -> tuple:
+    """`axes` (prefix trees of ints and `None`, perhaps holding dicts) as a key."""
+    leaves, treedef = jtu.tree_flatten(axes, is_leaf=lambda x: x is None)
+    return tuple(leaves), treedef
 
 
 def _discover_lane(
