@@ -111,7 +111,10 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     # A weakly typed value (a Python scalar) may take the state's dtype if JAX's own
     # promotion would keep that dtype: `count.value = 0` works for a float state.
     if new.shape == old.shape and weak and _promotion_keeps(old.dtype, new):
-        return new.astype(old.dtype)
+        # Weakly typed in, weakly typed out: `x.value = 3` on a state made from
+        # `1.0` keeps it promoting as a Python float does, as `x.value = 3.0` would.
+        converted = new.astype(old.dtype)
+        return compat.weakly_typed(converted) if is_weak(old) else converted
     raise StateValueError(
         f"Cannot write a value of shape {tuple(new.shape)} and dtype {new.dtype} to "
         f"{state_label(state)} (shape {tuple(old.shape)}, dtype {old.dtype}). A write "

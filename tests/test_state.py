@@ -164,10 +164,28 @@ def test_a_python_scalar_written_to_a_strongly_typed_state_leaves_it_strong(
         assert (jnp.ones(2, jnp.bfloat16) * s.value).dtype == jnp.float32
 
 
-def test_a_python_scalar_written_to_a_weakly_typed_state_leaves_it_weak():
-    s = es.State(0.0)
-    s.value = 1.0
-    assert s.value.weak_type
+@pytest.mark.parametrize("how", ["eager", "jit", "StateDict.set", "scope"])
+@pytest.mark.parametrize("number", [1.0, 1])
+def test_a_python_scalar_written_to_a_weakly_typed_state_leaves_it_weak(how, number):
+    s = es.State(0.0, name="s")
+
+    def write():
+        s.value = number
+
+    if how == "eager":
+        write()
+    elif how == "jit":
+        es.transform.jit(write)()
+    elif how == "StateDict.set":
+        es.assign(es.values_of(s).set(s, number))
+    else:
+        with es.scope(es.values_of(s)) as sc:
+            write()
+        es.assign(sc.states)
+    assert s.value == 1.0 and s.value.dtype == jnp.float32 and s.value.weak_type
+    # So it promotes as a Python float, whichever number was written.
+    with jax.numpy_dtype_promotion("standard"):
+        assert (jnp.ones(2, jnp.bfloat16) * s.value).dtype == jnp.bfloat16
 
 
 def test_reading_a_state_of_a_finished_scope_raises_state_not_found():
