@@ -18,7 +18,10 @@ writes, with two items:
 
 import functools as ft
 import importlib
+import operator
 import os
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -384,6 +387,50 @@ def load_orbax(
 # A series of checkpoints ---------------------------------------------------------------
 
 
+def _as_step(step: Any, directory: str) -> int:
+    """`step` as a Python int (NumPy and 0-d JAX integers count); else `CheckpointError`:
+    Orbax would write a directory named `1.5` that a reopened manager does not list."""
+    try:
+        number = operator.index(step)
+    except TypeError:
+        number = None
+    if number is None or isinstance(step, bool) or number < 0:
+        raise CheckpointError(
+            f"Checkpoint steps in {directory!r} are non-negative integers, got "
+            f"{step!r} (a {type(step).__name__}). Pass the training step, e.g. "
+            "`int(step)`."
+        )
+    return number
+
+
+# Managers that may have saves in flight when the program ends (see `_finish_saves`).
+_LIVE_MANAGERS: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+_FINISH_REGISTERED = threading.Lock()
+
+
+def _finish_saves() -> None:
+    """Waits for every live manager's saves: a program that ends without `close()`
+    must not lose the checkpoint its last `save` reported."""
+    for manager in list(_LIVE_MANAGERS):
+        manager.wait_until_finished()
+
+
+def _finish_saves_at_exit() -> None:
+    """Registers `_finish_saves` to run when the main thread ends, once. It must run
+    before `concurrent.futures` stops taking work (Orbax's background saves submit
+    more), so it uses the hook that module uses, where there is one: a plain
+    `atexit` handler runs too late."""
+    if not _FINISH_REGISTERED.acquire(blocking=False):
+        return
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - depends on the Python release
+        import atexit
+
+        atexit.register(_finish_saves)
+    else:
+        register(_finish_saves)
+
+
 class CheckpointManager:
     """A directory of numbered checkpoints of a training run, written with Orbax: it
     keeps the last few, saves in the background while training goes on, and finds
@@ -441,7 +488,9 @@ class CheckpointManager:
             ones after each save; `None` keeps all. (Keyword only argument.)
         - `async_save`: save in the background: `save` returns once the values are
             copied off the devices, and the files are written while the program
-            goes on. (Keyword only argument.)
+            goes on. A program that ends without `close()` (or the `with` block's
+            end) still waits for them, so its last save is not lost. (Keyword only
+            argument.)
         """
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(
@@ -459,16 +508,24 @@ class CheckpointManager:
             cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        if async_save:
+            _LIVE_MANAGERS.add(self)
+            _finish_saves_at_exit()
 
     def save(
-        self, step: int, states: Mapping[State, PyTree], *, model: PyTree | None = None
+        self,
+        step: int | np.integer | jax.Array,
+        states: Mapping[State, PyTree],
+        *,
+        model: PyTree | None = None,
     ) -> None:
         """Saves the values of `states` as checkpoint `step`.
 
         **Arguments:**
 
-        - `step`: the checkpoint's number, e.g. the training step; higher than every
-            step saved before.
+        - `step`: the checkpoint's number, a non-negative integer (a NumPy or 0-d
+            JAX integer too), e.g. the training step; higher than every step saved
+            before.
         - `states`, `model`: as in [`eqstate.save`][]: the values, and a PyTree
             holding the handles that gives each state its path (else state names).
             (`model` is a keyword only argument.)
@@ -476,12 +533,14 @@ class CheckpointManager:
         **Raises:**
 
         [`eqstate.CheckpointError`][] as [`eqstate.save`][] does (inside a JAX
-        transform too), or if `step` is not higher than the latest step saved.
+        transform too), or if `step` is not a non-negative integer higher than the
+        latest step saved.
         """
         refuse_under_transforms(
             "save",
             "step(x)\n    manager.save(n, eqstate.values_of(model), model=model)",
         )
+        step = _as_step(step, self.directory)
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:
             raise CheckpointError(
@@ -496,7 +555,7 @@ class CheckpointManager:
         self,
         model_or_states: PyTree,
         *,
-        step: int | None = None,
+        step: int | np.integer | jax.Array | None = None,
         model: PyTree | None = None,
     ) -> StateDict:
         """Loads checkpoint `step` (by default the latest) into the target.
@@ -531,11 +590,12 @@ class CheckpointManager:
                     "from scratch otherwise."
                 )
             step = steps[-1]
-        elif step not in steps:
+        elif _as_step(step, self.directory) not in steps:
             raise CheckpointError(
                 f"No checkpoint {step} in {self.directory!r}; it holds steps "
                 f"{list(steps)}."
             )
+        step = _as_step(step, self.directory)
         restore = ft.partial(self._manager.restore, step)
         where = os.path.join(self.directory, str(step))
         return restore_with(
@@ -559,8 +619,10 @@ class CheckpointManager:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the saves in flight, then releases the manager's resources."""
+        """Waits for the saves in flight, then releases the manager's resources. A
+        program that ends without calling it still waits for them."""
         self._manager.close()
+        _LIVE_MANAGERS.discard(self)
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -521,6 +521,13 @@ def manager_nothing_to_resume():
     return lambda: manager.load(es.values_of(w)), [w]
 
 
+@case("a checkpoint step that is not an integer", es.CheckpointError, "got Array")
+def manager_step_not_integer():
+    w = _w()
+    manager = es.CheckpointManager(tempfile.mkdtemp(), async_save=False)
+    return lambda: manager.save(jnp.array(1.5), es.values_of(w)), [w]
+
+
 @case(
     "a state split over a mesh axis that does not divide it",
     ValueError,

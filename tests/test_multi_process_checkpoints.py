@@ -1,6 +1,7 @@
 """The Orbax backend of `eqstate.save` / `eqstate.load` and `eqstate.CheckpointManager`,
 in one process; `test_multi_process.py` runs them across processes."""
 
+import subprocess
 import sys
 
 import eqstate as es
@@ -101,3 +102,70 @@ def test_manager_loads_an_older_step_on_request(tmp_path):
         assert (manager.load(es.values_of(w))[w] == 30).all()
         with pytest.raises(es.CheckpointError, match=r"holds steps \[10, 20\]"):
             manager.load(es.values_of(w), step=15)
+
+
+def test_manager_steps_are_integers_and_found_again_after_reopening(tmp_path):
+    w = es.ParamState(jnp.zeros(2), name="w")
+    with es.CheckpointManager(tmp_path, async_save=False) as manager:
+        for bad in (jnp.array(1.5), jnp.array(-1)):
+            with pytest.raises(es.CheckpointError, match="non-negative integers"):
+                manager.save(bad, es.values_of(w))
+        manager.save(np.int64(3), es.values_of(w))
+        manager.save(jnp.array(4), es.values_of(w))
+        with pytest.raises(es.CheckpointError, match="non-negative integers"):
+            manager.load(es.values_of(w), step=jnp.array(3.0))
+        assert manager.load(es.values_of(w), step=np.int64(3))[w].shape == (2,)
+    with es.CheckpointManager(tmp_path) as reopened:
+        assert reopened.steps() == (3, 4)
+
+
+_SAVE_FLOAT_STEP = """
+import sys
+import eqstate as es
+import jax.numpy as jnp
+
+w = es.ParamState(jnp.zeros(2), name="w")
+with es.CheckpointManager(sys.argv[1], async_save=False) as manager:
+    for step in (1.5, "2", True):
+        try:
+            manager.save(step, es.values_of(w))
+        except es.CheckpointError as error:
+            assert "non-negative integers" in str(error), error
+        else:
+            raise AssertionError(f"step {step!r} was accepted")
+    assert manager.steps() == ()
+"""
+
+
+def test_a_python_float_or_string_step_is_refused_without_runtime_type_checks(
+    tmp_path,
+):
+    # The suite checks annotations at run time, which refuses these first; a program
+    # without those checks must get eqstate's own error.
+    subprocess.run(
+        [sys.executable, "-c", _SAVE_FLOAT_STEP, str(tmp_path)], check=True, timeout=300
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+_SAVE_AND_EXIT = """
+import sys
+import eqstate as es
+import jax.numpy as jnp
+
+w = es.ParamState(jnp.arange(1_000_000.0), name="w")
+manager = es.CheckpointManager(sys.argv[1])  # saves in the background
+manager.save(1, es.values_of(w))
+# The program ends here, without `close()` or `wait_until_finished()`.
+"""
+
+
+def test_a_program_ending_without_close_keeps_its_last_background_save(tmp_path):
+    directory = tmp_path / "run"
+    subprocess.run(
+        [sys.executable, "-c", _SAVE_AND_EXIT, str(directory)], check=True, timeout=300
+    )
+    w = es.ParamState(jnp.zeros(1_000_000), name="w")
+    with es.CheckpointManager(directory) as manager:
+        assert manager.steps() == (1,)
+        assert (manager.load(es.values_of(w))[w] == jnp.arange(1_000_000.0)).all()
