@@ -333,7 +333,7 @@ def test_eqx_serialisation_of_handles_is_refused_with_the_recipe(getkey):
         assert "eqx.tree_serialise_leaves` met LongTermState 'running_mean'" in str(
             cause
         )
-        assert "eqstate.values_of(model)" in str(cause)
+        assert "eqstate.states_of(model)" in str(cause)
         # Equinox truncates the file before it meets a handle: the message says so.
         assert "a file that was at that path is now truncated" in str(cause)
         with open(path, "rb") as f:
@@ -343,21 +343,48 @@ def test_eqx_serialisation_of_handles_is_refused_with_the_recipe(getkey):
         assert "eqx.tree_deserialise_leaves` met" in str(info.value.__cause__.__cause__)  # pyright: ignore
 
 
+def _serialise_recipe(path, model):
+    values = [s.value for s in es.states_of(model)]
+    eqx.tree_serialise_leaves(path, (eqx.filter(model, eqx.is_array), values))
+
+
+def _deserialise_recipe(path, fresh):
+    states = es.states_of(fresh)
+    like = (eqx.filter(fresh, eqx.is_array), [s.value for s in states])
+    arrays, values = eqx.tree_deserialise_leaves(path, like)
+    es.assign(dict(zip(states, values)))
+    return eqx.combine(arrays, fresh)
+
+
 def test_eqx_serialisation_recipe_round_trips_arrays_and_states_bitwise(getkey):
     model = _Model(getkey())
     model(jr.normal(getkey(), (8, 3)))
-    restored = _Model(getkey())
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "model.eqx")
-        eqx.tree_serialise_leaves(
-            path, (eqx.filter(model, eqx.is_array), es.values_of(model))
-        )
-        like = (eqx.filter(restored, eqx.is_array), es.values_of(restored))
-        arrays, values = eqx.tree_deserialise_leaves(path, like)
-    restored = eqx.combine(arrays, restored)
-    es.assign(values)
+        _serialise_recipe(path, model)
+        restored = _deserialise_recipe(path, _Model(getkey()))
     assert tree_bitwise_equal(restored.linear, model.linear)
     assert tree_bitwise_equal(_values(restored), _values(model))
+
+
+def test_eqx_serialisation_recipe_matches_states_by_place_not_creation_order():
+    # A state replaced after the model was built is newer than its neighbours: a
+    # `StateDict` would flatten it last and load it into the other state.
+    class Two(eqx.Module):
+        a: es.State
+        b: es.State
+
+        def __init__(self):
+            self.a, self.b = es.State(jnp.zeros(2)), es.State(jnp.zeros(2))
+
+    model = eqx.tree_at(lambda m: m.a, Two(), es.State(jnp.ones(2)))
+    model.b.value = jnp.full(2, 2.0)
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "model.eqx")
+        _serialise_recipe(path, model)
+        restored = _deserialise_recipe(path, Two())
+    assert tree_bitwise_equal(restored.a.value, jnp.ones(2))
+    assert tree_bitwise_equal(restored.b.value, jnp.full(2, 2.0))
 
 
 class _Autoencoder(eqx.Module):
