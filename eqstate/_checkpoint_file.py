@@ -156,7 +156,8 @@ def _open_checkpoint(path: str) -> io.BufferedReader:
     except IsADirectoryError:
         raise CheckpointError(
             f"{path!r} is a directory, not a checkpoint file. Pass the path of the "
-            "file written by `eqstate.save`."
+            "file written by `eqstate.save`; a directory of numbered checkpoints "
+            "loads with `eqstate.CheckpointManager(directory).load(model)`."
         ) from None
     except OSError as e:
         raise CheckpointError(
