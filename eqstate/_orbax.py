@@ -20,6 +20,7 @@ import functools as ft
 import importlib
 import operator
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -412,7 +413,14 @@ def _finish_saves() -> None:
     """Waits for every live manager's saves: a program that ends without `close()`
     must not lose the checkpoint its last `save` reported."""
     for manager in list(_LIVE_MANAGERS):
-        manager.wait_until_finished()
+        try:
+            manager.wait_until_finished()
+        except Exception as error:  # The other managers' saves still get their wait.
+            print(
+                f"eqstate: the checkpoint being saved in {manager.directory!r} when the "
+                f"program ended may be incomplete: {error!r}",
+                file=sys.stderr,
+            )
 
 
 def _finish_saves_at_exit() -> None:

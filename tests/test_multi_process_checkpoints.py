@@ -169,3 +169,21 @@ def test_a_program_ending_without_close_keeps_its_last_background_save(tmp_path)
     with es.CheckpointManager(directory) as manager:
         assert manager.steps() == (1,)
         assert (manager.load(es.values_of(w))[w] == jnp.arange(1_000_000.0)).all()
+
+
+def test_each_managers_saves_get_their_wait_at_exit_even_if_one_fails(tmp_path, capsys):
+    from eqstate import _orbax
+
+    waited = []
+
+    def fails():
+        raise OSError("the disk is gone")
+
+    with es.CheckpointManager(tmp_path / "a") as a:
+        with es.CheckpointManager(tmp_path / "b") as b:
+            a.wait_until_finished = fails
+            b.wait_until_finished = lambda: waited.append("b")
+            _orbax._finish_saves()  # what runs when the program ends
+            assert waited == ["b"]
+            error = capsys.readouterr().err
+            assert "may be incomplete" in error and str(tmp_path / "a") in error
