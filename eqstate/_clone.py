@@ -133,11 +133,12 @@ def mark_replicated(state: State, replicated: bool) -> None:
     object.__setattr__(state, "_replicated", replicated)
 
 
-def mark_build(state: State, build: object) -> None:
-    """Records on the handle that the `vmap_new_states` call `build` built `state`, or
-    returned it without building it (a table tied into every member): `member` copies
-    such a state whole in a tree that holds a state `build` built."""
-    object.__setattr__(state, "_builds", state._builds | {build})
+def mark_build(state: State, build: object, *, built: bool) -> None:
+    """Records on the handle that the `vmap_new_states` call `build` built `state`
+    (`built=True`), or returned it without building it (a table tied into every
+    member): `member` copies the latter whole in a tree that holds a state `build`
+    built."""
+    object.__setattr__(state, "_builds", state._builds | {(build, built)})
 
 
 def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
@@ -173,9 +174,9 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         it), the states it replicated (its `NonBatchState`s, those tagged
         `INIT_NO_BATCHING` and those matching its `state_to_exclude`, even after
         `state_tag` replaced their tags) and the states it returned without
-        creating them (they existed before the build, such as a table tied into
-        every member) are copied whole; the latter only in a tree that also holds
-        states that build created, so a handle a build returned is sliced as usual
+        creating them (they existed before the build, such as a table, or another
+        ensemble's stacked state, tied into every member) are copied whole; the
+        latter only in a tree that also holds states that build created, so a handle a build returned is sliced as usual
         elsewhere. Pass a filter for ensembles stacked some other way. (Keyword
         only argument.)
 
@@ -239,11 +240,10 @@ def _copied_whole(
     `vmap_new_states` replicated, those it returned without building them from a
     build that built another state of the ensemble (see `mark_build`), and those
     `shared` selects (by path and state)."""
-    builds = frozenset().union(
-        *(s._builds for _, s in with_paths if s._replicated is not None)
-    )
+    # A state one build stacked may be tied by another into every member of its own.
+    builds = {b for _, s in with_paths for b, built in s._builds if built}
 
     def tied(state: State) -> bool:
-        return state._replicated is None and not state._builds.isdisjoint(builds)
+        return any(b in builds for b, built in state._builds if not built)
 
     return {s for path, s in with_paths if s._replicated or tied(s) or shared(path, s)}

@@ -52,8 +52,9 @@ class State(Generic[_Value]):
 
     # `_replicated`: whether `vmap_new_states` gave every member this state's one value
     # (True) or stacked a value per member (False); None for a state it never built.
-    # `_builds`: the `vmap_new_states` calls that built the state or returned it
-    # without building it (see `eqstate.member`). Copies of the handle keep both.
+    # `_builds`: `(build, built)` pairs, one per `vmap_new_states` call that built the
+    # state (`built` True) or returned it without building it (False; see
+    # `eqstate.member`). Copies of the handle keep both.
     __slots__ = (
         "__weakref__",
         "_builds",

@@ -510,3 +510,25 @@ def test_a_state_returned_by_a_build_is_copied_whole_only_with_that_build():
     assert tree_bitwise_equal(
         es.member(es.clone(built), 1)["table"].value, hand["w"].value
     )
+
+
+def test_member_copies_whole_an_ensemble_that_a_second_build_ties_into_every_member():
+    # A state stacked by one build and returned unchanged by a second is shared by
+    # every member of the second: each of its lanes reads every row.
+    teachers = es.transform.vmap_new_states(
+        lambda: es.ParamState(es.random.normal((3,)), name="teacher"), axis_size=4
+    )()
+    students = es.transform.vmap_new_states(
+        lambda: {"w": es.ParamState(es.random.normal((3,))), "teacher": teachers},
+        axis_size=4,
+    )()
+    rows = es.transform.vmap(
+        lambda s: s["teacher"].value.shape[0] + 0 * s["w"].value.sum(),
+        in_states={0: students["w"]},
+    )(students)
+    assert (rows == 4).all()
+    one = es.member(students, 2)
+    assert tree_bitwise_equal(one["teacher"].value, teachers.value)
+    assert tree_bitwise_equal(one["w"].value, students["w"].value[2])
+    # In the first ensemble, the teacher is still stacked.
+    assert tree_bitwise_equal(es.member(teachers, 2).value, teachers.value[2])

@@ -263,8 +263,10 @@ def _mark_build(out: Any, new: list[State]) -> None:
     before it (a table tied into every member): `member` of a tree holding the
     former copies the latter whole, as it copies replicated states."""
     build = object()
-    for state in (*new, *states_of((out,))):  # `out` may be a StateDict
-        mark_build(state, build)
+    for state in new:
+        mark_build(state, build, built=True)
+    for state in set(states_of((out,))).difference(new):  # `out` may be a StateDict
+        mark_build(state, build, built=False)
 
 
 def _lane_function(
