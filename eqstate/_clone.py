@@ -1,7 +1,6 @@
 """Copies of models holding handles: `clone` and `member`."""
 
 import operator
-from collections.abc import Callable
 from typing import TypeVar
 
 import equinox as eqx
@@ -11,7 +10,6 @@ from jaxtyping import PyTree
 
 from . import _context
 from ._custom_types import Filter
-from ._filters import to_predicate
 from ._pretty_print import state_label, value_summary
 from ._run import states_of
 from ._state import creation_order, fresh_copy, is_state, NonBatchState, State
@@ -169,14 +167,16 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     - `index`: which member, in `[-K, K)` for an ensemble of K members.
     - `shared`: a filter selecting the states that are not stacked, by default the
         [`eqstate.NonBatchState`][]s; a predicate receives each state's PyTree path
-        in `ensemble`. Whatever this filter says, in an ensemble built by
-        `vmap_new_states` (also by a jitted build, and in [`eqstate.clone`][]s of
-        it), the states it replicated (its `NonBatchState`s, those tagged
-        `INIT_NO_BATCHING` and those matching its `state_to_exclude`, even after
-        `state_tag` replaced their tags) and the states it returned without
-        creating them (they existed before the build, such as a table, or another
-        ensemble's stacked state, tied into every member) are copied whole; the
-        latter only in a tree that also holds states that build created, so a handle a build returned is sliced as usual
+        in `ensemble`, and a state found at several paths is selected if any of
+        them matches, as by [`eqstate.states_of`][]. Whatever this filter says, in
+        an ensemble built by `vmap_new_states` (also by a jitted build, and in
+        [`eqstate.clone`][]s of it), the states it replicated (its
+        `NonBatchState`s, those tagged `INIT_NO_BATCHING` and those matching its
+        `state_to_exclude`, even after `state_tag` replaced their tags) and the
+        states it returned without creating them (they existed before the build,
+        such as a table, or another ensemble's stacked state, tied into every
+        member) are copied whole; the latter only in a tree that also holds states
+        that build created, so a handle a build returned is sliced as usual
         elsewhere. Pass a filter for ensembles stacked some other way. (Keyword
         only argument.)
 
@@ -209,10 +209,10 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         ```
     """
     index = operator.index(index)
-    with_paths = states_of(ensemble, with_paths=True)
-    states = tuple(s for _, s in with_paths)
+    states = states_of(ensemble)
     values = _context.current_frame().read_many(states) if states else []
-    whole = _copied_whole(with_paths, to_predicate(shared))
+    # Selected as `states_of` selects: by any of the paths a state is found at.
+    whole = _copied_whole(states, set(states_of(ensemble, shared)))
     stacked = [(state_label(s), v) for s, v in zip(states, values) if s not in whole]
     arrays = jtu.tree_leaves_with_path(eqx.filter(ensemble, eqx.is_array))
     stacked += [(f"the array at {jtu.keystr(path)}", x) for path, x in arrays]
@@ -233,17 +233,15 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     return _register(ensemble, states, picked)
 
 
-def _copied_whole(
-    with_paths: tuple[tuple[tuple, State], ...], shared: Callable[[tuple, State], bool]
-) -> set[State]:
+def _copied_whole(states: tuple[State, ...], shared: set[State]) -> set[State]:
     """The states of an ensemble that `member` copies whole rather than slices: those
     `vmap_new_states` replicated, those it returned without building them from a
-    build that built another state of the ensemble (see `mark_build`), and those
-    `shared` selects (by path and state)."""
+    build that built another state of the ensemble (see `mark_build`), and those of
+    `shared`."""
     # A state one build stacked may be tied by another into every member of its own.
-    builds = {b for _, s in with_paths for b, built in s._builds if built}
+    builds = {b for s in states for b, built in s._builds if built}
 
     def tied(state: State) -> bool:
         return any(b in builds for b, built in state._builds if not built)
 
-    return {s for path, s in with_paths if s._replicated or tied(s) or shared(path, s)}
+    return {s for s in states if s._replicated or tied(s) or s in shared}

@@ -532,3 +532,22 @@ def test_member_copies_whole_an_ensemble_that_a_second_build_ties_into_every_mem
     assert tree_bitwise_equal(one["w"].value, students["w"].value[2])
     # In the first ensemble, the teacher is still stacked.
     assert tree_bitwise_equal(es.member(teachers, 2).value, teachers.value[2])
+
+
+def test_member_copies_whole_a_state_that_shared_selects_at_any_of_its_paths():
+    # As `states_of(tree, shared)` selects a state found at several paths.
+    glob = es.ParamState(jnp.arange(4.0), name="global")
+    tree = {
+        "a_alias": glob,
+        "b": es.ParamState(jnp.arange(8.0).reshape(4, 2)),
+        "shared": glob,
+    }
+
+    def in_shared(path, state):
+        return jax.tree_util.keystr(path).startswith("['shared']")
+
+    assert es.states_of(tree, in_shared) == (glob,)
+    one = es.member(tree, 1, shared=in_shared)
+    assert tree_bitwise_equal(one["shared"].value, glob.value)
+    assert one["a_alias"] is one["shared"]
+    assert tree_bitwise_equal(one["b"].value, jnp.array([2.0, 3.0]))
