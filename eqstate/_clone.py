@@ -13,10 +13,20 @@ from ._custom_types import Filter
 from ._pretty_print import state_label, value_summary
 from ._run import states_of
 from ._state import creation_order, fresh_copy, is_state, NonBatchState, State
-from ._state_dict import rekeyed
+from ._state_dict import rekeyed, StateDict
 
 
 _T = TypeVar("_T")
+
+
+_CLONE_STATE_DICT = """\
+`eqstate.clone` copies the handles of a PyTree (a model), and a StateDict holds none:
+its states are its keys, and it is immutable, so it is its own copy. To copy a model
+along with a StateDict of its states, clone the two together:
+
+    twin, twin_states = eqstate.clone((model, states))
+
+`twin_states` is then keyed by the handles of `twin`."""
 
 
 def _copy(value: PyTree) -> PyTree:
@@ -33,15 +43,15 @@ def _replace_handles(tree: _T, new_handles: dict[State, State]) -> _T:
 
 def _register(tree: _T, states: tuple[State, ...], values: list[PyTree]) -> _T:
     """`tree` with each of `states` replaced by a fresh handle holding the matching
-    value, registered in the innermost context. A `StateDict` held in a value (e.g.
-    an optimiser's state) is keyed by the fresh handles too."""
+    value, registered in the innermost context. A `StateDict` in `tree` or held in a
+    value (e.g. an optimiser's state) is keyed by the fresh handles too."""
     frame = _context.current_frame()
     # In the originals' creation order: a StateDict flattens in the creation order of
     # its handles, so one of the copy's states then flattens like the original's.
     fresh = {s: fresh_copy(s) for s in sorted(states, key=creation_order)}
     for state, value in zip(states, rekeyed(values, fresh)):
         frame.add_new(fresh[state], value)
-    return _replace_handles(tree, fresh)
+    return rekeyed(_replace_handles(tree, fresh), fresh)
 
 
 def clone(tree: _T) -> _T:
@@ -53,12 +63,14 @@ def clone(tree: _T) -> _T:
     trace of a transform) with a copy of the original's value there. A handle found at
     several places in `tree` becomes one new handle, found at the same places. Leaves
     that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
-    are: JAX arrays are immutable, so sharing them is safe. A `StateDict` held in a
-    value (an optimiser's state, a snapshot of the best weights) is keyed by the new
-    handles, so that it refers to the clone's states, not to the original's. The new
-    handles are created in the creation order of the originals, so a `StateDict` of
-    the clone's states flattens like the original's (Equinox's serialisation matches
-    leaves by that order).
+    are: JAX arrays are immutable, so sharing them is safe. A `StateDict` in `tree`
+    (e.g. a module field) or held in a value (an optimiser's state, a snapshot of the
+    best weights) is keyed by the new handles in place of the handles of `tree`, so
+    that it refers to the clone's states, not to the original's; its keys naming
+    states that `tree` does not hold stay as they are. The new handles are created
+    in the creation order of the originals, so a `StateDict` of the clone's states
+    flattens like the original's (Equinox's serialisation matches leaves by that
+    order).
 
     `copy.deepcopy` of a handle raises instead, since it cannot choose the context
     to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]
@@ -66,7 +78,10 @@ def clone(tree: _T) -> _T:
 
     **Arguments:**
 
-    - `tree`: any PyTree, e.g. an `eqx.Module` holding handles.
+    - `tree`: any PyTree, e.g. an `eqx.Module` holding handles. Not a `StateDict`
+        alone (`TypeError`): it holds no handles, and is its own copy; clone it
+        together with the model whose states it holds, `eqstate.clone((model,
+        states))`.
 
     **Returns:**
 
@@ -75,7 +90,7 @@ def clone(tree: _T) -> _T:
     **Raises:**
 
     [`eqstate.StateNotFoundError`][] if a state has no value in the innermost context
-    (nothing is registered then).
+    (nothing is registered then); `TypeError` if `tree` is a `StateDict`.
 
     !!! Example
 
@@ -92,6 +107,8 @@ def clone(tree: _T) -> _T:
         assert not (copy.running_mean.value == 0).all()
         ```
     """
+    if isinstance(tree, StateDict):
+        raise TypeError(_CLONE_STATE_DICT)
     states = states_of(tree)
     if not states:
         return tree
@@ -149,7 +166,9 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     of the stacked value, so the member's values are bit for bit those of its lane.
     States shared by every member (not stacked) are copied whole. Arrays of the tree
     that are not states, such as the weights of an `eqx.nn.Linear` built in each
-    lane, are stacked by `vmap_new_states` too, and are sliced the same way.
+    lane, are stacked by `vmap_new_states` too, and are sliced the same way; so are
+    the values of a `StateDict` in the tree, which is keyed by the member's handles
+    as by [`eqstate.clone`][].
 
     The new states are registered in the innermost context, as by
     [`eqstate.clone`][]. For an ensemble whose values are in a `StateDict`, run it

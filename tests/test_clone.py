@@ -551,3 +551,57 @@ def test_member_copies_whole_a_state_that_shared_selects_at_any_of_its_paths():
     assert tree_bitwise_equal(one["shared"].value, glob.value)
     assert one["a_alias"] is one["shared"]
     assert tree_bitwise_equal(one["b"].value, jnp.array([2.0, 3.0]))
+
+
+class _Resettable(eqx.Module):
+    h: es.ShortTermState
+    initial: es.StateDict  # the values `reset` restores
+
+    def __init__(self):
+        self.h = es.ShortTermState(es.random.normal((2,)), name="h")
+        self.initial = es.values_of(self.h)
+
+    def reset(self):
+        es.assign(self.initial)
+
+
+def test_a_state_dict_held_in_the_tree_follows_its_states_to_the_clone():
+    model = _Resettable()
+    outside = es.State(jnp.zeros(3), name="outside")
+    tree = {"model": model, "both": es.values_of({"h": model.h, "o": outside})}
+    twin = es.clone(tree)
+    assert twin["model"].initial.states == (twin["model"].h,)
+    # A key naming a state outside the cloned tree stays as it is.
+    assert twin["both"].states == (twin["model"].h, outside)
+    start = model.h.value
+    model.h.value = jnp.ones(2)
+    twin["model"].h.value = jnp.full(2, 5.0)
+    twin["model"].reset()
+    assert tree_bitwise_equal(twin["model"].h.value, start)
+    assert tree_bitwise_equal(model.h.value, jnp.ones(2))
+
+
+def test_a_state_dict_held_in_an_ensemble_follows_its_states_to_a_member():
+    ensemble = es.transform.vmap_new_states(_Resettable, axis_size=3)()
+    one = es.member(ensemble, 1)
+    assert one.initial.states == (one.h,)
+    assert tree_bitwise_equal(one.initial[one.h], ensemble.h.value[1])
+    one.h.value = jnp.zeros(2)
+    one.reset()
+    assert tree_bitwise_equal(one.h.value, ensemble.h.value[1])
+
+
+def test_clone_of_a_state_dict_alone_raises_and_shows_how_to_clone_it_with_its_model():
+    model = _Resettable()
+    with pytest.raises(
+        TypeError, match=r"(?s)StateDict.*its own copy.*clone\(\(model, "
+    ):
+        es.clone(model.initial)
+    twin, initial = es.clone((model, model.initial))
+    assert initial.states == (twin.h,)
+
+
+def test_clone_keeps_a_state_dict_whose_states_are_not_in_the_tree():
+    model = _Resettable()
+    tree = {"initial": model.initial, "x": jnp.ones(2)}
+    assert es.clone(tree) is tree
