@@ -1,5 +1,6 @@
 """StateDict: an immutable mapping from state handles to their values."""
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TYPE_CHECKING
 
@@ -34,6 +35,12 @@ class StateDict(_MappingBase):
     static part), so it passes through `jax.jit`, `eqx.filter_jit`, optax and
     checkpoints unchanged. Iteration follows insertion order. Every operation returns a
     new dictionary.
+
+    Being immutable, it is its own `copy.copy`. `copy.deepcopy` of it (or of an
+    optimiser's state holding it) returns a `StateDict` keyed by the same handles,
+    holding deep copies of the values: the states themselves are not copied. To copy
+    a model with fresh states, and a `StateDict` of them keyed by the new handles,
+    use [`eqstate.clone`][] on the two together.
 
     !!! Example
 
@@ -81,6 +88,13 @@ class StateDict(_MappingBase):
 
     def __copy__(self) -> "StateDict":
         return self  # Immutable: a copy would be the same.
+
+    def __deepcopy__(self, memo: dict) -> "StateDict":
+        # The keys name the states, as a reference would: deep-copying a handle raises
+        # (it cannot choose a context for the copy's value).
+        return state_dict_of(
+            {s: copy.deepcopy(v, memo) for s, v in self._values.items()}
+        )
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("StateDict is immutable; use `.set` or `.update`.")

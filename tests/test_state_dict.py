@@ -1,3 +1,5 @@
+import copy
+
 import eqstate as es
 import equinox as eqx
 import hypothesis.strategies as st
@@ -197,10 +199,28 @@ def test_gradients_read_in_another_order_feed_optax():
 
 
 def test_a_copy_of_a_state_dict_is_itself():
-    import copy
-
     sd = es.StateDict({es.State(jnp.ones(2)): jnp.ones(2)})
     assert copy.copy(sd) is sd
+
+
+def test_a_deep_copy_of_a_state_dict_keeps_its_handles_and_copies_its_values(sd):
+    sd, w, n = sd
+    nested = es.StateDict({n: sd[n], w: {"inner": sd}})
+    copied = copy.deepcopy(nested)
+    assert copied.states == (n, w)
+    assert copied[w]["inner"].states == (w, n)
+    assert copied[w]["inner"] is not sd and copied[w]["inner"][w] is not sd[w]
+    assert tree_bitwise_equal(copied, nested)
+
+
+def test_a_deep_copy_of_an_optax_state_of_a_state_dict_keeps_its_handles(sd):
+    import optax
+
+    sd, w, _ = sd
+    opt_state = optax.adam(0.1).init(sd.filter(w))
+    copied = copy.deepcopy(opt_state)
+    assert copied[0].mu.states == (w,)
+    assert tree_bitwise_equal(copied, opt_state)
 
 
 def test_a_state_created_from_what_jax_cannot_convert_is_named():
