@@ -105,9 +105,11 @@ class StateDict(_MappingBase):
         except StateNotFoundError:
             raise  # A view of the world read through a strict scope says why.
         except KeyError:
+            held = _summarise_states(self._values)
+            if not isinstance(state, State):
+                raise StateNotFoundError(_not_a_handle(state, held)) from None
             raise StateNotFoundError(
-                f"{state_label(state)} is not in this StateDict, which holds "
-                f"{_summarise_states(self._values)}."
+                f"{state_label(state)} is not in this StateDict, which holds {held}."
             ) from None
 
     def __contains__(self, state: object) -> bool:
@@ -283,6 +285,20 @@ def _placed(state: State, value: Any, sharding: jax.sharding.Sharding) -> Any:
             " Give it a sharding that fits its shape (each split dimension divisible "
             "by the devices along it, no more entries than dimensions)."
         ) from error
+
+
+def _not_a_handle(key: Any, held: str) -> str:
+    if isinstance(key, str):
+        return (
+            f"StateDict keys are state handles, not names: {key!r} is a str. Look a "
+            "state up by its handle (`states[model.w]`), or select states by name "
+            f"with `states.filter(eqstate.filters.WithName({key!r}))` (a string as a "
+            f"filter selects by tag). This StateDict holds {held}."
+        )
+    return (
+        f"StateDict keys are state handles, got {key!r} (a {type(key).__name__}). "
+        f"This StateDict holds {held}."
+    )
 
 
 def _check_key(state: Any) -> None:

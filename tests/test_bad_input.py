@@ -230,6 +230,17 @@ def state_dict_or_bad_key():
     return lambda: sd | {"w": jnp.ones(3)}, [w]
 
 
+@case(
+    "a state's name as a StateDict key",
+    es.StateNotFoundError,
+    r"keys are state handles, not names.*WithName\('w'\)",
+)
+def state_dict_name_key():
+    w = _w()
+    sd = es.StateDict({w: jnp.ones(3)})
+    return lambda: unchecked(sd.__getitem__)("w"), [w]
+
+
 @case("`StateDict.set` with the wrong shape", es.StateValueError, "shape")
 def state_dict_set_shape():
     w = _w()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from .helpers import tree_bitwise_equal
+from .helpers import tree_bitwise_equal, unchecked
 
 
 KINDS = [es.State, es.ParamState, es.ShortTermState, es.LongTermState]
@@ -47,6 +47,20 @@ def test_a_missing_state_is_named_with_the_first_five_held():
         sd[es.State(jnp.zeros(1), name="x")]
     with pytest.raises(es.StateNotFoundError, match="which holds no states"):
         es.StateDict()[held[0]]
+
+
+def test_looking_up_a_name_says_keys_are_handles_and_how_to_select_by_name(sd):
+    sd, w, _ = sd
+    for states in (sd, es.world()):
+        with pytest.raises(
+            es.StateNotFoundError,
+            match=r"keys are state handles, not names: 'w' is a str\. .*"
+            r"filter\(eqstate\.filters\.WithName\('w'\)\)",
+        ):
+            unchecked(states.__getitem__)("w")
+    assert sd.filter(es.filters.WithName("w")).states == (w,)
+    with pytest.raises(es.StateNotFoundError, match=r"keys are state handles, got 0"):
+        unchecked(sd.__getitem__)(0)
 
 
 def test_keys_must_be_handles():
