@@ -3,31 +3,49 @@
 from typing import Any, TypeVar
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from ._context import current_frame
 from ._custom_types import Filter
 from ._run import assign, values_of
 from ._state import ParamState
-from ._state_dict import StateDict
+from ._state_dict import state_dict_of, StateDict
 
 
 _Model = TypeVar("_Model")
 
 
 def _is_inexact_leaf(x: Any) -> bool:
-    return eqx.is_inexact_array(x)
+    # Under `vmap`, `peek` gives a lane's `jax.ShapeDtypeStruct`s, not arrays.
+    return isinstance(
+        x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)
+    ) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def inexact_part(value: PyTree) -> PyTree | None:
+    """The part of a state's value that gets a gradient: `value` with `None` in place
+    of every leaf that is not a floating-point or complex array (as `eqx.filter_grad`
+    differentiates a PyTree), or `None` if no leaf is one."""
+    part = eqx.filter(value, _is_inexact_leaf)
+    return part if jtu.tree_leaves(part) else None
 
 
 def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
-    """The values an optimiser updates in a model: those of its states matching
-    `filters` ([`eqstate.ParamState`][]s by default), and its own floating-point
-    arrays (the weights of `eqx.nn` layers).
+    """The values an optimiser updates in a model: the floating-point values of its
+    states matching `filters` ([`eqstate.ParamState`][]s by default), and its own
+    floating-point arrays (the weights of `eqx.nn` layers).
 
-    The pair has the structure of the gradients that
+    As `eqstate.transform.grad` picks states, a state is included if its value holds
+    a floating-point or complex array, with `None` at its other leaves (a state
+    `{"w": floats, "mask": ints}` gives `{"w": floats, "mask": None}`); a state
+    holding none (an integer setting, a step counter) is left out. So the pair has
+    the structure of the gradients that
     `eqstate.transform.grad(loss, grad_states=es.ParamState, argnums=0)(model, ...)`
-    returns, so one optax optimiser serves both.
+    returns, and one optax optimiser serves both.
 
     **Arguments:**
 
@@ -36,9 +54,9 @@ def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
 
     **Returns:**
 
-    `(state_values, arrays)`: a [`eqstate.StateDict`][], and `model` with `None`
-    in place of every leaf that is not a floating-point array (as
-    `eqx.filter(model, eqx.is_inexact_array)`).
+    `(state_values, arrays)`: a [`eqstate.StateDict`][] of the states' floating-point
+    parts, and `model` with `None` in place of every leaf that is not a
+    floating-point array (as `eqx.filter(model, eqx.is_inexact_array)`).
 
     !!! Example
 
@@ -62,8 +80,10 @@ def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
         assert arrays.linear.weight is model.linear.weight and arrays.scale is None
         ```
     """
-    states = values_of(model, *(filters or (ParamState,)))
-    return states, eqx.filter(model, _is_inexact_leaf)
+    values = values_of(model, *(filters or (ParamState,)))
+    parts = {s: inexact_part(v) for s, v in values.items()}
+    states = state_dict_of({s: p for s, p in parts.items() if p is not None})
+    return states, eqx.filter(model, eqx.is_inexact_array)
 
 
 def apply_updates(model: _Model, updates: PyTree) -> _Model:

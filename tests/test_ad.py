@@ -707,3 +707,29 @@ def test_a_function_whose_custom_rules_read_no_state_is_traced_once():
     for _ in range(3):
         assert sf(0.5) == 1.0 and jax.grad(sf)(0.5) == 2.0
     assert len(runs) == traces_per_key()
+
+
+@pytest.mark.parametrize("transform", _GRAD_FAMILY[:5], ids=lambda t: t.__name__)
+@pytest.mark.parametrize("spec", ("filter", "handle"))
+def test_a_mixed_state_gets_gradients_for_its_float_leaves_and_none_for_the_others(
+    transform, spec, getkey
+):
+    w, x = jr.normal(getkey(), (3,)), jr.normal(getkey(), (3,))
+    mask = jnp.array([1, 0, 1])
+    p = es.ParamState({"w": w, "mask": mask}, name="p")
+
+    def loss(x):
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.sum(jnp.sin(p.value["w"] * p.value["mask"] * x))
+
+    def pure(w, x):
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.sum(jnp.sin(w * mask * x))
+
+    grad_states = es.ParamState if spec == "filter" else [p]
+    grads = transform(loss, grad_states=grad_states)(x)
+    if transform is es.transform.value_and_grad:
+        grads = grads[1]
+    assert grads.states == (p,) and grads[p]["mask"] is None
+    assert tree_allclose(grads[p]["w"], jax.grad(pure)(w, x))
+    assert (p.value["mask"] == mask).all()

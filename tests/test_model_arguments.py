@@ -694,3 +694,63 @@ def test_apply_updates_that_do_not_fit_the_model_change_nothing(getkey):
     assert (model.scale.value == 1).all()
     updated = es.apply_updates(model, (state_updates, None))
     assert (model.scale.value == 2).all() and updated.linear is model.linear
+
+
+class _Masked(eqx.Module):
+    """A linear layer, a parameter state of a weight and an integer mask, and an
+    integer parameter state."""
+
+    linear: eqx.nn.Linear
+    masked: es.ParamState
+    bits: es.ParamState
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(3, 3, key=key)
+        self.masked = es.ParamState(
+            {"w": jnp.arange(1.0, 4.0), "mask": jnp.array([1, 0, 1])}
+        )
+        self.bits = es.ParamState(jnp.array(2))
+
+    def __call__(self, x):
+        with jax.numpy_dtype_promotion("standard"):
+            value = self.masked.value
+            return self.linear(x) * value["w"] * value["mask"] * self.bits.value
+
+
+@pytest.mark.numpy_promotion("optax.adam: a Python float to an int32 power")
+def test_one_optimiser_trains_a_model_with_mixed_and_integer_parameter_states(getkey):
+    model = _Masked(getkey())
+    x, y = jr.normal(getkey(), (3,)), jr.normal(getkey(), (3,))
+    mask, bits = model.masked.value["mask"], model.bits.value
+
+    def loss(m, x, y):
+        return jnp.sum((m(x) - y) ** 2)
+
+    grads = es.transform.grad(loss, grad_states=es.ParamState, argnums=0)(model, x, y)
+    params = es.trainable(model)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    assert (
+        params[0].states == (model.masked,) and params[0][model.masked]["mask"] is None
+    )
+
+    optimizer = optax.adam(0.1)
+    opt_state = optimizer.init(params)
+    ref_params = (model.linear.weight, model.linear.bias, model.masked.value["w"])
+    ref_state = optimizer.init(ref_params)
+
+    def pure_loss(p):
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.sum(((p[0] @ x + p[1]) * p[2] * mask * bits - y) ** 2)
+
+    for _ in range(5):
+        grads = es.transform.grad(loss, grad_states=es.ParamState, argnums=0)(
+            model, x, y
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, es.trainable(model))
+        model = es.apply_updates(model, updates)
+        ref_grads = jax.grad(pure_loss)(ref_params)
+        ref_updates, ref_state = optimizer.update(ref_grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, ref_updates)
+    assert tree_allclose(model.linear.weight, ref_params[0], rtol=1e-4, atol=1e-5)
+    assert tree_allclose(model.masked.value["w"], ref_params[2], rtol=1e-4, atol=1e-5)
+    assert (model.masked.value["mask"] == mask).all() and model.bits.value == bits

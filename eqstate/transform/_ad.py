@@ -23,6 +23,7 @@ from .._pretty_print import state_label
 from .._run import states_of
 from .._state import is_state, State
 from .._state_dict import state_dict_of, StateDict
+from .._training import inexact_part
 from ._common import partition, select_states
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
@@ -181,18 +182,6 @@ def _describe_output(out: Any) -> str:
     return f"{out!r}"
 
 
-def _inexact(value: Any) -> bool:
-    """Whether `value` holds floating-point or complex arrays only, as
-    `eqx.filter_grad` differentiates only such arrays."""
-    # Under `vmap`, `peek` gives a lane's `jax.ShapeDtypeStruct`s, not arrays.
-    leaves = jtu.tree_leaves(value)
-    return bool(leaves) and all(
-        isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-        and jnp.issubdtype(x.dtype, jnp.inexact)
-        for x in leaves
-    )
-
-
 class _Differentiable:
     """The parts every autodiff transform shares: trace, pick the states to
     differentiate, and build the pure function JAX differentiates."""
@@ -203,11 +192,16 @@ class _Differentiable:
         grad_states: Any,
         check_states: bool,
         held: Sequence[State] = (),
+        allow_int: bool = False,
     ):
         """`held`: the states held by the differentiated arguments, which a filter
         in `grad_states` selects from too, used or not. A filter selects only states
-        holding floating-point values, as `eqx.filter_grad` selects arrays."""
+        holding floating-point values, as `eqx.filter_grad` selects arrays. Without
+        `allow_int`, only the floating-point part of a state's value is
+        differentiated (`inexact_part`); with it, the whole value."""
         self.traced = traced
+        self.allow_int = allow_int
+        self.index = {s: i for i, s in enumerate(traced.states)}
         if grad_states is None:
             self.grad_states: tuple[State, ...] = ()
         else:
@@ -215,7 +209,11 @@ class _Differentiable:
             values = dict(zip(traced.states, traced.values))
             unused = [s for s in held if s not in used]
             values.update((s, traced.frame.peek(s)) for s in unused)
-            candidates = [s for s in (*traced.states, *unused) if _inexact(values[s])]
+            candidates = [
+                s
+                for s in (*traced.states, *unused)
+                if inexact_part(values[s]) is not None
+            ]
             states, explicit = select_states(grad_states, candidates)
             if explicit and check_states:
                 unused = [s for s in states if s not in traced.states]
@@ -236,24 +234,25 @@ class _Differentiable:
             trace.read_only(self.traced.values), trace.rule_mapped
         )
 
+    def value(self, state: State) -> Any:
+        """The whole value of one of `grad_states`."""
+        i = self.index.get(state)
+        return self.traced.frame.read(state) if i is None else self.traced.values[i]
+
     def grad_values(self) -> StateDict:
-        traced = self.traced
-        index = {s: i for i, s in enumerate(traced.states)}
-        values = {}
-        for s in self.grad_states:
-            values[s] = traced.values[index[s]] if s in index else traced.frame.read(s)
-        return state_dict_of(values)
+        part = (lambda v: v) if self.allow_int else inexact_part
+        return state_dict_of({s: part(self.value(s)) for s in self.grad_states})
 
     def pure(self, kwargs: dict, has_aux: bool) -> Callable:
         """`(grad_values: StateDict, *args) -> (out, (aux_leaves, updated, new))`."""
-        traced = self.traced
-        index = {s: i for i, s in enumerate(traced.states)}
+        traced, index = self.traced, self.index
 
         def pure(grad_values: StateDict, *args):
             values = list(traced.values)
             for state, value in grad_values.items():
                 if state in index:
-                    values[index[state]] = value
+                    # The leaves left out of `value` (integers) keep their values.
+                    values[index[state]] = combine(value, values[index[state]])
             # Python scalars in `aux` come back as they are, as from `jax.grad`.
             out, updates, new = traced.evaluate(values, args, kwargs, has_aux)
             main, aux = _split_aux(out, traced.name) if has_aux else (out, None)
@@ -333,10 +332,12 @@ class _GradientTransform:
         )
         # A model's states get gradients (zero if unused), as its arrays do.
         held = states_of(tuple(args[i] for i in positions)) if positions else ()
-        diff = _Differentiable(traced, self._grad_states, self._check_states, held)
+        allow_int = self._transform_kwargs.get("allow_int", False)
+        diff = _Differentiable(
+            traced, self._grad_states, self._check_states, held, allow_int
+        )
         pure = diff.pure(kwargs, self._has_aux)
 
-        allow_int = self._transform_kwargs.get("allow_int", False)
         parts = [split_differentiable(args[i], allow_int) for i in positions]
 
         def with_value(grad_values, *differentiated):
@@ -352,9 +353,9 @@ class _GradientTransform:
             has_aux=True,
             **self._transform_kwargs,
         )
-        grad_values = diff.grad_values()
         if self._jax_transform is not _jax_vector_grad and not allow_int:
-            self._check_inexact(grad_values)
+            self._check_inexact(diff)
+        grad_values = diff.grad_values()
         differentiated = [part for part, _ in parts]
         with diff.rules_see():
             grads, (value, extras) = transformed(grad_values, *differentiated)
@@ -367,11 +368,13 @@ class _GradientTransform:
             state_grads, grads = grads[0], grads[1] if single else grads[1:]
         return self._arrange(state_grads, grads, value, aux)
 
-    def _check_inexact(self, grad_values: StateDict) -> None:
-        """JAX's `TypeError` for a state named in `grad_states` that holds integers
-        or keys, naming the state. (A filter selects floating-point states only.)"""
-        for state, value in grad_values.items():
-            if _inexact(value):
+    def _check_inexact(self, diff: _Differentiable) -> None:
+        """JAX's `TypeError` for a state named in `grad_states` that holds only
+        integers or keys, naming the state. (A filter selects floating-point states
+        only.)"""
+        for state in diff.grad_states:
+            value = diff.value(state)
+            if inexact_part(value) is not None:
                 continue
             hint = (
                 ", or pass `allow_int=True` for a `float0` gradient"
@@ -431,10 +434,15 @@ def grad(
         and the states held by the arguments in `argnums`: those it does not use get
         zero gradients, as `eqx.filter_grad` gives unused arrays, so the gradients of
         a model have the structure of [`eqstate.trainable`][]`(model)` whatever the
-        loss reads. As `eqx.filter_grad`, a filter selects only states holding
-        floating-point or complex values, used or not: step counters and
-        [`eqstate.RandomState`][]s are left out. A handle of such a state named
-        explicitly raises a `TypeError`, unless `allow_int=True`.
+        loss reads. As `eqx.filter_grad` differentiates the floating-point arrays of
+        a PyTree, a state's floating-point or complex leaves are differentiated and
+        its gradient has `None` at its other leaves (`{"w": floats, "mask": ints}`
+        gets `{"w": dw, "mask": None}`). A filter selects the states holding such
+        leaves, used or not: integer settings, step counters and
+        [`eqstate.RandomState`][]s are left out. A handle of a state holding none,
+        named explicitly, raises a `TypeError`, unless `allow_int=True`, which
+        differentiates every leaf of the states, as `jax.grad` does (`float0`
+        gradients for integers).
     - `argnums`: the positional arguments to differentiate with respect to. Defaults
         to `0` without `grad_states`, to none with them.
     - `has_aux`: `fun` returns `(value, aux)`.
@@ -844,7 +852,7 @@ def vjp(
         ```
     """
     traced = Discovery(fun, primals, name=getattr(fun, "__name__", "vjp"))
-    diff = _Differentiable(traced, grad_states, check_states)
+    diff = _Differentiable(traced, grad_states, check_states, allow_int=True)
     pure, parts = diff.pure({}, has_aux), [split_differentiable(p) for p in primals]
 
     def differentiated(grad_values, *differentiable):
@@ -915,7 +923,9 @@ def jvp(
         )
     traced = Discovery(fun, tuple(primals), name=name)
     tangents_sd = state_tangents if state_tangents is not None else StateDict()
-    diff = _Differentiable(traced, tangents_sd if len(tangents_sd) else None, True)
+    diff = _Differentiable(
+        traced, tangents_sd if len(tangents_sd) else None, True, allow_int=True
+    )
     grad_values = diff.grad_values()
     state_tangent_values = state_dict_of(
         {
