@@ -667,6 +667,7 @@ def test_a_filter_leaves_out_used_integer_and_key_states(transform):
         (es.transform.grad, "or pass `allow_int=True`"),
         (es.transform.jacrev, "or pass `allow_int=True`"),
         (es.transform.jacfwd, r"Remove it from `grad_states`\.$"),
+        (es.transform.vector_grad, r"Remove it from `grad_states`\.$"),
     ),
 )
 def test_an_integer_or_key_state_named_in_grad_states_is_an_error_naming_it(

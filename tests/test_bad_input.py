@@ -913,6 +913,15 @@ def grad_integer_state():
     return lambda: es.transform.grad(f, grad_states=[step])(1.0), [step]
 
 
+@case("`vector_grad` of an integer state", TypeError, "names ParamState 'counts'")
+def vector_grad_integer_state():
+    counts = es.ParamState(jnp.array([1, 2]), name="counts")
+    f = es.transform.vector_grad(
+        lambda x: counts.value.astype(x.dtype) * x, grad_states=[counts]
+    )
+    return lambda: f(jnp.ones(2)), [counts]
+
+
 @case("`grad` of a call without positional arguments", TypeError, "no positional")
 def grad_no_positional():
     return lambda: es.transform.grad(lambda *, x=1.0: x)(x=2.0), []

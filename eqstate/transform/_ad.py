@@ -353,7 +353,7 @@ class _GradientTransform:
             has_aux=True,
             **self._transform_kwargs,
         )
-        if self._jax_transform is not _jax_vector_grad and not allow_int:
+        if not allow_int:
             self._check_inexact(diff)
         grad_values = diff.grad_values()
         differentiated = [part for part, _ in parts]
