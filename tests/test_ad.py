@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import optax
 import pytest
 
@@ -252,6 +253,49 @@ def test_jvp_needs_one_tangent_per_primal(tangents):
     with pytest.raises(TypeError, match=rf"2 primals but {len(tangents)} tangents"):
         es.transform.jvp(f, (1.0, 3.0), tangents)
     assert w.value == 2.0
+
+
+def test_a_tangent_for_a_state_jvp_does_not_use_is_an_error_unless_unchecked(getkey):
+    w = es.ParamState(jr.normal(getkey(), (3,)), name="w")
+    unused = es.ParamState(jnp.ones(3), name="unused")
+    x, tx, tw = (jr.normal(getkey(), (3,)) for _ in range(3))
+    tangents = es.StateDict({w: tw, unused: jnp.ones(3)})
+
+    def f(x):
+        return jnp.sin(w.value * x)
+
+    match = r"`state_tangents` holds ParamState 'unused'.*`check_states=False`"
+    with pytest.raises(ValueError, match=match):
+        es.transform.jvp(f, (x,), (tx,), state_tangents=tangents)
+    out = es.transform.jvp(f, (x,), (tx,), state_tangents=tangents, check_states=False)
+    ref = jax.jvp(lambda w, x: jnp.sin(w * x), (w.value, x), (tw, tx))
+    assert tree_allclose(out, ref)
+
+
+def test_jvp_takes_float0_tangents_for_integer_states_and_names_the_state_otherwise(
+    getkey,
+):
+    counts = es.ParamState(jnp.array([1, 2, 3]), name="counts")
+    w = es.ParamState(jr.normal(getkey(), (3,)), name="w")
+    x, tx, tw = (jr.normal(getkey(), (3,)) for _ in range(3))
+
+    def f(x):
+        return w.value * counts.value.astype(x.dtype) * x
+
+    def pure(w, counts, x):
+        return w * counts.astype(x.dtype) * x
+
+    for bad in (jnp.ones(3, jnp.int32), jnp.ones(3)):
+        with pytest.raises(TypeError, match=r"ParamState 'counts'.*`float0`"):
+            es.transform.jvp(
+                f, (x,), (tx,), state_tangents=es.StateDict({w: tw, counts: bad})
+            )
+    zero = np.zeros(3, jax.dtypes.float0)
+    out = es.transform.jvp(
+        f, (x,), (tx,), state_tangents=es.StateDict({w: tw, counts: zero})
+    )
+    ref = jax.jvp(pure, (w.value, counts.value, x), (tw, zero, tx))
+    assert tree_allclose(out, ref)
 
 
 def test_nested_grad_of_grad():

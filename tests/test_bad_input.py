@@ -932,6 +932,32 @@ def jvp_extra_tangents():
     return lambda: es.transform.jvp(lambda x: 2.0 * x, (1.0,), (1.0, 5.0)), []
 
 
+@case(
+    "`state_tangents` holding a state `jvp`'s function does not use",
+    ValueError,
+    r"`state_tangents` holds ParamState 'u'.*`check_states=False`",
+)
+def jvp_unused_state_tangent():
+    w, u = _w(), _w(name="u")
+    tangents = es.StateDict({u: jnp.ones(3)})
+    return lambda: es.transform.jvp(
+        lambda x: w.value * x, (1.0,), (1.0,), state_tangents=tangents
+    ), [w, u]
+
+
+@case(
+    "an integer tangent for an integer state in `jvp`",
+    TypeError,
+    r"ParamState 'counts'.*`float0`",
+)
+def jvp_integer_tangent():
+    counts = es.ParamState(jnp.array([1, 2]), name="counts")
+    tangents = es.StateDict({counts: jnp.array([1, 1])})
+    return lambda: es.transform.jvp(
+        lambda: counts.value * 2, (), (), state_tangents=tangents
+    ), [counts]
+
+
 @case("`jit` donating an argument the function lacks", ValueError, r"donate_argnums")
 def jit_donate_out_of_range():
     return lambda: es.transform.jit(lambda x: x, donate_argnums=5), []

@@ -182,6 +182,15 @@ def _describe_output(out: Any) -> str:
     return f"{out!r}"
 
 
+# What an unused state named in each transform's argument would get, and the fix.
+_UNUSED = {
+    "grad_states": "its gradient would be zero. Remove it, or pass "
+    "`check_states=False` to get zeros.",
+    "state_tangents": "its tangent would have no effect. Remove it, or pass "
+    "`check_states=False` to ignore it.",
+}
+
+
 class _Differentiable:
     """The parts every autodiff transform shares: trace, pick the states to
     differentiate, and build the pure function JAX differentiates."""
@@ -193,12 +202,14 @@ class _Differentiable:
         check_states: bool,
         held: Sequence[State] = (),
         allow_int: bool = False,
+        argument: str = "grad_states",
     ):
         """`held`: the states held by the differentiated arguments, which a filter
         in `grad_states` selects from too, used or not. A filter selects only states
         holding floating-point values, as `eqx.filter_grad` selects arrays. Without
         `allow_int`, only the floating-point part of a state's value is
-        differentiated (`inexact_part`); with it, the whole value."""
+        differentiated (`inexact_part`); with it, the whole value. `argument`: the
+        name of the user's argument naming the states, for messages."""
         self.traced = traced
         self.allow_int = allow_int
         self.index = {s: i for i, s in enumerate(traced.states)}
@@ -219,9 +230,8 @@ class _Differentiable:
                 unused = [s for s in states if s not in traced.states]
                 if unused:
                     raise ValueError(
-                        f"`grad_states` holds {state_label(unused[0])}, which "
-                        f"{traced.name} does not use, so its gradient would be zero. "
-                        "Remove it, or pass `check_states=False` to get zeros."
+                        f"`{argument}` holds {state_label(unused[0])}, which "
+                        f"{traced.name} does not use, so {_UNUSED[argument]}"
                     )
             self.grad_states = states
         self.box: dict[str, Any] = {}
@@ -877,6 +887,22 @@ def vjp(
     return (out, state_vjp, aux) if has_aux else (out, state_vjp)
 
 
+def _state_tangent(state: State, tangent: Any, primal: Any) -> Any:
+    """`tangent` for a leaf of `state`'s value, as `jax.jvp` takes it: in the
+    primal's dtype, or `float0` for an integer, boolean or key primal."""
+    if jnp.issubdtype(primal.dtype, jnp.inexact):
+        return jnp.asarray(tangent, primal.dtype)
+    if getattr(tangent, "dtype", None) == jax.dtypes.float0:
+        return tangent
+    raise TypeError(
+        f"`state_tangents` gives {state_label(state)} a tangent of dtype "
+        f"{jnp.result_type(tangent)} for a value of dtype {primal.dtype}. As "
+        "`jax.jvp` requires, the tangent of an integer, boolean or key value has "
+        "dtype `float0`: pass "
+        f"`np.zeros({tuple(primal.shape)}, jax.dtypes.float0)`."
+    )
+
+
 def jvp(
     fun: Callable,
     primals: Sequence[Any],
@@ -884,6 +910,7 @@ def jvp(
     *,
     state_tangents: StateDict | None = None,
     has_aux: bool = False,
+    check_states: bool = True,
 ) -> Any:
     """Like `jax.jvp`, also along tangents of state values. The states the function
     writes are written back.
@@ -893,8 +920,13 @@ def jvp(
     - `fun`: the function.
     - `primals`, `tangents`: as in `jax.jvp`.
     - `state_tangents`: a [`eqstate.StateDict`][] of tangents for some of the states
-        `fun` uses; the others have zero tangents. (Keyword only argument.)
+        `fun` uses; the others have zero tangents. As in `jax.jvp`, the tangent of
+        an integer, boolean or key leaf has dtype `float0`
+        (`np.zeros(shape, jax.dtypes.float0)`). (Keyword only argument.)
     - `has_aux`: `fun` returns `(out, aux)`. (Keyword only argument.)
+    - `check_states`: raise if `state_tangents` holds a state `fun` does not use;
+        otherwise its tangent has no effect, as in `jax.jvp`. (Keyword only
+        argument.)
 
     **Returns:**
 
@@ -923,13 +955,14 @@ def jvp(
         )
     traced = Discovery(fun, tuple(primals), name=name)
     tangents_sd = state_tangents if state_tangents is not None else StateDict()
+    spec = tangents_sd if len(tangents_sd) else None
     diff = _Differentiable(
-        traced, tangents_sd if len(tangents_sd) else None, True, allow_int=True
+        traced, spec, check_states, allow_int=True, argument="state_tangents"
     )
     grad_values = diff.grad_values()
     state_tangent_values = state_dict_of(
         {
-            s: jtu.tree_map(lambda t, v: jnp.asarray(t, v.dtype), tangents_sd[s], v)
+            s: jtu.tree_map(ft.partial(_state_tangent, s), tangents_sd[s], v)
             for s, v in grad_values.items()
         }
     )
