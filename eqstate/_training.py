@@ -1,5 +1,6 @@
 """What an optimiser updates in a model: its parameter states and its own arrays."""
 
+import functools as ft
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -11,6 +12,8 @@ from jaxtyping import PyTree
 
 from ._context import current_frame
 from ._custom_types import Filter
+from ._errors import StateValueError
+from ._pretty_print import state_label
 from ._run import assign, values_of
 from ._state import ParamState
 from ._state_dict import state_dict_of, StateDict
@@ -150,19 +153,29 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
             f"{type(state_updates).__name__} first. Pass what `optimizer.update` "
             "returned for `eqstate.trainable(model)`."
         )
-    # The arrays first: updates that do not fit the model raise before any state is
-    # written, so a failed call changes nothing.
+    # The arrays first, then every state's update, before any state is written: updates
+    # that do not fit the model raise, and a failed call changes nothing.
     updated = eqx.apply_updates(model, array_updates)
     states = state_updates.states
     current = current_frame().read_many(states) if states else []
     assign(
         {
-            s: jtu.tree_map(_add, value, state_updates[s])
+            s: jtu.tree_map(ft.partial(_add, s), value, state_updates[s])
             for s, value in zip(states, current)
         }
     )
     return updated
 
 
-def _add(value: Any, update: Any) -> Any:
-    return value if update is None else (value + update).astype(value.dtype)
+def _add(state: Any, value: Any, update: Any) -> Any:
+    if update is None:
+        return value
+    # `value + update` would broadcast an update of another shape.
+    if jnp.shape(update) != value.shape:
+        raise StateValueError(
+            f"Cannot apply an update of shape {jnp.shape(update)} to "
+            f"{state_label(state)} (shape {value.shape}). An update must have the "
+            "shape of the value it updates: pass what `optimizer.update` returned "
+            "for `eqstate.trainable(model)`."
+        )
+    return (value + update).astype(value.dtype)

@@ -958,6 +958,17 @@ def jvp_integer_tangent():
     ), [counts]
 
 
+@case(
+    "`apply_updates` with an update of another shape than its state",
+    es.StateValueError,
+    r"shape \(3,\) .* ParamState 'w' .*\(1, 3\)",
+)
+def apply_updates_wrong_shape():
+    w = _w((1, 3))
+    updates = es.StateDict({w: jnp.ones(3)})
+    return lambda: es.apply_updates({"w": w}, (updates, None)), [w]
+
+
 @case("`jit` donating an argument the function lacks", ValueError, r"donate_argnums")
 def jit_donate_out_of_range():
     return lambda: es.transform.jit(lambda x: x, donate_argnums=5), []

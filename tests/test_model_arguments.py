@@ -754,3 +754,20 @@ def test_one_optimiser_trains_a_model_with_mixed_and_integer_parameter_states(ge
     assert tree_allclose(model.linear.weight, ref_params[0], rtol=1e-4, atol=1e-5)
     assert tree_allclose(model.masked.value["w"], ref_params[2], rtol=1e-4, atol=1e-5)
     assert (model.masked.value["mask"] == mask).all() and model.bits.value == bits
+
+
+def test_apply_updates_of_another_shape_than_a_state_is_an_error_changing_nothing():
+    class Model(eqx.Module):
+        v: es.ParamState
+        w: es.ParamState
+
+    model = Model(
+        es.ParamState(jnp.zeros(2), name="v"),
+        es.ParamState(jnp.zeros((1, 3)), name="w"),
+    )
+    updates = es.StateDict({model.v: jnp.ones(2), model.w: jnp.ones(3)})
+    with pytest.raises(
+        es.StateValueError, match=r"shape \(3,\) .* ParamState 'w' .*\(1, 3\)"
+    ):
+        es.apply_updates(model, (updates, None))
+    assert (model.v.value == 0).all() and (model.w.value == 0).all()
