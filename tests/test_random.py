@@ -117,6 +117,14 @@ def test_dropout_rate_is_checked():
         es.random.dropout_mask(1.0, (2,))
 
 
+def test_dropout_mask_with_a_traced_rate_matches_a_float_rate():
+    es.random.seed(3)
+    traced = es.transform.jit(lambda r: es.random.dropout_mask(r, (50,)))
+    mask = traced(jnp.array(0.25))
+    es.random.seed(3)
+    assert tree_bitwise_equal(mask, es.random.dropout_mask(0.25, (50,)))
+
+
 def test_default_state_is_a_random_state_in_the_world():
     assert isinstance(es.random.DEFAULT, es.RandomState)
     assert es.random.DEFAULT in es.world()

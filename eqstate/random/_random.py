@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray
 
 from .._state import KEY_LOCK, lazy_world_state, RandomState, split_and_advance
@@ -249,10 +250,27 @@ def exponential(
 
 
 def dropout_mask(
-    rate: float, shape: _Shape, *, key: PRNGKeyArray | None = None
+    rate: float | Float[ArrayLike, ""],
+    shape: _Shape,
+    *,
+    key: PRNGKeyArray | None = None,
 ) -> Array:
     """A boolean mask keeping each unit with probability `1 - rate` (a Bernoulli mask,
     as used by dropout).
+
+    **Arguments:**
+
+    - `rate`: the probability of dropping each unit, in `[0, 1)`: a Python float or a
+        scalar array. A traced rate (under `jit`) cannot be checked, as in
+        [`eqstate.nn.Dropout`][]; one outside `[0, 1)` drops every unit (`rate >= 1`)
+        or none (`rate < 0`).
+    - `shape`: the shape of the mask.
+    - `key`: a key to draw from. By default one is split from the default random
+        state, which advances. (Keyword only argument.)
+
+    **Returns:**
+
+    A boolean array of shape `shape`, `True` where a unit is kept.
 
     !!! Example
 
@@ -266,7 +284,7 @@ def dropout_mask(
         assert 0.65 < mask.mean() < 0.85
         ```
     """
-    if not 0.0 <= rate < 1.0:
+    if not isinstance(rate, Tracer) and not 0.0 <= float(rate) < 1.0:  # pyright: ignore[reportArgumentType]
         raise ValueError(f"The dropout `rate` must be in [0, 1), got {rate}.")
     _shape(shape, "dropout_mask")
     return bernoulli(1.0 - rate, shape, key=key)
