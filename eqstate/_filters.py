@@ -3,16 +3,20 @@
 Every API that takes a filter accepts any of:
 
 - a State subclass: states of that kind *or a subclass of it* (`eqstate.LongTermState`
-  also selects `eqstate.ParamState`s; `OfType(kind, exact=True)` selects one kind only);
+  also selects `eqstate.ParamState`s; `OfType(kind, exact=True)` selects one kind only).
+  A subscripted kind, such as `eqstate.ParamState[Array]`, is the same kind;
 - a handle: that state;
 - a string: states with that tag;
 - a predicate `(path, state) -> bool`, where `path` is the state's PyTree path where one
-  is known (in [`eqstate.states_of`][]) and `()` otherwise;
+  is known (in [`eqstate.states_of`][]) and `()` otherwise. A function that cannot be
+  called with these two arguments is refused when the filter is made;
 - `...` or `True`: every state; `None` or `False`: no state;
 - a tuple or list of filters: states matching any of them.
 """
 
 import dataclasses
+import inspect
+import typing
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -160,13 +164,29 @@ class _Predicate(StateFilter):
         return bool(self.fn(path, state))
 
 
+def _check_takes_path_and_state(fn: Callable) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # Some builtins have no signature: call them.
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"The filter `{getattr(fn, '__name__', repr(fn))}{signature}` cannot "
+            "be called as `filter(path, state)`. A predicate filter takes the state's "
+            "PyTree path and the state, as in `lambda path, state: state.name == 'w'`."
+        ) from None
+
+
 def to_predicate(filter: Any) -> StateFilter:
     """Turns any filter (see the module documentation) into a [`eqstate.filters.StateFilter`][]
     object, called as `filter(path, state) -> bool`.
 
     **Raises:**
 
-    `TypeError` if `filter` is not a filter.
+    `TypeError` if `filter` is not a filter, or is a function that cannot be called as
+    `filter(path, state)`.
     """
     if isinstance(filter, StateFilter):
         return filter
@@ -178,6 +198,8 @@ def to_predicate(filter: Any) -> StateFilter:
         return Is(filter)
     if isinstance(filter, str):
         return WithTag(filter)
+    if isinstance(typing.get_origin(filter), type):
+        filter = typing.get_origin(filter)  # `ParamState[Any]` is the kind `ParamState`
     if isinstance(filter, type):
         if issubclass(filter, State):
             return OfType(filter)
@@ -189,6 +211,7 @@ def to_predicate(filter: Any) -> StateFilter:
     if isinstance(filter, (tuple, list)):
         return AnyOf(*filter)
     if callable(filter):
+        _check_takes_path_and_state(filter)
         return _Predicate(cast(Callable[[tuple, State], bool], filter))
     raise TypeError(
         f"{filter!r} (of type {type(filter).__name__}) is not a filter. A filter is a "

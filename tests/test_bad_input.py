@@ -218,6 +218,15 @@ def bad_filter_class():
     return lambda: es.world().filter(int), []
 
 
+@case(
+    "a one-argument predicate as a filter",
+    TypeError,
+    r"`<lambda>\(state\)` cannot be called as `filter\(path, state\)`",
+)
+def filter_one_argument():
+    return lambda: es.world().filter(lambda state: True), []
+
+
 @case("a StateDict key that is not a handle", TypeError, "StateDict")
 def state_dict_bad_key():
     return lambda: es.StateDict({"w": jnp.zeros(2)}), []

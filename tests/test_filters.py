@@ -1,3 +1,5 @@
+from typing import Any
+
 import eqstate as es
 import jax.numpy as jnp
 import pytest
@@ -100,3 +102,40 @@ def test_an_exact_kind_filter_leaves_out_subclasses(states):
     assert _selected(OfType(es.LongTermState), states) == {"param", "long"}
     assert _selected(OfType(es.State, exact=True), states) == {"plain"}
     assert OfType(es.State, exact=True) != OfType(es.State)
+
+
+def test_a_subscripted_kind_selects_as_the_kind(states):
+    assert _selected(es.ParamState[Any], states) == {"param"}
+    assert _selected(es.LongTermState[Any], states) == {"param", "long"}
+    w = states["param"]
+    assert es.states_of(w, es.ParamState[Any]) == (w,)
+    assert set(es.values_of(w).filter(es.ParamState[Any])) == {w}
+    with pytest.raises(TypeError, match="list is not a State kind"):
+        to_predicate(list[int])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [lambda state: True, lambda: True, lambda path, state, extra: True],
+    ids=["one argument", "no argument", "three arguments"],
+)
+def test_a_predicate_not_taking_path_and_state_is_refused_when_made(states, bad):
+    with pytest.raises(TypeError, match=r"called as `filter\(path, state\)`"):
+        to_predicate(bad)
+    with pytest.raises(TypeError, match=r"called as `filter\(path, state\)`"):
+        es.states_of(states["param"], bad)
+
+
+def test_predicates_with_other_signatures_that_take_two_arguments_are_accepted(states):
+    assert _selected(lambda *args: args[1].name == "w", states) == {"param"}
+    assert _selected(lambda path, state, tag="enc": state.tag == tag, states) == {
+        "param"
+    }
+
+
+def test_a_type_error_inside_a_predicate_is_not_hidden(states):
+    def predicate(path, state):
+        raise TypeError("my own mistake")
+
+    with pytest.raises(TypeError, match=r"^my own mistake$"):
+        _selected(predicate, states)
