@@ -663,6 +663,17 @@ def dropout_rate():
 
 
 @case(
+    "a complex input to a BatchNorm with real states",
+    ValueError,
+    r"complex64 input, but its LongTermState 'running_mean' is float32",
+)
+def batch_norm_complex_input():
+    bn = enn.BatchNorm(2)
+    x = jnp.ones((4, 2), jnp.complex64)
+    return lambda: bn(x), es.states_of(bn)
+
+
+@case(
     "`abstracted_axes`, which JAX 0.10 cannot trace",
     NotImplementedError,
     "abstracted_axes",

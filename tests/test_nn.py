@@ -22,13 +22,14 @@ _TOL = dict(rtol=1e-5, atol=1e-5)
 # --- BatchNorm ------------------------------------------------------------------------
 
 
-def _eqx_batch_norm(num_features, *, momentum, affine=True):
+def _eqx_batch_norm(num_features, *, momentum, affine=True, dtype=None):
     return eqx.nn.make_with_state(eqx.nn.BatchNorm)(
         num_features,
         "batch",
         momentum=momentum,
         channelwise_affine=affine,
         mode="batch",
+        dtype=dtype,
     )
 
 
@@ -76,6 +77,41 @@ def test_batch_norm_matches_equinox(getkey, shape, affine, inference_via):
         y = bn(x, inference=True)
     ref_y, _ = _eqx_apply(ref, ref_state, x, inference=True)
     assert tree_allclose(y, ref_y, **_TOL)
+    assert tree_bitwise_equal(es.values_of(bn), before)
+
+
+def test_batch_norm_of_complex_inputs_matches_equinox(getkey):
+    bn = enn.BatchNorm(3, momentum=0.9, dtype=jnp.complex64)
+    ref, ref_state = _eqx_batch_norm(3, momentum=0.9, dtype=jnp.complex64)
+    weight, bias = jr.normal(getkey(), (2, 3), jnp.complex64)
+    es.assign({bn.weight: weight, bn.bias: bias})
+    ref = eqx.tree_at(lambda m: (m.weight, m.bias), ref, (weight, bias))
+    for _ in range(3):
+        x = 2.0 * jr.normal(getkey(), (16, 3, 2), jnp.complex64) + 1j
+        y = bn(x)
+        ref_y, ref_state = _eqx_apply(ref, ref_state, x)
+        assert y.dtype == jnp.complex64 and tree_allclose(y, ref_y, **_TOL)
+        # `eqx.nn.BatchNorm` keeps its running variance complex, with a zero imaginary part.
+        ref_mean, ref_var = _eqx_running_stats(ref, ref_state)
+        assert bn.running_var.value.dtype == jnp.float32
+        assert tree_allclose(bn.running_mean.value, ref_mean, **_TOL)
+        assert tree_allclose(bn.running_var.value, jnp.real(ref_var), **_TOL)
+    normalised = (y - bias.reshape(1, 3, 1)) / weight.reshape(1, 3, 1)
+    assert tree_allclose(jnp.mean(jnp.abs(normalised) ** 2), jnp.array(1.0), **_TOL)
+
+    ref_state = ref_state.set(ref.batch_counter, jnp.array(0))
+    x = jr.normal(getkey(), (16, 3, 2), jnp.complex64)
+    ref_y, _ = _eqx_apply(ref, ref_state, x, inference=True)
+    assert tree_allclose(bn(x, inference=True), ref_y, **_TOL)
+
+
+def test_batch_norm_refuses_a_complex_input_to_real_states(getkey):
+    bn = enn.BatchNorm(3)
+    before = es.values_of(bn)
+    with pytest.raises(
+        ValueError, match=r"complex64 input.*LongTermState 'running_mean'.*float32"
+    ):
+        bn(jr.normal(getkey(), (8, 3), jnp.complex64))
     assert tree_bitwise_equal(es.values_of(bn), before)
 
 

@@ -5,8 +5,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
+from jaxtyping import Array, ArrayLike, Inexact, Num, PRNGKeyArray
 
+from .._pretty_print import state_label
 from .._state import LongTermState, ParamState
 
 
@@ -44,6 +45,12 @@ class BatchNorm(eqx.Module):
     are computed in at least float32 whatever the input, as in Flax: squaring a
     float16 deviation above 256 would overflow, and a bfloat16 mean is rounded to
     three significant digits. (`eqx.nn.BatchNorm` computes in the input's dtype.)
+
+    A complex input needs a layer with a complex `dtype`, such as `jnp.complex64`. Its
+    running mean, `weight` and `bias` are complex, and the variance is the mean of
+    $|x - \mathbb{E}[x]|^2$, as in `eqx.nn.BatchNorm`; being real, the running variance
+    is stored in the real dtype (float32 for complex64), where `eqx.nn.BatchNorm` keeps
+    a complex one with a zero imaginary part.
 
     !!! Example
 
@@ -96,8 +103,10 @@ class BatchNorm(eqx.Module):
         - `inference`: whether to normalise with the running statistics instead of
             the batch ones. It can be overridden per call, or set on a whole model with
             `eqx.nn.inference_mode`. (Keyword only argument.)
-        - `dtype`: the dtype of the running statistics and of `weight` and `bias`.
-            (Keyword only argument.)
+        - `dtype`: the dtype of the running mean and of `weight` and `bias`. The
+            running variance has the matching real dtype (float32 for
+            `jnp.complex64`). A complex input needs a complex `dtype`. (Keyword only
+            argument.)
         """
         if num_features < 1:
             raise ValueError(
@@ -111,12 +120,10 @@ class BatchNorm(eqx.Module):
             )
         if eps < 0:
             raise ValueError(f"BatchNorm's `eps` must be non-negative, got {eps}.")
-        self.running_mean = LongTermState(
-            jnp.zeros(num_features, dtype), name="running_mean"
-        )
-        self.running_var = LongTermState(
-            jnp.ones(num_features, dtype), name="running_var"
-        )
+        zeros = jnp.zeros(num_features, dtype)
+        self.running_mean = LongTermState(zeros, name="running_mean")
+        # A variance is real: float32 for a complex64 layer.
+        self.running_var = LongTermState(jnp.ones_like(zeros.real), name="running_var")
         if affine:
             self.weight = ParamState(jnp.ones(num_features, dtype), name="weight")
             self.bias = ParamState(jnp.zeros(num_features, dtype), name="bias")
@@ -130,6 +137,14 @@ class BatchNorm(eqx.Module):
         self.affine = affine
 
     def _check_input(self, x: Array, inference: bool) -> None:
+        mean_dtype = self.running_mean.value.dtype
+        if jnp.iscomplexobj(x) and not jnp.issubdtype(mean_dtype, jnp.complexfloating):
+            raise ValueError(
+                f"BatchNorm(num_features={self.num_features}) got a {x.dtype} input, "
+                f"but its {state_label(self.running_mean)} is {mean_dtype} and would "
+                "lose the imaginary part of the mean. Create the layer with a complex "
+                f"dtype, as in `BatchNorm({self.num_features}, dtype=jnp.complex64)`."
+            )
         if x.ndim < 2 or x.shape[1] != self.num_features:
             got = (
                 f"got shape {x.shape}"
@@ -153,11 +168,11 @@ class BatchNorm(eqx.Module):
 
     def __call__(
         self,
-        x: Real[ArrayLike, "..."],
+        x: Num[ArrayLike, "..."],
         *,
         inference: bool | None = None,
         key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "..."]:
+    ) -> Inexact[Array, "..."]:
         """**Arguments:**
 
         - `x`: an array of shape `(batch, num_features, *spatial)`.
@@ -173,7 +188,8 @@ class BatchNorm(eqx.Module):
         **Raises:**
 
         `ValueError` if the feature axis of `x` does not have size `num_features`,
-        or, in training, if there is only one value per feature.
+        if `x` is complex and the layer's states are real, or, in training, if there
+        is only one value per feature.
         """
         x = jnp.asarray(x)
         if inference is None:
@@ -197,7 +213,9 @@ class BatchNorm(eqx.Module):
             mean, var = running
         else:
             mean = jnp.mean(x, axis=axes)
-            var = jnp.mean(jnp.square(x - mean.reshape(shape)), axis=axes)
+            deviation = x - mean.reshape(shape)
+            # |x - mean|², real also for complex x, as in `eqx.nn.BatchNorm`.
+            var = jnp.mean(jnp.real(deviation * jnp.conj(deviation)), axis=axes)
             # The running statistics are written back, never differentiated.
             batch_mean, batch_var = jax.lax.stop_gradient((mean, var))
             self.running_mean.value = self._updated(running[0], batch_mean)
