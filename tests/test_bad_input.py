@@ -674,6 +674,17 @@ def batch_norm_complex_input():
 
 
 @case(
+    "a BatchNorm called per example inside `vmap`, as `eqx.nn.BatchNorm` is",
+    ValueError,
+    r"call it on the whole batch instead, outside `vmap`",
+)
+def batch_norm_per_example():
+    bn = enn.BatchNorm(2)
+    per_example = es.transform.vmap(bn, axis_name="batch")
+    return lambda: per_example(jnp.ones((4, 2))), es.states_of(bn)
+
+
+@case(
     "`abstracted_axes`, which JAX 0.10 cannot trace",
     NotImplementedError,
     "abstracted_axes",

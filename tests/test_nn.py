@@ -264,8 +264,26 @@ def test_batch_norm_input_with_the_wrong_feature_size_names_both_sizes():
         r"axis \(axis 1\) has size 4, not 3",
     ):
         bn(jnp.zeros((8, 4)))
-    with pytest.raises(ValueError, match=r"got shape \(3,\).*bn\(x\[None\]\)\[0\]"):
-        bn(jnp.zeros(3))
+
+
+def test_batch_norm_called_per_example_says_to_call_it_on_the_batch_outside_vmap():
+    bn = enn.BatchNorm(3)
+    per_example = es.transform.vmap(bn, axis_name="batch")
+    match = (
+        r"got shape \(3,\)\..*one example.*call it on the whole batch.*outside `vmap`"
+    )
+    with pytest.raises(ValueError, match=match) as info:
+        per_example(jnp.ones((4, 3)))
+    assert "x[None]" not in str(info.value)
+
+
+def test_batch_norm_channels_last_input_gets_a_hint_about_the_feature_axis():
+    bn = enn.BatchNorm(3)
+    with pytest.raises(
+        ValueError, match=r"last axis has size 3.*jnp.moveaxis\(x, -1, 1\)"
+    ) as info:
+        bn(jnp.ones((4, 5, 3)))
+    assert "one example" not in str(info.value) and "x[None]" not in str(info.value)
 
 
 def test_batch_norm_refuses_one_value_per_feature_in_training_only():

@@ -11,6 +11,17 @@ from .._pretty_print import state_label
 from .._state import LongTermState, ParamState
 
 
+_PER_EXAMPLE_HINT = (
+    " If this is one example (as when the layer is called per example inside `vmap`, "
+    "the way `eqx.nn.BatchNorm` is), call it on the whole batch instead, outside "
+    "`vmap`: `bn(xs)` rather than `vmap(bn, axis_name=...)(xs)`."
+)
+_CHANNELS_LAST_HINT = (
+    " Its last axis has size {n}: move the features of a channels-last input to axis "
+    "1 and back, as in `jnp.moveaxis(bn(jnp.moveaxis(x, -1, 1)), 1, -1)`."
+)
+
+
 class BatchNorm(eqx.Module):
     r"""Normalises each feature of a batch by its mean and variance, then applies an
     optional per-feature affine map.
@@ -20,8 +31,9 @@ class BatchNorm(eqx.Module):
     $$\frac{x - \mathbb{E}[x]}{\sqrt{\text{Var}[x] + \varepsilon}} \gamma + \beta$$
 
     per feature, with the statistics taken over every axis but the feature axis
-    (axis 1). The layer sees the whole batch, so unlike `eqx.nn.BatchNorm` it needs no
-    `jax.vmap` with an `axis_name` around it.
+    (axis 1). The layer sees the whole batch, so unlike `eqx.nn.BatchNorm` it is
+    called on the batch, outside any `vmap`, not per example inside a `jax.vmap` with
+    an `axis_name`.
 
     - In training, it normalises with the batch statistics and updates the running
         statistics: `running = momentum * running + (1 - momentum) * batch_stat`.
@@ -145,18 +157,20 @@ class BatchNorm(eqx.Module):
                 "lose the imaginary part of the mean. Create the layer with a complex "
                 f"dtype, as in `BatchNorm({self.num_features}, dtype=jnp.complex64)`."
             )
-        if x.ndim < 2 or x.shape[1] != self.num_features:
-            got = (
-                f"got shape {x.shape}"
-                if x.ndim < 2
-                else f"got shape {x.shape}, whose feature axis (axis 1) has size "
-                f"{x.shape[1]}, not {self.num_features}"
-            )
+        n = self.num_features
+        if x.ndim < 2 or x.shape[1] != n:
+            got = f"got shape {x.shape}"
+            if x.ndim >= 2:
+                got += f", whose feature axis (axis 1) has size {x.shape[1]}, not {n}"
+            hint = ""
+            if x.ndim < 2 or x.shape[0] == n:
+                hint = _PER_EXAMPLE_HINT
+            elif x.shape[-1] == n:
+                hint = _CHANNELS_LAST_HINT.format(n=n)
             raise ValueError(
-                f"BatchNorm(num_features={self.num_features}) normalises a batch of "
-                f"shape (batch, {self.num_features}) or (batch, {self.num_features}, "
-                f"*spatial); {got}. A single example needs a batch axis: "
-                "`bn(x[None])[0]`."
+                f"BatchNorm(num_features={n}) normalises the whole batch it is given, "
+                f"of shape (batch, {n}) or (batch, {n}, *spatial): the batch on axis 0 "
+                f"and the features on axis 1; {got}.{hint}"
             )
         if not inference and x.size // self.num_features < 2:
             raise ValueError(
