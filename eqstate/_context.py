@@ -559,7 +559,8 @@ class TraceFrame(Frame):
         self.ended = False
         self.accessed: list[Any] = []
         self.written: set[Any] = set()
-        self.reads: set[Any] = set()  # States whose value the function looked at.
+        # States whose value from before the trace the function looked at.
+        self.reads: set[Any] = set()
         self.new_states: list[Any] = []
         self.preloaded = preloaded
         self.missing: list[Any] = []
@@ -602,7 +603,8 @@ class TraceFrame(Frame):
         return self._import(state) if value is MISSING else value
 
     def read(self, state):
-        self.reads.add(state)
+        if state not in self.written:  # After a write, the function sees its own value.
+            self.reads.add(state)
         return self.current(state)
 
     fetch = read

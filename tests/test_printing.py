@@ -98,6 +98,18 @@ def test_describe_tables_reads_writes_and_new_states():
     assert steps.value == 0
 
 
+def test_describe_says_write_for_a_state_read_only_after_the_function_wrote_it():
+    s = es.State(jnp.zeros(2), name="s")
+
+    def f(x):
+        s.value = x
+        return s.value * 2  # the function's own value, not the state's incoming one
+
+    sf = es.transform.StatefulFunction(f)
+    assert sf.describe(jnp.ones(2)).splitlines()[-1].split()[-1] == "write"
+    assert sf.get_read_states() == () and sf.get_write_states() == (s,)
+
+
 def test_describe_of_a_function_without_states():
     text = es.transform.StatefulFunction(lambda x: x * 2, name="double").describe(1.0)
     assert text.splitlines()[0] == "double: reads 0, writes 0, creates 0 state(s)"
