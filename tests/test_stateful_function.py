@@ -186,6 +186,18 @@ def test_jaxpr_call_with_a_sequence_traces_on_a_miss(model):
     assert new[0] == 1 and out == 4
 
 
+def test_jaxpr_call_with_a_sequence_of_other_shapes_on_a_miss_says_to_pass_a_dict():
+    # On a miss the function is traced with the states' current values, to learn
+    # their order; values of other shapes than those need a StateDict.
+    a = es.State(jnp.zeros(2), name="a")
+    sf = StatefulFunction(lambda x: a.value + x)
+    with pytest.raises(TypeError) as info:
+        sf.jaxpr_call([jnp.ones(3)], jnp.ones(3))
+    assert "pass a StateDict" in "\n".join(getattr(info.value, "__notes__", []))
+    _, out = sf.jaxpr_call(es.StateDict({a: jnp.ones(3)}), jnp.ones(3))
+    assert (out == 2.0).all() and a.value.shape == (2,)
+
+
 @pytest.mark.parametrize("traced_weak", [True, False])
 def test_jaxpr_call_with_a_sequence_accepts_another_weak_type_as_a_state_dict(
     traced_weak,

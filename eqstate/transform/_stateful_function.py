@@ -569,7 +569,17 @@ class StatefulFunction:
         )
         if found is not None:
             return found[0]
-        return self._traces.trace_for(call, _context.current_frame())
+        try:
+            return self._traces.trace_for(call, _context.current_frame())
+        except Exception as exc:
+            exc.add_note(
+                f"`jaxpr_call` traced {self.name} with the current values of its "
+                "states in the innermost context, to learn which states it uses and "
+                "in which order (a sequence of values does not say). If the values "
+                "passed have other shapes or dtypes than those, pass a StateDict "
+                "`{state: value}` instead."
+            )
+            raise
 
     def _retrace_for_weak_types(
         self, call: CallArgs, trace: Trace, values: tuple
