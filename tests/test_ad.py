@@ -778,3 +778,32 @@ def test_a_mixed_state_gets_gradients_for_its_float_leaves_and_none_for_the_othe
     assert grads.states == (p,) and grads[p]["mask"] is None
     assert tree_allclose(grads[p]["w"], jax.grad(pure)(w, x))
     assert (p.value["mask"] == mask).all()
+
+
+@pytest.mark.parametrize("spec", ("filter", "handle"))
+def test_vjp_of_a_mixed_state_gives_none_at_its_integer_leaves_as_grad_does(
+    spec, getkey
+):
+    w, x = jr.normal(getkey(), (3,)), jr.normal(getkey(), (3,))
+    mask = jnp.array([1, 0, 1])
+    p = es.ParamState({"w": w, "mask": mask}, name="p")
+    count = es.State(jnp.array(0), name="count")
+
+    def f(x):
+        count.value = count.value + 1
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.sin(p.value["w"] * p.value["mask"] * x)
+
+    def pure(w, x):
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.sin(w * mask * x)
+
+    grad_states = es.ParamState if spec == "filter" else [p, count]
+    out, vjp_fn = es.transform.vjp(f, x, grad_states=grad_states)
+    state_ct, (x_ct,) = vjp_fn(jnp.ones(3))
+    _, pure_vjp = jax.vjp(pure, w, x)
+    w_ct, expected_x_ct = pure_vjp(jnp.ones(3))
+    assert state_ct[p]["mask"] is None
+    assert tree_allclose(state_ct[p]["w"], w_ct) and tree_allclose(x_ct, expected_x_ct)
+    if spec == "handle":  # an integer state named explicitly: float0, as jax.vjp
+        assert state_ct[count].dtype == jax.dtypes.float0

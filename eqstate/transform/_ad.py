@@ -191,6 +191,18 @@ _UNUSED = {
 }
 
 
+def _whole(value: Any) -> Any:
+    return value
+
+
+def _inexact_or_whole(value: Any) -> Any:
+    """The floating-point leaves of a state's value (`None` at the others), as `grad`
+    differentiates them; the whole value of a state holding none (an integer state
+    named explicitly, whose cotangent is `float0`, as `jax.vjp` gives)."""
+    part = inexact_part(value)
+    return value if part is None else part
+
+
 class _Differentiable:
     """The parts every autodiff transform shares: trace, pick the states to
     differentiate, and build the pure function JAX differentiates."""
@@ -201,17 +213,17 @@ class _Differentiable:
         grad_states: Any,
         check_states: bool,
         held: Sequence[State] = (),
-        allow_int: bool = False,
+        part: Callable[[Any], Any] = inexact_part,
         argument: str = "grad_states",
     ):
         """`held`: the states held by the differentiated arguments, which a filter
         in `grad_states` selects from too, used or not. A filter selects only states
-        holding floating-point values, as `eqx.filter_grad` selects arrays. Without
-        `allow_int`, only the floating-point part of a state's value is
-        differentiated (`inexact_part`); with it, the whole value. `argument`: the
-        name of the user's argument naming the states, for messages."""
+        holding floating-point values, as `eqx.filter_grad` selects arrays. `part`:
+        the part of a state's value that is differentiated, by default its
+        floating-point leaves (`inexact_part`). `argument`: the name of the user's
+        argument naming the states, for messages."""
         self.traced = traced
-        self.allow_int = allow_int
+        self.part = part
         self.index = {s: i for i, s in enumerate(traced.states)}
         if grad_states is None:
             self.grad_states: tuple[State, ...] = ()
@@ -250,8 +262,7 @@ class _Differentiable:
         return self.traced.frame.read(state) if i is None else self.traced.values[i]
 
     def grad_values(self) -> StateDict:
-        part = (lambda v: v) if self.allow_int else inexact_part
-        return state_dict_of({s: part(self.value(s)) for s in self.grad_states})
+        return state_dict_of({s: self.part(self.value(s)) for s in self.grad_states})
 
     def pure(self, kwargs: dict, has_aux: bool) -> Callable:
         """`(grad_values: StateDict, *args) -> (out, (aux_leaves, updated, new))`."""
@@ -344,7 +355,11 @@ class _GradientTransform:
         held = states_of(tuple(args[i] for i in positions)) if positions else ()
         allow_int = self._transform_kwargs.get("allow_int", False)
         diff = _Differentiable(
-            traced, self._grad_states, self._check_states, held, allow_int
+            traced,
+            self._grad_states,
+            self._check_states,
+            held,
+            _whole if allow_int else inexact_part,
         )
         pure = diff.pure(kwargs, self._has_aux)
 
@@ -838,8 +853,10 @@ def vjp(
 
     - `fun`: the function.
     - `*primals`: its arguments.
-    - `grad_states`: handles or a filter, as for [`eqstate.transform.grad`][].
-        (Keyword only argument.)
+    - `grad_states`: handles or a filter, as for [`eqstate.transform.grad`][]: a
+        state's cotangent has `None` at the leaves of its value that are not
+        floating-point; an integer or key state named explicitly gets a `float0`
+        cotangent, as `jax.vjp` gives. (Keyword only argument.)
     - `has_aux`: `fun` returns `(out, aux)`. (Keyword only argument.)
     - `check_states`: as for [`eqstate.transform.grad`][]. (Keyword only argument.)
 
@@ -862,7 +879,7 @@ def vjp(
         ```
     """
     traced = Discovery(fun, primals, name=getattr(fun, "__name__", "vjp"))
-    diff = _Differentiable(traced, grad_states, check_states, allow_int=True)
+    diff = _Differentiable(traced, grad_states, check_states, part=_inexact_or_whole)
     pure, parts = diff.pure({}, has_aux), [split_differentiable(p) for p in primals]
 
     def differentiated(grad_values, *differentiable):
@@ -957,7 +974,7 @@ def jvp(
     tangents_sd = state_tangents if state_tangents is not None else StateDict()
     spec = tangents_sd if len(tangents_sd) else None
     diff = _Differentiable(
-        traced, spec, check_states, allow_int=True, argument="state_tangents"
+        traced, spec, check_states, part=_whole, argument="state_tangents"
     )
     grad_values = diff.grad_values()
     state_tangent_values = state_dict_of(
