@@ -4,7 +4,8 @@ Every API that takes a filter accepts any of:
 
 - a State subclass: states of that kind *or a subclass of it* (`eqstate.LongTermState`
   also selects `eqstate.ParamState`s; `OfType(kind, exact=True)` selects one kind only).
-  A subscripted kind, such as `eqstate.ParamState[Array]`, is the same kind;
+  A subscripted kind, such as `eqstate.ParamState[Array]`, is the same kind, and a
+  union of kinds (`eqstate.ParamState | eqstate.ShortTermState`) selects any of them;
 - a handle: that state;
 - a string: states with that tag;
 - a predicate `(path, state) -> bool`, where `path` is the state's PyTree path where one
@@ -16,6 +17,7 @@ Every API that takes a filter accepts any of:
 
 import dataclasses
 import inspect
+import types
 import typing
 from collections.abc import Callable
 from typing import Any, cast
@@ -198,8 +200,11 @@ def to_predicate(filter: Any) -> StateFilter:
         return Is(filter)
     if isinstance(filter, str):
         return WithTag(filter)
-    if isinstance(typing.get_origin(filter), type):
-        filter = typing.get_origin(filter)  # `ParamState[Any]` is the kind `ParamState`
+    origin = typing.get_origin(filter)
+    if origin is types.UnionType or origin is typing.Union:
+        return AnyOf(*typing.get_args(filter))  # `ParamState | LongTermState`
+    if isinstance(origin, type):
+        filter = origin  # `ParamState[Any]` is the kind `ParamState`
     if isinstance(filter, type):
         if issubclass(filter, State):
             return OfType(filter)

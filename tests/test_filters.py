@@ -1,4 +1,4 @@
-from typing import Any
+from typing import Any, Union
 
 import eqstate as es
 import jax.numpy as jnp
@@ -112,6 +112,14 @@ def test_a_subscripted_kind_selects_as_the_kind(states):
     assert set(es.values_of(w).filter(es.ParamState[Any])) == {w}
     with pytest.raises(TypeError, match="list is not a State kind"):
         to_predicate(list[int])
+
+
+def test_a_union_of_kinds_selects_any_of_them(states):
+    assert _selected(es.ParamState | es.ShortTermState, states) == {"param", "short"}
+    union = Union[es.ParamState, es.ShortTermState]  # noqa: UP007
+    assert _selected(union, states) == {"param", "short"}
+    with pytest.raises(TypeError, match="int is not a State kind"):
+        to_predicate(es.ParamState | int)
 
 
 @pytest.mark.parametrize(
