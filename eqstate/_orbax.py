@@ -22,7 +22,6 @@ import operator
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -404,8 +403,10 @@ def _as_step(step: Any, directory: str) -> int:
     return number
 
 
-# Managers that may have saves in flight when the program ends (see `_finish_saves`).
-_LIVE_MANAGERS: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+# Managers that may have saves in flight when the program ends (see `_finish_saves`):
+# held until `close()`, as a manager the program no longer refers to (a local of a
+# function that returned) may still be saving.
+_LIVE_MANAGERS: "set[CheckpointManager]" = set()
 _FINISH_REGISTERED = threading.Lock()
 
 
@@ -516,9 +517,7 @@ class CheckpointManager:
             cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
-        if async_save:
-            _LIVE_MANAGERS.add(self)
-            _finish_saves_at_exit()
+        self._async = async_save
 
     def save(
         self,
@@ -557,6 +556,9 @@ class CheckpointManager:
                 "step, or resume from the latest checkpoint with `load` first."
             )
         args, _ = _save_args(self._ocp, states, model)
+        if self._async:
+            _LIVE_MANAGERS.add(self)
+            _finish_saves_at_exit()
         self._manager.save(step, args=args, force=True)
 
     def load(

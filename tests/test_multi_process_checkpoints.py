@@ -154,20 +154,27 @@ import eqstate as es
 import jax.numpy as jnp
 
 w = es.ParamState(jnp.arange(1_000_000.0), name="w")
-manager = es.CheckpointManager(sys.argv[1])  # saves in the background
-manager.save(1, es.values_of(w))
-# The program ends here, without `close()` or `wait_until_finished()`.
+
+
+def train():
+    manager = es.CheckpointManager(sys.argv[1])  # saves in the background
+    for step in (1, 2, 3):
+        manager.save(step, es.values_of(w))
+    # No `close()` or `wait_until_finished()`; nothing refers to the manager after.
+
+
+train()
 """
 
 
 def test_a_program_ending_without_close_keeps_its_last_background_save(tmp_path):
     directory = tmp_path / "run"
     subprocess.run(
-        [sys.executable, "-c", _SAVE_AND_EXIT, str(directory)], check=True, timeout=300
+        [sys.executable, "-c", _SAVE_AND_EXIT, str(directory)], check=True, timeout=120
     )
     w = es.ParamState(jnp.zeros(1_000_000), name="w")
     with es.CheckpointManager(directory) as manager:
-        assert manager.steps() == (1,)
+        assert manager.steps() == (1, 2, 3)
         assert (manager.load(es.values_of(w))[w] == jnp.arange(1_000_000.0)).all()
 
 
@@ -179,8 +186,11 @@ def test_each_managers_saves_get_their_wait_at_exit_even_if_one_fails(tmp_path, 
     def fails():
         raise OSError("the disk is gone")
 
+    w = es.ParamState(jnp.zeros(2), name="w")
     with es.CheckpointManager(tmp_path / "a") as a:
         with es.CheckpointManager(tmp_path / "b") as b:
+            a.save(1, es.values_of(w))
+            b.save(1, es.values_of(w))
             a.wait_until_finished = fails
             b.wait_until_finished = lambda: waited.append("b")
             _orbax._finish_saves()  # what runs when the program ends
