@@ -83,7 +83,9 @@ def test_building_and_dropping_many_models_leaves_world_and_memory_flat():
     for _ in range(10_000):
         _Model()
     gc.collect()
-    assert len(_context.WORLD) == world_before
+    # At most as many: a background thread of an earlier test (an Orbax save
+    # finishing) may drop other handles meanwhile.
+    assert len(_context.WORLD) <= world_before
     # 10,000 models hold 30,000 states (about 2.4 MB of values); if they leaked, the
     # peak resident set would grow by far more than this tolerance of 16 MiB.
     assert _rss_kib() - rss_before < 16 * 1024
@@ -97,7 +99,7 @@ def test_dropped_jitted_constructors_leave_the_world_flat():
     for _ in range(200):
         make()
     gc.collect()
-    assert len(_context.WORLD) == before
+    assert len(_context.WORLD) <= before  # (see the test above)
 
 
 def test_a_jitted_function_keeps_a_bounded_number_of_dropped_models(monkeypatch):

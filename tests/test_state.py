@@ -84,16 +84,15 @@ def test_pickling_a_handle_is_refused():
 
 
 def test_handle_is_weakly_referenceable_and_collected_handles_leave_the_world():
-    gc.collect()
-    before = len(_context.WORLD)
+    # By key, not by counting: a background thread of an earlier test (an Orbax save
+    # finishing) may drop other handles meanwhile.
     s = es.State(jnp.zeros(2))
     ref, key = weakref.ref(s), id(s)
-    assert len(_context.WORLD) == before + 1
+    assert key in _context.WORLD._values
     del s
     gc.collect()
     assert ref() is None
     assert key not in _context.WORLD._values
-    assert len(_context.WORLD) == before
 
 
 def test_initial_value_leaves_become_arrays():
