@@ -600,12 +600,13 @@ class CheckpointManager:
                     "from scratch otherwise."
                 )
             step = steps[-1]
-        elif _as_step(step, self.directory) not in steps:
-            raise CheckpointError(
-                f"No checkpoint {step} in {self.directory!r}; it holds steps "
-                f"{list(steps)}."
-            )
-        step = _as_step(step, self.directory)
+        else:
+            step = _as_step(step, self.directory)
+            if step not in steps:
+                raise CheckpointError(
+                    f"No checkpoint {step} in {self.directory!r}; it holds steps "
+                    f"{list(steps)}."
+                )
         restore = ft.partial(self._manager.restore, step)
         where = os.path.join(self.directory, str(step))
         return restore_with(
