@@ -75,6 +75,69 @@ def test_scan_with_weakly_typed_states_keeps_the_carry_type():
     assert n.value == 3 and f.value == 3.0
 
 
+def _bf16_times(state):
+    with jax.numpy_dtype_promotion("standard"):
+        return (jnp.ones(2, jnp.bfloat16) * state.value).dtype
+
+
+_WEAK_CASES = {
+    "scan": lambda s: es.transform.scan(
+        lambda c, x: (setattr(s, "value", s.value + 1.0), (c, None))[1], None, None, 3
+    ),
+    "while_loop": lambda s: es.transform.while_loop(
+        lambda i: i < 3, lambda i: (setattr(s, "value", s.value * 2.0), i + 1)[1], 0
+    ),
+    "while_loop, no iteration": lambda s: es.transform.while_loop(
+        lambda i: i < 0, lambda i: (setattr(s, "value", s.value * 2.0), i + 1)[1], 0
+    ),
+    "cond, the branch that writes not taken": lambda s: es.transform.cond(
+        False, lambda: setattr(s, "value", s.value + 1.0), lambda: None
+    ),
+    "map with batch_size": lambda s: es.transform.map(
+        lambda x: setattr(s, "value", 2.0), jnp.ones(5), batch_size=2
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_WEAK_CASES))
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_weakly_typed_state_stays_weak_through_loops_and_conditionals(case, jitted):
+    # As `jax.lax` keeps a weak carry: a state made from a Python float keeps
+    # promoting as one (bfloat16 * it stays bfloat16).
+    s = es.State(1.0, name="s")
+    run = _WEAK_CASES[case]
+    if jitted:
+        es.transform.jit(lambda: run(s))()
+    else:
+        run(s)
+    assert s.value.weak_type and _bf16_times(s) == jnp.bfloat16
+    strong = es.State(jnp.float32(1.0), name="strong")  # strong stays strong
+    run(strong)
+    assert not strong.value.weak_type and _bf16_times(strong) == jnp.float32
+
+
+def test_a_weakly_typed_state_written_strongly_in_a_loop_ends_strong():
+    s = es.State(1.0, name="s")
+    es.transform.for_loop(
+        lambda x: setattr(s, "value", s.value + x), jnp.ones(3, jnp.float32)
+    )
+    assert s.value == 4.0 and not s.value.weak_type
+
+
+def test_for_loop_outputs_promote_with_a_weak_state_as_under_disable_jit():
+    s = es.State(1.0, name="s")
+
+    def body(x):
+        s.value = s.value + 1.0
+        with jax.numpy_dtype_promotion("standard"):
+            return x * s.value
+
+    xs = jnp.ones(3, jnp.bfloat16)
+    assert es.transform.for_loop(body, xs).dtype == jnp.bfloat16
+    with jax.disable_jit():
+        assert es.transform.for_loop(body, xs).dtype == jnp.bfloat16
+
+
 def test_for_loop_stacks_outputs_and_writes_states():
     h = es.ShortTermState(jnp.array(0.0))
 

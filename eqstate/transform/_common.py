@@ -88,6 +88,36 @@ def strong(tree: Any) -> Any:
     return jtu.tree_map(to_strong, tree)
 
 
+class WeakCarry:
+    """Which leaves of the state values a loop or conditional carries are weakly typed.
+    The carry drops weak types (`strong`), but a leaf weak on entry and in every value
+    the bodies write to it is weak again where the bodies read it and at the end, as
+    `jax.lax` keeps a weak carry: a state made from a Python scalar keeps promoting as
+    one.
+
+    **Arguments:**
+
+    - `values`: the carried states' values on entry.
+    """
+
+    def __init__(self, values: Sequence[Any]):
+        self.flags = [jtu.tree_map(is_weak, v) for v in values]
+
+    def written(self, i: int, value: Any) -> None:
+        """Records that a body writes `value` to the `i`-th carried state."""
+        self.flags[i] = jtu.tree_map(
+            lambda weak, x: weak and is_weak(x), self.flags[i], value
+        )
+
+    def restored(self, values: Sequence[Any]) -> list[Any]:
+        """The carried states' `values`, weakly typed again where they stay weak."""
+
+        def leaf(x: Any, weak: bool) -> Any:
+            return compat.weakly_typed(x) if weak else x
+
+        return [jtu.tree_map(leaf, v, f) for v, f in zip(values, self.flags)]
+
+
 def select_states(
     spec: Any, candidates: Sequence[State]
 ) -> tuple[tuple[State, ...], bool]:

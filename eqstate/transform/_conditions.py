@@ -15,7 +15,7 @@ from jaxtyping import ArrayLike, Bool, Integer, Real
 
 from .. import _context, _jax_compat as compat
 from .._state import State
-from ._common import hide_static, show_static, strong
+from ._common import hide_static, show_static, strong, WeakCarry
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
 
@@ -85,12 +85,17 @@ def switch(
     for t in traced:
         values.update(zip(t.states, t.values))
     written = tuple(dict.fromkeys(s for t in traced for s in t.written))
+    entry = [values[s] for s in written]
+    weak = WeakCarry(entry)
 
     def make_branch(t: Discovery) -> Callable:
         def branch(written_values, *ops):
-            current = dict(zip(written, written_values))
+            current = dict(zip(written, weak.restored(written_values)))
             state_values = [current.get(s, values[s]) for s in t.states]
             out, updates, _ = t.evaluate(state_values, show_static(ops))
+            for i, s in enumerate(written):
+                if s in updates:
+                    weak.written(i, updates[s])
             return hide_static(out), strong(
                 [updates.get(s, current[s]) for s in written]
             )
@@ -100,10 +105,10 @@ def switch(
     out, new_values = jax.lax.switch(
         index,
         [make_branch(t) for t in traced],
-        strong([values[s] for s in written]),
+        strong(entry),
         *hide_static(operands),
     )
-    traced[0].commit(dict(zip(written, new_values)))
+    traced[0].commit(dict(zip(written, weak.restored(new_values))))
     return show_static(out)
 
 

@@ -22,7 +22,7 @@ from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._shapes import shape_dtype
 from .._state import State
-from ._common import abstract, hide_static, show_static, strong
+from ._common import abstract, hide_static, show_static, strong, WeakCarry
 from ._conditions import cond
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
@@ -106,14 +106,23 @@ class _Carried:
         self.written = tuple(dict.fromkeys(s for t in traced for s in t.written))
 
     def initial(self) -> list[Any]:
-        return strong([self.values[s] for s in self.written])
+        values = [self.values[s] for s in self.written]
+        self.weak = WeakCarry(values)
+        return strong(values)
 
     def values_for(self, traced: Discovery, carried: Sequence[Any]) -> list[Any]:
-        current = dict(zip(self.written, carried))
+        current = dict(zip(self.written, self.weak.restored(carried)))
         return [current.get(s, self.values[s]) for s in traced.states]
 
     def carry_out(self, updates: dict[State, Any], carried: Sequence[Any]) -> list[Any]:
+        for i, s in enumerate(self.written):
+            if s in updates:
+                self.weak.written(i, updates[s])
         return strong([updates.get(s, v) for s, v in zip(self.written, carried)])
+
+    def final(self, carried: Sequence[Any]) -> dict[State, Any]:
+        """The written states' new values from the loop's final carry."""
+        return dict(zip(self.written, self.weak.restored(carried)))
 
 
 def scan(
@@ -263,7 +272,7 @@ def _scan(
     (final, state_values), ys = loop(
         step, (init, carried.initial()), xs, n, reverse, unroll, pbar
     )
-    traced.commit(dict(zip(carried.written, state_values)))
+    traced.commit(carried.final(state_values))
     return show_static(final), show_static(ys)
 
 
@@ -385,7 +394,7 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     final, state_values = jax.lax.while_loop(
         loop_cond, loop_body, (hidden, carried.initial())
     )
-    traced_body.commit(dict(zip(carried.written, state_values)))
+    traced_body.commit(carried.final(state_values))
     return show_static(final)
 
 

@@ -13,7 +13,13 @@ import jax.tree_util as jtu
 from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._state import RandomState, split_and_advance, State
-from ._common import hide_static, merge_leading_axes, show_static, strong
+from ._common import (
+    hide_static,
+    merge_leading_axes,
+    show_static,
+    strong,
+    WeakCarry,
+)
 from ._discovery import Discovery
 from ._loops import _loop_length, _scan, _slice
 from ._trace import sub_jaxprs, Trace
@@ -127,10 +133,11 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     if carried_over:
         raise ValueError(_CARRIED_OVER.format(label=state_label(carried_over[0])))
     carried = [*written, *randoms]
-    chunk = _chunk_function(traced, values, written, randoms)
-    state_values = strong([values[s] for s in carried])
-    state_values, ys = _scan_chunks(chunk, state_values, xs, n, size)
-    traced.commit(dict(zip(carried, state_values)))
+    entry = [values[s] for s in carried]
+    weak = WeakCarry(entry)
+    chunk = _chunk_function(traced, values, written, randoms, weak)
+    state_values, ys = _scan_chunks(chunk, strong(entry), xs, n, size)
+    traced.commit(dict(zip(carried, weak.restored(state_values))))
     return show_static(ys)
 
 
@@ -139,13 +146,15 @@ def _chunk_function(
     values: dict[State, Any],
     written: Sequence[State],
     randoms: Sequence[State],
+    weak: WeakCarry,
 ) -> Callable[[list, tuple, int], tuple[list, Any]]:
     """One chunk of `count` elements, vmapped: takes and returns the values of the
-    carried states (`written`, then `randoms`), and returns the elements' outputs."""
+    carried states (`written`, then `randoms`; their weak types in `weak`), and
+    returns the elements' outputs."""
 
     def chunk(carried_values: list, chunk_xs: tuple, count: int) -> tuple[list, Any]:
         current = dict(values)
-        current.update(zip([*written, *randoms], carried_values))
+        current.update(zip([*written, *randoms], weak.restored(carried_values)))
         # As in `vmap`: every element draws from its own key, and the key advances
         # once per chunk.
         advanced, keys = [], []
@@ -159,6 +168,8 @@ def _chunk_function(
         )
         # The value the chunk's last element wrote, as in a sequential map.
         last = [jtu.tree_map(lambda v: v[-1], v) for v in new_values]
+        for i, value in enumerate(last):
+            weak.written(i, value)
         # A key every element wrote alike (a reseed) is kept, as in `vmap`.
         advanced = [a if k is None else k for a, k in zip(advanced, reseeded)]
         return strong([*last, *advanced]), ys
