@@ -373,7 +373,9 @@ def test_one_optimiser_trains_arrays_and_parameter_states(getkey):
     assert tree_allclose(model.scale.value, params[2], rtol=1e-4, atol=1e-5)
 
 
-def test_grad_warns_when_a_mixed_model_is_closed_over(getkey):
+def test_grad_warns_when_a_mixed_model_is_closed_over_or_passed_without_argnums(
+    getkey,
+):
     model = Mixed(getkey())
 
     class Holder(eqx.Module):
@@ -384,9 +386,12 @@ def test_grad_warns_when_a_mixed_model_is_closed_over(getkey):
 
     with pytest.warns(UserWarning, match="arrays get no gradient"):
         es.transform.grad(Holder(model).loss, grad_states=es.ParamState)(jnp.ones(3))
+    # Passed as an argument without `argnums`: the same silent case.
+    with pytest.warns(UserWarning, match=r"argument 0.*add `argnums=0`"):
+        es.transform.grad(_loss, grad_states=es.ParamState)(model, jnp.ones(3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        # Passed as an argument, or differentiated with `argnums`: no warning.
+        # Differentiated with `argnums`: no warning.
         es.transform.grad(_loss, grad_states=es.ParamState, argnums=0)(
             model, jnp.ones(3)
         )

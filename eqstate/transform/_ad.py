@@ -141,26 +141,40 @@ def _closed_over(fun: Any) -> list[Any]:
     return [x for x in found if x is not None]
 
 
-def _warn_if_arrays_closed_over(fun: Any, name: str) -> None:
-    """Warns if `fun` closes over a module holding both handles and floating-point
-    arrays: with only `grad_states`, those arrays get no gradient and stay untrained,
-    silently."""
+def _holds_states_and_arrays(obj: Any) -> bool:
+    """Whether `obj` is a module holding both handles and floating-point arrays."""
+    if not isinstance(obj, eqx.Module):
+        return False
+    leaves = jtu.tree_leaves(obj)
+    return any(is_state(x) for x in leaves) and any(
+        eqx.is_inexact_array(x) for x in leaves
+    )
+
+
+def _warn_if_arrays_untrained(fun: Any, name: str, args: tuple) -> None:
+    """Warns if `fun` closes over, or is passed, a module holding both handles and
+    floating-point arrays: differentiated with respect to `grad_states` only, those
+    arrays get no gradient and stay untrained, silently."""
+    how = None
     for obj in _closed_over(fun):
-        if not isinstance(obj, eqx.Module):
-            continue
-        leaves = jtu.tree_leaves(obj)
-        if any(is_state(x) for x in leaves) and any(
-            eqx.is_inexact_array(x) for x in leaves
-        ):
-            warnings.warn(
-                f"{name} closes over a {type(obj).__name__} holding both states and "
-                "floating-point arrays (e.g. the weights of `eqx.nn` layers), and is "
-                "differentiated with respect to `grad_states` only: the arrays get no "
-                "gradient and stay as they are. To train them too, pass the model as "
-                "an argument and add `argnums=0` (see `eqstate.trainable`).",
-                stacklevel=3,
-            )
-            return
+        if _holds_states_and_arrays(obj):
+            what = f"closes over a {type(obj).__name__}"
+            how = what, "pass the model as an argument and add `argnums=0`"
+            break
+    else:
+        for i, arg in enumerate(args):
+            if _holds_states_and_arrays(arg):
+                what = f"is passed a {type(arg).__name__} (argument {i})"
+                how = what, f"add `argnums={i}`"
+                break
+    if how is not None:
+        warnings.warn(
+            f"{name} {how[0]} holding both states and floating-point arrays (e.g. "
+            "the weights of `eqx.nn` layers), and is differentiated with respect to "
+            "`grad_states` only: the arrays get no gradient and stay as they are. To "
+            f"train them too, {how[1]} (see `eqstate.trainable`).",
+            stacklevel=3,
+        )
 
 
 def _split_aux(out: Any, name: str) -> tuple[Any, Any]:
@@ -346,7 +360,7 @@ class _GradientTransform:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._grad_states is not None and not self._argnums and not self._warned:
             self._warned = True
-            _warn_if_arrays_closed_over(self.fun, self._traces.name)
+            _warn_if_arrays_untrained(self.fun, self._traces.name, args)
         traced = Discovery(self.fun, args, kwargs, traces=kept_or_fresh(self._traces))
         positions = _positions(
             self._argnums, self._argnums_spec, len(args), kwargs, self._traces.name
@@ -458,8 +472,11 @@ def grad(
         (e.g. `eqstate.ParamState`), matched against the states the function uses
         and the states held by the arguments in `argnums`: those it does not use get
         zero gradients, as `eqx.filter_grad` gives unused arrays, so the gradients of
-        a model have the structure of [`eqstate.trainable`][]`(model)` whatever the
-        loss reads. As `eqx.filter_grad` differentiates the floating-point arrays of
+        a model have the structure of [`eqstate.trainable`][]`(model)` whatever of
+        it the loss reads. A filter also selects the matching states the loss reads
+        from elsewhere (a frozen teacher network's, say): to leave those out, name
+        the model's states instead, `grad_states=eqstate.trainable(model)[0]` with
+        `check_states=False`. As `eqx.filter_grad` differentiates the floating-point arrays of
         a PyTree, a state's floating-point or complex leaves are differentiated and
         its gradient has `None` at its other leaves (`{"w": floats, "mask": ints}`
         gets `{"w": dw, "mask": None}`). A filter selects the states holding such
