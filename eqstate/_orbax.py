@@ -497,9 +497,11 @@ class CheckpointManager:
             ones after each save; `None` keeps all. (Keyword only argument.)
         - `async_save`: save in the background: `save` returns once the values are
             copied off the devices, and the files are written while the program
-            goes on. A program that ends without `close()` (or the `with` block's
-            end) still waits for them, so its last save is not lost. (Keyword only
-            argument.)
+            goes on. Call `close()` (or use a `with` block) before the program
+            ends. One that ends without it still waits for its saves on Python
+            3.11; from Python 3.12 on, Python refuses the thread Orbax then needs,
+            so the last save may be lost, and eqstate says so on stderr. (Keyword
+            only argument.)
         """
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(
@@ -630,8 +632,8 @@ class CheckpointManager:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the saves in flight, then releases the manager's resources. A
-        program that ends without calling it still waits for them."""
+        """Waits for the saves in flight, then releases the manager's resources.
+        Call it (or use a `with` block) before the program ends: see `async_save`."""
         self._manager.close()
         _LIVE_MANAGERS.discard(self)
 

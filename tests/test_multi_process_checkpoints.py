@@ -167,14 +167,27 @@ train()
 """
 
 
-def test_a_program_ending_without_close_keeps_its_last_background_save(tmp_path):
+def test_a_program_ending_without_close_keeps_or_reports_its_last_background_save(
+    tmp_path,
+):
     directory = tmp_path / "run"
-    subprocess.run(
-        [sys.executable, "-c", _SAVE_AND_EXIT, str(directory)], check=True, timeout=120
+    ended = subprocess.run(
+        [sys.executable, "-c", _SAVE_AND_EXIT, str(directory)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+        text=True,
     )
     w = es.ParamState(jnp.zeros(1_000_000), name="w")
     with es.CheckpointManager(directory) as manager:
-        assert manager.steps() == (1, 2, 3)
+        steps = manager.steps()
+        if sys.version_info < (3, 12):
+            assert steps == (1, 2, 3)
+        elif steps != (1, 2, 3):
+            # Python 3.12+ refuses the thread Orbax needs at exit: not silently.
+            assert (
+                "may be incomplete" in ended.stderr and str(directory) in ended.stderr
+            )
         assert (manager.load(es.values_of(w))[w] == jnp.arange(1_000_000.0)).all()
 
 
