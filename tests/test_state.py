@@ -137,12 +137,9 @@ def test_weak_type_may_change_on_write():
     assert not s.value.weak_type
 
 
-@pytest.mark.parametrize("how", ["eager", "jit", "StateDict.set", "scope"])
-@pytest.mark.parametrize("number", [3.0, 3])
-def test_a_python_scalar_written_to_a_strongly_typed_state_leaves_it_strong(
-    how, number
-):
-    s = es.State(jnp.array(2.0, jnp.float32), name="s")
+def _write_number(s, number, how):
+    """Writes the Python `number` to `s` eagerly, under `jit`, with `StateDict.set`
+    or in a `scope`."""
 
     def write():
         s.value = number
@@ -157,6 +154,15 @@ def test_a_python_scalar_written_to_a_strongly_typed_state_leaves_it_strong(
         with es.scope(es.values_of(s)) as sc:
             write()
         es.assign(sc.states)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "StateDict.set", "scope"])
+@pytest.mark.parametrize("number", [3.0, 3])
+def test_a_python_scalar_written_to_a_strongly_typed_state_leaves_it_strong(
+    how, number
+):
+    s = es.State(jnp.array(2.0, jnp.float32), name="s")
+    _write_number(s, number, how)
     assert s.value == 3.0 and not s.value.weak_type
     # So it promotes as the float32 it was, not as a Python scalar would.
     with jax.numpy_dtype_promotion("standard"):
@@ -167,20 +173,7 @@ def test_a_python_scalar_written_to_a_strongly_typed_state_leaves_it_strong(
 @pytest.mark.parametrize("number", [1.0, 1])
 def test_a_python_scalar_written_to_a_weakly_typed_state_leaves_it_weak(how, number):
     s = es.State(0.0, name="s")
-
-    def write():
-        s.value = number
-
-    if how == "eager":
-        write()
-    elif how == "jit":
-        es.transform.jit(write)()
-    elif how == "StateDict.set":
-        es.assign(es.values_of(s).set(s, number))
-    else:
-        with es.scope(es.values_of(s)) as sc:
-            write()
-        es.assign(sc.states)
+    _write_number(s, number, how)
     assert s.value == 1.0 and s.value.dtype == jnp.float32 and s.value.weak_type
     # So it promotes as a Python float, whichever number was written.
     with jax.numpy_dtype_promotion("standard"):
