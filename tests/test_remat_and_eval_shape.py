@@ -62,6 +62,40 @@ def test_checkpoint_keeps_outputs_static_leaves():
     assert out["tag"] == "ok" and out["y"] == 2.0
 
 
+@pytest.mark.parametrize(
+    "initial, constant",
+    [
+        (jnp.float32(0.0), lambda: jnp.float32(5.0)),
+        (1.0, lambda: 3.0),
+        (jnp.array(False), lambda: True),
+        (jnp.array(0, jnp.int8), lambda: 7),
+        ({"a": jnp.zeros(2), "n": 0}, lambda: {"a": jnp.ones(2), "n": 7}),
+    ],
+    ids=["numpy-scalar", "weak-float", "bool", "int8", "dict"],
+)
+def test_checkpoint_writes_constants_as_an_eager_write_does(initial, constant):
+    """Called eagerly, `jax.checkpoint` returns constant outputs as Python or NumPy
+    scalars: a state written a constant must still hold arrays, typed as an eager
+    write types them."""
+
+    def written_by(transform):
+        s = es.State(initial)
+
+        def f(x):
+            s.value = constant()
+            return x, es.State(constant())
+
+        _, made = transform(f)(1.0)
+        return [s.value, made.value]
+
+    eager = written_by(lambda f: f)
+    remat = written_by(es.transform.checkpoint)
+    for want, got in zip(jax.tree.leaves(eager), jax.tree.leaves(remat)):
+        assert isinstance(got, jax.Array)
+        assert (got.dtype, got.weak_type) == (want.dtype, want.weak_type)
+        assert (got == want).all()
+
+
 def test_eval_shape_touches_no_value():
     w = es.ParamState(jnp.ones((3, 5)))
     count = es.State(jnp.array(0))

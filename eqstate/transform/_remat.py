@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .. import _jax_compat as compat
 from .._custom_types import MISSING
@@ -78,6 +79,7 @@ def checkpoint(
             for i, a in enumerate(args)
         )
         leaves, updated, new_values = remat(traced.values, *hidden)
+        updated, new_values = _as_arrays(updated), _as_arrays(new_values)
         traced.commit(
             dict(zip(box["updated"], updated)), list(zip(box["new"], new_values))
         )
@@ -87,3 +89,18 @@ def checkpoint(
 
 
 remat = checkpoint
+
+
+def _as_arrays(values: list) -> list:
+    """`values` with every leaf a `jax.Array`: called eagerly, `jax.checkpoint`
+    returns a constant output as a Python or NumPy scalar, which a state must not
+    hold (a `bool` would then negate as an `int`)."""
+
+    def as_array(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return x
+        array = jnp.asarray(x, dtype=getattr(x, "dtype", None))
+        weak = isinstance(x, (int, float, complex)) and not isinstance(x, bool)
+        return compat.weakly_typed(array) if weak else array
+
+    return jax.tree_util.tree_map(as_array, values)
