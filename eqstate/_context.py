@@ -243,6 +243,17 @@ class Frame(abc.ABC):
         replaces it (a lane of `vmap_new_states` re-keys a random state)."""
         return value
 
+    def nested_mark(self) -> Any:
+        """What `rewind_nested` takes to undo what the traces of a nested transform
+        made from now on asked of this frame (see `nested_new_value`); `None` if
+        nothing here depends on them."""
+        return None
+
+    def rewind_nested(self, mark: Any) -> None:
+        """Undoes what nested traces asked of this frame since `mark`: the two-pass
+        fallback throws away its discovery pass, which must leave nothing behind."""
+        del mark  # Nothing here depends on nested traces (see `nested_mark`).
+
     def check_trace(self, state: Any, *, creates: bool = False) -> None:
         """Raises `TraceContextError` naming `state` unless the current JAX trace is
         the one this frame was made in: a write (or with `creates`, a creation) from
@@ -631,6 +642,12 @@ class TraceFrame(Frame):
 
     def nested_new_value(self, state, value):
         return self.parent.nested_new_value(state, value)
+
+    def nested_mark(self):
+        return self.parent.nested_mark()
+
+    def rewind_nested(self, mark):
+        self.parent.rewind_nested(mark)
 
     def peek(self, state):
         value = self.values.get(state, MISSING)

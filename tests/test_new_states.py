@@ -395,6 +395,20 @@ def _seeded_member():
     return es.ParamState(jr.normal(rng.split_key(), (2,)), name="w"), rng
 
 
+def _bits(value):
+    """A value as bits to compare: a typed key as its data."""
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(value)
+    return value
+
+
+def _seeded_member_drawing_from_the_default_key():
+    # Reading the default key makes the two-pass fallback trace a nested transform
+    # twice: the first pass must not use up re-keying indices.
+    b = es.ParamState(es.random.normal((2,)), name="b")
+    return (*_seeded_member(), b, es.RandomState(1, name="other"))
+
+
 @pytest.mark.parametrize(
     "nest",
     (
@@ -403,15 +417,21 @@ def _seeded_member():
         lambda f: es.transform.jit(es.transform.jit(f)),
     ),
 )
-def test_a_seed_in_a_nested_transform_is_rekeyed_before_its_draws(getkey, nest):
+@pytest.mark.parametrize(
+    "member", (_seeded_member, _seeded_member_drawing_from_the_default_key)
+)
+def test_a_seed_in_a_nested_transform_is_rekeyed_before_its_draws(
+    getkey, nest, member, tracing_mode
+):
     # The seeded state is re-keyed when the nested trace creates it, not when it is
-    # committed after the draws: the build equals the unnested one bit for bit.
+    # committed after the draws: the build equals the unnested one bit for bit, in
+    # either tracing mode.
     key = getkey()
     built = []
-    for ctor in (_seeded_member, nest(_seeded_member)):
+    for ctor in (member, nest(member)):
         es.random.set_key(key)
-        w, rng = es.transform.vmap_new_states(ctor, axis_size=3)()
-        built.append((w.value, jax.random.key_data(rng.value)))
+        states = es.transform.vmap_new_states(ctor, axis_size=3)()
+        built.append([_bits(s.value) for s in states])
     assert tree_bitwise_equal(built[0], built[1])
     assert len({tuple(r) for r in built[1][0].tolist()}) == 3
 
@@ -428,6 +448,20 @@ def test_a_traced_shared_key_made_in_a_nested_transform_is_an_error():
     )
     with pytest.raises(es.BatchAxisError, match=r"RandomState 'rng'.*nested"):
         build(0)
+
+
+def test_a_literal_key_in_a_nested_transform_is_refused_pointing_to_a_seed():
+    # Eagerly `RandomState(jax.random.key(0))` is re-keyed per lane; inside a nested
+    # `jit` that key is traced, so the error says to pass the integer seed.
+    build = es.transform.vmap_new_states(
+        es.transform.jit(lambda: es.RandomState(jr.key(0), name="rng")), axis_size=3
+    )
+    with pytest.raises(es.BatchAxisError, match=r"integer seed.*already traced"):
+        build()
+    eager = es.transform.vmap_new_states(
+        lambda: es.RandomState(jr.key(0)), axis_size=3
+    )()
+    assert len({tuple(r) for r in jax.random.key_data(eager.value).tolist()}) == 3
 
 
 def test_eval_shape_of_a_seeded_constructor_inside_a_build():

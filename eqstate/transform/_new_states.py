@@ -54,10 +54,11 @@ _NESTED_SHARED_KEY = (
     "{label} was created inside a transform nested in `vmap_new_states` (such as "
     "`jit`) from a traced value that is the same in every lane. `vmap_new_states` "
     "re-keys such a state per lane, but only after that transform ran, which may "
-    "have drawn from it: every member would draw the same numbers. Create it from a "
-    "seed or a concrete key (`RandomState(0)`, re-keyed at once), from a key that "
-    "differs across lanes (`es.random.split_key()`, a mapped argument), or outside "
-    "the nested transform."
+    "have drawn from it: every member would draw the same numbers. Create it from an "
+    "integer seed (`RandomState(0)`, re-keyed at once; inside the nested transform "
+    "a key such as `jax.random.key(0)` is already traced), from a key that differs "
+    "across lanes (`es.random.split_key()`, a mapped argument), or outside the "
+    "nested transform."
 )
 
 
@@ -162,6 +163,16 @@ class _LaneFrame(_context.Frame):
         if isinstance(state, RandomState) and not has_tracer(value):
             return self._lane_key_for(state, jnp.shape(value))
         return value
+
+    def nested_mark(self):
+        return len(self.randoms)
+
+    def rewind_nested(self, mark):
+        # The re-keying indices handed out since `mark`, and the lane keys read
+        # then, were for a trace thrown away: hand them out again, in order.
+        for state in self.randoms[mark:]:
+            self.values.pop(state, None)
+        del self.randoms[mark:]
 
     def add_new(self, state, value):
         self.check_trace(state, creates=True)

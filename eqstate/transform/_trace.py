@@ -243,9 +243,11 @@ def trace_function(
         return result
     known: list[State] = []
     while True:
+        mark = parent.nested_mark()
         result = _trace_once(fun, call, parent, known, name, state_returns, axis_env)
         if isinstance(result, Trace):
             return result
+        parent.rewind_nested(mark)
         known.extend(result)
 
 
