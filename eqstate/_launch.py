@@ -175,14 +175,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout", type=float, default=None, help="kill all after this many seconds"
     )
     parser.add_argument(
-        "-m", dest="module", default=None, help="run a module, as `python -m`"
+        "-m",
+        dest="module",
+        default=None,
+        help="run a module, as `python -m` (the arguments after it are the module's)",
     )
     parser.add_argument("program", nargs=argparse.REMAINDER, help="script and args")
-    args = parser.parse_args(argv)
+    own, module, module_args = _split_at_module(
+        list(sys.argv[1:] if argv is None else argv)
+    )
+    args = parser.parse_args(own)
     if args.num_processes < 1:
         parser.error("--num-processes must be at least 1")
-    if args.module is not None:
-        command = [sys.executable, "-m", args.module, *args.program]
+    if module is not None:
+        command = [sys.executable, "-m", module, *module_args]
     elif args.program:
         command = [sys.executable, *args.program]
     else:
@@ -194,6 +200,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _exit_status(wait_all(procs, args.timeout))
     except KeyboardInterrupt:
         return 130
+
+
+# The launcher's options that take a value in the next word.
+_TAKES_VALUE = frozenset({"-n", "--num-processes", "--cpu-devices", "--timeout"})
+
+
+def _split_at_module(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """`(launcher's arguments, module, module's arguments)` of a command line with
+    `-m MODULE` (else `(argv, None, [])`): as with `python -m`, every word after the
+    module's name is the module's, even one that looks like a launcher option."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "-m" and i + 1 < len(argv):
+            return argv[:i], argv[i + 1], argv[i + 2 :]
+        if word.startswith("-m") and len(word) > 2:
+            return argv[:i], word[2:], argv[i + 1 :]
+        if not word.startswith("-"):
+            break  # A script: the rest is its own (argparse's REMAINDER).
+        i += 2 if word in _TAKES_VALUE else 1
+    return argv, None, []
 
 
 def _exit_status(code: int) -> int:

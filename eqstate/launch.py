@@ -1,5 +1,6 @@
-"""`python -m eqstate.launch -n N [--cpu-devices K] script.py [args ...]`: runs N
-processes of a JAX program on this machine, for development.
+"""`python -m eqstate.launch -n N [--cpu-devices K] script.py [args ...]` (or
+`-m module [args ...]`, as with `python -m`): runs N processes of a JAX program on
+this machine, for development.
 
 Each process gets the environment that SLURM's `srun --ntasks=N` gives a task on one
 node, and `JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>`, so the program calls

@@ -584,6 +584,22 @@ def test_launcher_sets_each_process_environment_and_kills_the_rest_on_failure(
     assert str(script) not in ps.stdout
 
 
+def test_launcher_passes_every_word_after_a_module_to_the_module(tmp_path):
+    # As with `python -m`: `-n 3` after the module is the module's, not the launcher's.
+    (tmp_path / "show_args.py").write_text(
+        "import os, sys\nprint('args', os.environ['SLURM_PROCID'], sys.argv[1:])\n"
+    )
+    command = [sys.executable, "-m", "eqstate.launch", "-n", "1", "--timeout", "60"]
+    command += ["-m", "show_args", "--lr", "3", "-n", "3"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if "args" in line]
+    assert lines == ["[0] args 0 ['--lr', '3', '-n', '3']"]
+
+
 def test_launcher_reports_a_process_killed_by_a_signal_as_a_shell_does(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
