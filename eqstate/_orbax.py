@@ -100,14 +100,31 @@ def _words(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
 
 
+def _flat_index(words: jax.Array) -> jax.Array:
+    """The row-major position of each element of `words` modulo 2**32, in an array
+    of its shape and sharding: the `iota` of `words.reshape(-1)`, without that
+    reshape. On a mesh with Explicit axes JAX refuses a reshape that merges a
+    sharded axis into an unsharded one, and on any mesh it would move the data."""
+    sharding = jax.typeof(words).sharding
+    index = jnp.zeros(words.shape, jnp.uint32, out_sharding=sharding)
+    stride = 1
+    for axis in reversed(range(words.ndim)):
+        along = jax.lax.broadcasted_iota(
+            jnp.uint32, words.shape, axis, out_sharding=sharding
+        )
+        index = index + along * np.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    return index
+
+
 def _checksum(x: jax.Array) -> jax.Array:
     """A 32-bit checksum of `x`'s bytes: the sum of its words, each times an odd
-    weight that depends on its position, modulo 2**32. Integer addition is exact in
-    any order, so the sum is the same however `x` is sharded; and a change confined
-    to one word always changes it (odd weights are invertible modulo 2**32)."""
-    words = _words(x).reshape(-1)
-    index = jax.lax.iota(jnp.uint32, words.size)
-    weights = index * _GOLDEN * np.uint32(2) + np.uint32(1)
+    weight that depends on its row-major position, modulo 2**32. Integer addition is
+    exact in any order, so the sum is the same however `x` is sharded; and a change
+    confined to one word always changes it (odd weights are invertible modulo
+    2**32)."""
+    words = _words(x)
+    weights = _flat_index(words) * _GOLDEN * np.uint32(2) + np.uint32(1)
     return jnp.sum(words * weights, dtype=jnp.uint32)
 
 
