@@ -140,6 +140,32 @@ def test_jit_state_shardings_move_states():
     )
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_jit_keeps_the_sharding_of_each_leaf_of_a_written_state(axis_type):
+    # An optimiser state: its moments split over the mesh, its step count replicated.
+    mesh = _mesh("x", axis_type)
+    split, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    opt = es.State(
+        {
+            "mu": jax.device_put(jnp.ones((N, 4)), split),
+            "count": jax.device_put(jnp.array(0), replicated),
+        },
+        name="opt",
+    )
+
+    @es.transform.jit
+    def reset():
+        opt.value = {"mu": jnp.zeros((N, 4)), "count": jnp.array(0)}
+
+    # The new values use no input: explicit axes need the mesh in context, as in JAX.
+    with jax.set_mesh(mesh):
+        for _ in range(2):
+            reset()
+            assert opt.value["mu"].sharding.is_equivalent_to(split, 2)
+            assert opt.value["count"].sharding.is_equivalent_to(replicated, 0)
+    assert tree_allclose(opt.value, {"mu": jnp.zeros((N, 4)), "count": jnp.array(0)})
+
+
 def test_shard_map_threads_states_with_their_specs():
     mesh = _mesh("data")
     per_device = es.State(jnp.zeros(N), name="per_device")

@@ -88,8 +88,9 @@ class _Plan:
     undonated: Any
     # Shardings the jitted function imposes on state values: on the inputs (from
     # `state_shardings`) and on the new values of written states (`state_shardings`,
-    # else the sharding a written state had when the plan was made, so that a sharded
-    # state keeps its placement).
+    # else the shardings of a written state's leaves when the plan was made, so that
+    # a sharded state keeps its placement). Each is one sharding for the whole value
+    # or a PyTree of them, one per leaf (`None`: unconstrained).
     in_constraints: dict[State, Any]
     out_constraints: dict[State, Any]
 
@@ -228,6 +229,19 @@ def _list_getter(keys: list[int]) -> Callable[[dict], list]:
 
 
 def _constrained(value: Any, sharding: Any) -> Any:
+    """`value` constrained to `sharding`: one sharding for every leaf, or a PyTree of
+    them shaped as `value` (`None` leaves unconstrained)."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return _constrained_to(value, sharding)
+    return jax.tree_util.tree_map(
+        lambda s, x: x if s is None else _constrained_to(x, s),
+        sharding,
+        value,
+        is_leaf=_is_none,
+    )
+
+
+def _constrained_to(value: Any, sharding: jax.sharding.Sharding) -> Any:
     mesh = getattr(sharding, "mesh", None)
     explicit = jax.sharding.AxisType.Explicit
     if mesh is not None and explicit in getattr(mesh, "axis_types", ()):
@@ -236,13 +250,22 @@ def _constrained(value: Any, sharding: Any) -> Any:
     return jax.lax.with_sharding_constraint(value, sharding)
 
 
-def _multi_device_sharding(value: Any) -> Any:
-    """The sharding of a value placed on several devices, else `None`."""
-    leaves = jax.tree_util.tree_leaves(value)
-    shardings = {getattr(x, "sharding", None) for x in leaves}
-    if len(shardings) != 1:
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _leaf_shardings(value: Any) -> Any:
+    """The shardings of the leaves of `value` placed on several devices, as a PyTree
+    shaped as `value` (`None` for the other leaves); `None` if no leaf is."""
+    shardings = jax.tree_util.tree_map(_multi_device_sharding, value)
+    if all(s is None for s in jax.tree_util.tree_leaves(shardings, is_leaf=_is_none)):
         return None
-    (sharding,) = shardings
+    return shardings
+
+
+def _multi_device_sharding(x: Any) -> Any:
+    """The sharding of an array placed on several devices, else `None`."""
+    sharding = getattr(x, "sharding", None)
     if sharding is None or len(sharding.device_set) < 2:
         return None
     return sharding
@@ -760,9 +783,9 @@ class JitDispatch:
                 if state in updated:
                     plan.out_constraints[state] = sharding
             elif state in updated:
-                placed = _multi_device_sharding(value)
-                if placed is not None:
-                    plan.out_constraints[state] = placed
+                shardings = _leaf_shardings(value)
+                if shardings is not None:
+                    plan.out_constraints[state] = shardings
 
     def _make_jitted(self, plan: _Plan, donate: bool) -> Any:
         traces, splitter = self._traces, self._splitter

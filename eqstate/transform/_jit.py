@@ -218,9 +218,9 @@ def jit(
     - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
-        values on output. Written states not named here keep the sharding they had
-        when the function was first called with them (call `clear_cache()` after
-        re-sharding them).
+        values on output. Written states not named here keep the sharding each of
+        their leaves had when the function was first called with them (call
+        `clear_cache()` after re-sharding them).
     - `donate_argnums`, `in_shardings`, `out_shardings`, `keep_unused`, `device`,
         `backend`, `inline`, `compiler_options`: as in `jax.jit`, for the arguments
         and the output of `fun`.
