@@ -213,6 +213,18 @@ def is_batched_here(x: Any) -> bool:
     )
 
 
+def in_manual_axes() -> bool:
+    """Whether the code runs inside `jax.shard_map` (some axes of the current mesh
+    are manual): values there are each device's shard, and a sharding over the whole
+    mesh does not apply to them."""
+    # JAX 0.10: the public accessor; the releases without it have no abstract mesh.
+    get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get_abstract_mesh is None:  # pragma: no cover - depends on the JAX release
+        return False
+    axis_types = getattr(get_abstract_mesh(), "axis_types", ())
+    return jax.sharding.AxisType.Manual in axis_types
+
+
 def varying_axes(x: Any) -> frozenset:
     """Inside `jax.shard_map`, the mesh axes along which `x` differs across devices."""
     return _varying_of(jax.typeof(x))

@@ -166,6 +166,63 @@ def test_jit_keeps_the_sharding_of_each_leaf_of_a_written_state(axis_type):
     assert tree_allclose(opt.value, {"mu": jnp.zeros((N, 4)), "count": jnp.array(0)})
 
 
+_FIRST_CALL_IN = {
+    "grad": lambda f: es.transform.grad(f)(1.0),
+    "jit": lambda f: es.transform.jit(f)(1.0),
+    "scan": lambda f: es.transform.scan(
+        lambda carry, x: (carry + f(x), None), 0.0, jnp.ones(2)
+    ),
+}
+
+
+@pytest.mark.parametrize("first_call_in", sorted(_FIRST_CALL_IN))
+def test_jit_keeps_the_sharding_of_a_written_state_first_called_in_a_transform(
+    first_call_in, tracing_mode
+):
+    mesh = _mesh()
+    split = NamedSharding(mesh, P("x"))
+    z = es.State(jnp.arange(2.0 * N), name="z")
+    es.shard([z], mesh, P("x"))
+
+    @es.transform.jit
+    def reset(x):
+        z.value = jnp.zeros(2 * N) + x
+        return x * 2
+
+    _FIRST_CALL_IN[first_call_in](reset)
+    assert z.value.sharding.is_equivalent_to(split, 1)
+    assert tree_allclose(z.value, jnp.ones(2 * N))
+    for x in (2.0, 3.0):
+        assert reset(x) == 2 * x
+        assert z.value.sharding.is_equivalent_to(split, 1)
+    assert tree_allclose(z.value, jnp.full(2 * N, 3.0))
+
+
+@pytest.mark.parametrize("top_level_first", (False, True))
+def test_jit_called_in_shard_map_and_at_top_level_keeps_a_split_state_split(
+    top_level_first,
+):
+    mesh = _mesh("data")
+    split = NamedSharding(mesh, P("data"))
+    z = es.State(jnp.zeros(2 * N), name="z")
+    es.shard([z], mesh, P("data"))
+
+    @es.transform.jit
+    def fill(x):
+        z.value = jnp.zeros(z.value.shape) + x.sum()  # not computed from the old value
+        return x
+
+    per_device = _over_data(fill, state_specs={z: P("data")})
+    calls = [
+        (lambda: fill(jnp.full(2, 1.5)), 3.0),
+        (lambda: per_device(jnp.ones(N)), 1.0),  # each device fills its shard
+    ]
+    for call, expected in (calls if top_level_first else calls[::-1]) * 2:
+        call()
+        assert tree_allclose(z.value, jnp.full(2 * N, expected))
+        assert z.value.sharding.is_equivalent_to(split, 1)
+
+
 def test_shard_map_threads_states_with_their_specs():
     mesh = _mesh("data")
     per_device = es.State(jnp.zeros(N), name="per_device")

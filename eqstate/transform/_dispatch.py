@@ -19,9 +19,11 @@ from operator import itemgetter
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .. import _context, _jax_compat as compat
-from .._context import current_frame as _current_frame, WORLD
+from .._context import current_frame as _current_frame, has_tracer, WORLD
+from .._custom_types import MISSING
 from .._jax_compat import is_top_level
 from .._pretty_print import state_label
 from .._state import State
@@ -71,6 +73,7 @@ class _Plan:
         "in_constraints",
         "jitted",
         "out_constraints",
+        "placed",
         "read_states",
         "simple_out",
         "single_leaf",
@@ -93,6 +96,10 @@ class _Plan:
     # or a PyTree of them, one per leaf (`None`: unconstrained).
     in_constraints: dict[State, Any]
     out_constraints: dict[State, Any]
+    # Whether the placement of every written state was known when the constraints
+    # were set: a plan made inside a transform may see only tracers (see
+    # `JitDispatch._constrain`).
+    placed: bool
 
     def __init__(self, trace: Trace, split: bool, donates: bool):
         # Calls pass their arguments split (see `_split_args`): they hold leaves that
@@ -230,7 +237,10 @@ def _list_getter(keys: list[int]) -> Callable[[dict], list]:
 
 def _constrained(value: Any, sharding: Any) -> Any:
     """`value` constrained to `sharding`: one sharding for every leaf, or a PyTree of
-    them shaped as `value` (`None` leaves unconstrained)."""
+    them shaped as `value` (`None` leaves unconstrained). Unchanged inside
+    `shard_map`, where values are each device's shard."""
+    if compat.in_manual_axes():
+        return value
     if isinstance(sharding, jax.sharding.Sharding):
         return _constrained_to(value, sharding)
     return jax.tree_util.tree_map(
@@ -269,6 +279,23 @@ def _multi_device_sharding(x: Any) -> Any:
     if sharding is None or len(sharding.device_set) < 2:
         return None
     return sharding
+
+
+def _concrete_value(state: State, value: Any) -> Any:
+    """`value`, the state's value seen by a call, if it holds no tracer; inside a
+    transform, where it does, the state's value in the world if that has the same
+    structure and shapes (so that it is the value traced); else `MISSING`."""
+    if not has_tracer(value):
+        return value
+    world = WORLD.peek(state)
+    if world is MISSING or _shapes(world) != _shapes(value):
+        return MISSING
+    return world
+
+
+def _shapes(value: Any) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef, [jnp.shape(x) for x in leaves]
 
 
 def _refcounts_above(values: list, limit: int) -> bool:
@@ -626,9 +653,11 @@ class JitDispatch:
         splitter = self._splitter
         packed = plan.pack(written)
         out, updated = _run_split(plan, jitted, packed, read, *split, splitter)
-        if len(self._plans_by_key) >= KEYS_KEPT:
-            self._plans_by_key.clear()
-        self._plans_by_key[split[0]] = plan
+        if plan.placed:
+            # Only placed plans are found by later calls (see `_call_planned`).
+            if len(self._plans_by_key) >= KEYS_KEPT:
+                self._plans_by_key.clear()
+            self._plans_by_key[split[0]] = plan
         return out, plan.unpack(updated)
 
     def _static_key(self, args: tuple, kwargs: dict) -> tuple:
@@ -698,9 +727,13 @@ class JitDispatch:
             # Another thread made the splitter forget a part of this call's key
             # before JAX traced it: the call takes the path without a plan.
             return False, None
-        self._current = plan
-        if self._has_static and not plan.split:
-            self._remember_static(plan, args, kwargs)
+        if plan.placed:
+            # A plan whose placements are not known yet takes no call but through
+            # here, which places it once a call sees concrete values (`_plan_for`):
+            # the top-level fast path is not slowed by checking.
+            self._current = plan
+            if self._has_static and not plan.split:
+                self._remember_static(plan, args, kwargs)
         if updated:
             frame.commit_values(plan.updated_states, updated)
         return True, out
@@ -738,10 +771,17 @@ class JitDispatch:
                     self._forget_oldest_plan()
                 plan = self._plans[key] = _Plan(trace, split, donate)
                 self._constrain(plan, frame)
-                plan.jitted = self._make_jitted(plan, donate)
-                if donate:
-                    plan.undonated = self._make_jitted(plan, False)
+                self._compile(plan)
+            elif not plan.placed:
+                self._constrain(plan, frame)
+                if plan.placed:
+                    self._compile(plan)  # Its functions have the old constraints.
         return plan
+
+    def _compile(self, plan: _Plan) -> None:
+        plan.jitted = self._make_jitted(plan, plan.donates)
+        if plan.donates:
+            plan.undonated = self._make_jitted(plan, False)
 
     def _forget_oldest_plan(self) -> None:
         """Drops the oldest plan but the current one: a plan holds its states'
@@ -772,20 +812,28 @@ class JitDispatch:
             )
 
     def _constrain(self, plan: _Plan, frame: _context.Frame) -> None:
-        plan.in_constraints, plan.out_constraints = {}, {}
+        """Sets the plan's constraints (see `_Plan`) from the states' values in
+        `frame`. A written state keeps the placement of its concrete value: inside a
+        transform, of its value in the world, if that is the value traced; else its
+        placement is not known yet, and the plan not `placed`."""
+        ins, outs, placed = {}, {}, True
         rule = self._state_shardings
         values = frame.read_many(plan.states) if plan.states else []
         updated = set(plan.updated_states)
         for state, value in zip(plan.states, values):
             sharding = None if rule is None else rule(state, value)
             if sharding is not None:
-                plan.in_constraints[state] = sharding
+                ins[state] = sharding
                 if state in updated:
-                    plan.out_constraints[state] = sharding
+                    outs[state] = sharding
             elif state in updated:
-                shardings = _leaf_shardings(value)
+                concrete = _concrete_value(state, value)
+                placed = placed and concrete is not MISSING
+                shardings = None if concrete is MISSING else _leaf_shardings(concrete)
                 if shardings is not None:
-                    plan.out_constraints[state] = shardings
+                    outs[state] = shardings
+        # Set together: another thread may be tracing the plan's functions.
+        plan.in_constraints, plan.out_constraints, plan.placed = ins, outs, placed
 
     def _make_jitted(self, plan: _Plan, donate: bool) -> Any:
         traces, splitter = self._traces, self._splitter
