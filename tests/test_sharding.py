@@ -223,6 +223,36 @@ def test_jit_called_in_shard_map_and_at_top_level_keeps_a_split_state_split(
         assert z.value.sharding.is_equivalent_to(split, 1)
 
 
+@pytest.mark.parametrize("placed", (False, True))
+def test_jit_state_shardings_on_an_explicit_mesh_match_jax_reshard(placed):
+    mesh = _mesh("x", AxisType.Explicit)
+    split, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    start = jnp.arange(2.0 * N)
+    if placed:
+        start = jax.device_put(start, replicated)
+    q = es.State(start, name="q")  # written
+    t = es.State(start + 1, name="t")  # read only
+
+    def pure(q, t):
+        q = jax.sharding.reshard(q, split) * 2
+        return q, (q * jax.sharding.reshard(t, split)).sum()
+
+    with jax.set_mesh(mesh):
+
+        @es.transform.jit(state_shardings={q: split, t: split})
+        def step():
+            q.value = q.value * 2
+            return (q.value * t.value).sum()
+
+        expected_q, expected_t = start, start + 1
+        for _ in range(2):
+            out = step()
+            expected_q, expected_out = jax.jit(pure)(expected_q, expected_t)
+            assert tree_allclose(out, expected_out)
+            assert tree_allclose(q.value, expected_q)
+            assert q.value.sharding.is_equivalent_to(split, 1)
+
+
 def test_shard_map_threads_states_with_their_specs():
     mesh = _mesh("data")
     per_device = es.State(jnp.zeros(N), name="per_device")

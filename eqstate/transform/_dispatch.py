@@ -34,6 +34,7 @@ from ._leaves import ArrayImpl, in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
 from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch, Static, unwrapped
 from ._trace import flat_jit, StaleTrace, sub_jaxprs, Trace
+from ._view import Overlay
 
 
 compat.hide_from_tracebacks(__file__)
@@ -165,9 +166,16 @@ class _Plan:
         def values_of(trace: Trace) -> list | None:
             return values if trace.states == self.states else None
 
+        frame = _context.current_frame()
+        parent: Any = frame
+        if self.in_constraints:
+            # Moved to their `state_shardings`, the values may have other types than
+            # in `frame` (explicit mesh axes): a new trace must see them so.
+            moved = dict(zip(self.states, values))
+            parent = lambda: Overlay(frame, moved)  # noqa: E731
         try:
             call = traces.parse(args, kwargs)
-            trace, _ = traces.lookup(call, _context.current_frame(), values_of)
+            trace, _ = traces.lookup(call, parent, values_of)
         except StaleTrace:
             # This call's states or their shapes fit no trace of the plan's states:
             # the unplanned path picks another plan.

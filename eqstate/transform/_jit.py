@@ -218,11 +218,13 @@ def jit(
     - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
-        values on output. Written states not named here keep the sharding each of
-        their leaves had when the function was first called with them, also when
-        that call was inside another transform (`grad`, `scan`, an outer `jit`;
-        call `clear_cache()` after re-sharding them). Inside `shard_map`, where each
-        device holds its shard, neither applies.
+        values on output (on explicit mesh axes it moves them there with
+        `jax.sharding.reshard`, which changes their type, as in JAX). Written states
+        not named here keep the sharding each of their leaves had when the function
+        was first called with them, also when that call was inside another
+        transform (`grad`, `scan`, an outer `jit`; call `clear_cache()` after
+        re-sharding them). Inside `shard_map`, where each device holds its shard,
+        neither applies.
     - `donate_argnums`, `in_shardings`, `out_shardings`, `keep_unused`, `device`,
         `backend`, `inline`, `compiler_options`: as in `jax.jit`, for the arguments
         and the output of `fun`.

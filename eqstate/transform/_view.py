@@ -2,6 +2,7 @@
 lane's slice of a mapped state, a device's shard)."""
 
 from .. import _context, _jax_compat as compat
+from .._custom_types import MISSING
 
 
 compat.hide_from_tracebacks(__file__)
@@ -28,6 +29,36 @@ class View(_context.Frame):
 
     def add_new(self, state, value):
         raise NotImplementedError(_READ_ONLY)
+
+
+class Overlay(View):
+    """The parent of a trace, showing it `values` for some states and the values of
+    `parent` for the others: a `jit` plan's body traces the function against the
+    states moved to their `state_shardings`, whose types may differ from the values
+    in `parent` (explicit mesh axes put the sharding in the type)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, parent: _context.Frame, values: dict):
+        super().__init__(parent)
+        self.values = values
+
+    def fetch(self, state):
+        value = self.values.get(state, MISSING)
+        return self.parent.fetch(state) if value is MISSING else value
+
+    def peek(self, state):
+        value = self.values.get(state, MISSING)
+        return self.parent.peek(state) if value is MISSING else value
+
+    def nested_new_value(self, state, value):
+        return self.parent.nested_new_value(state, value)
+
+    def nested_mark(self):
+        return self.parent.nested_mark()
+
+    def rewind_nested(self, mark):
+        self.parent.rewind_nested(mark)
 
 
 _READ_ONLY = "A view is only read through; write to the frame it views."
