@@ -225,6 +225,25 @@ def in_manual_axes() -> bool:
     return jax.sharding.AxisType.Manual in axis_types
 
 
+# JAX 0.10 casts a value to varying with `jax.lax.pcast(..., to="varying")`; older
+# releases had `jax.lax.pvary` for it.
+_pcast: Any = _from_jax("pcast", (jax.lax,))
+_pvary: Any = _from_jax("pvary", (jax.lax,))
+
+
+def vary(x: Any, axes: tuple) -> Any:
+    """Inside `jax.shard_map`, `x` (invariant along `axes`) typed as varying across
+    devices along the mesh axes `axes`, as a value split along them is. `x` itself
+    where this JAX cannot say so (nor check it)."""
+    if not axes:
+        return x
+    if _pcast is not None:
+        return _pcast(x, axes, to="varying")
+    if _pvary is not None:  # pragma: no cover - depends on the JAX release
+        return _pvary(x, axes)
+    return x  # pragma: no cover - depends on the JAX release
+
+
 def varying_axes(x: Any) -> frozenset:
     """Inside `jax.shard_map`, the mesh axes along which `x` differs across devices."""
     return _varying_of(jax.typeof(x))

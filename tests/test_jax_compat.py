@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from eqstate import _jax_compat as compat
+from jax.sharding import PartitionSpec as P
 
 from .helpers import leak_a_tracer
 
@@ -208,3 +209,21 @@ def test_nan_checks_enabled_follows_the_context_managers():
     with jax.debug_infs(True):
         assert compat.nan_checks_enabled()
     assert not compat.nan_checks_enabled()
+
+
+@pytest.mark.parametrize("check_vma", (True, False))
+def test_vary_types_a_value_as_varying_inside_shard_map(check_vma):
+    mesh = jax.make_mesh(
+        (len(jax.devices()),), ("x",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    seen = []
+
+    def f(a):
+        seen.append(compat.varying_axes(compat.vary(a, ("x",))))
+        seen.append(compat.vary(a, ()) is a)
+        return a
+
+    jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=check_vma)(
+        jnp.ones(2)
+    )
+    assert seen == [frozenset({"x"}) if check_vma else frozenset(), True]
