@@ -503,6 +503,127 @@ def test_vmap_and_map_nested_in_shard_map_mix_a_shard_with_a_replicated_state(lo
     assert tree_allclose(out, 2 * x)
 
 
+def _vary(x):
+    """`x` made varying across devices along "data", as JAX's error for a loop carry
+    says: with `jax.lax.pcast(..., to="varying")`, or `jax.lax.pvary` in the JAX
+    releases without it."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, ("data",), to="varying")
+    return jax.lax.pvary(x, ("data",))
+
+
+# Each body sums to a replicated scalar, from a value made varying across devices.
+_VARYING = {
+    "pcast": lambda x: jax.lax.psum(_vary(jnp.float32(1.0)), "data"),
+    "axis_index": lambda x: jax.lax.psum(x.sum() * jax.lax.axis_index("data"), "data"),
+    "ppermute": lambda x: jax.lax.psum(
+        jax.lax.ppermute(x, "data", [(i, (i + 1) % N) for i in range(N)]).sum(), "data"
+    ),
+}
+
+
+@pytest.mark.parametrize("check_vma", (True, False))
+@pytest.mark.parametrize("body", sorted(_VARYING))
+def test_shard_map_traces_casts_to_varying_as_jax_shard_map(
+    body, check_vma, tracing_mode
+):
+    # The states were once found by a trace outside `jax.shard_map`, where
+    # `jax.lax.pcast(..., to="varying")` failed with a bare AssertionError.
+    calls = es.State(jnp.array(0), name="calls")
+
+    def f(x):
+        calls.value = calls.value + 1
+        return _VARYING[body](x)
+
+    specs = dict(mesh=_mesh("data"), in_specs=(P("data"),), out_specs=P())
+    x = jnp.arange(2.0 * N)
+    expected = jax.shard_map(_VARYING[body], check_vma=check_vma, **specs)(x)
+    out = es.transform.shard_map(f, check_vma=check_vma, **specs)(x)
+    assert tree_allclose(out, expected) and calls.value == 1
+    jitted = es.transform.jit(es.transform.shard_map(f, check_vma=check_vma, **specs))
+    assert tree_allclose(jitted(x), expected) and calls.value == 2
+
+
+def _scan_sums(x, total, cast):
+    """Adds the rows of `x` to `total` in a scan, and the result summed over devices:
+    one device's body of `shard_map`, the running total a per-device value."""
+    if cast:  # As JAX's carry type error says: a replicated carry is made varying.
+        total = _vary(total)
+
+    def step(t, row):
+        return t + row, t
+
+    total, partial = jax.lax.scan(step, total, x)
+    return jax.lax.psum(total, "data"), partial
+
+
+@pytest.mark.parametrize("replicated", (True, False))
+def test_state_carried_through_scan_in_shard_map_takes_per_device_values(
+    replicated, tracing_mode
+):
+    # A replicated state is invariant across devices on entry, so a scan that adds
+    # per-device rows to it must be made varying first, as in plain JAX;
+    # a split one varies already.
+    start = jnp.arange(2.0) if replicated else jnp.arange(2.0 * N).reshape(N, 2)
+    total = es.State(start, name="total")
+    spec = P() if replicated else P("data")
+
+    def f(x):
+        if replicated:
+            total.value = _vary(total.value)
+
+        def step(_, row):
+            seen = total.value
+            total.value = total.value + row
+            return None, seen
+
+        _, partial = es.transform.scan(step, None, x)
+        total.value = jax.lax.psum(total.value, "data")
+        return partial
+
+    mesh = _mesh("data")
+    x = jnp.arange(N * 3 * 2.0).reshape(N * 3, 2)
+    sm = es.transform.shard_map(
+        f, mesh=mesh, in_specs=(P("data"),), out_specs=P("data"), state_specs=spec
+    )
+    expected_total, expected_partial = jax.shard_map(
+        ft.partial(_scan_sums, cast=replicated),
+        mesh=mesh,
+        in_specs=(P("data"), spec),
+        out_specs=(spec, P("data")),
+    )(x, total.value)
+    partial = sm(x)
+    assert tree_allclose(partial, expected_partial)
+    assert tree_allclose(total.value, expected_total)
+
+
+def test_a_scan_carry_of_a_replicated_state_written_per_device_fails_as_in_jax():
+    # Without the cast JAX refuses the carry, and says how to fix it.
+    total = es.State(jnp.zeros(2), name="total")
+
+    def f(x):
+        def step(_, row):
+            total.value = total.value + row
+            return None, None
+
+        es.transform.scan(step, None, x)
+        total.value = jax.lax.psum(total.value, "data")
+        return x
+
+    x = jnp.ones((N, 2))
+    match = r"(?s)carry input and carry output must have equal types.*(pcast|pvary)"
+    with pytest.raises(TypeError, match=match):
+        jax.shard_map(
+            ft.partial(_scan_sums, cast=False),
+            mesh=_mesh("data"),
+            in_specs=(P("data"), P()),
+            out_specs=(P(), P("data")),
+        )(x, total.value)
+    with pytest.raises(TypeError, match=match):
+        _over_data(f)(x)
+    assert tree_allclose(total.value, jnp.zeros(2))
+
+
 def test_a_spec_naming_an_axis_not_in_the_mesh_names_the_state_and_the_axes():
     mesh = _mesh("x")
     s = es.State(jnp.zeros(N), name="typo")

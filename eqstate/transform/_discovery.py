@@ -69,6 +69,9 @@ class Discovery:
     - `traces`: a trace cache to use instead of a new one.
     - `discover_in`: the frame to trace against, if not `parent` (`vmap` passes a view
         of it with the batch axes stripped).
+    - `trace_in`: where the trace is made, if not here: `trace_in(discover, args)`
+        calls `discover` with the arguments as the transform's body sees them, in the
+        context the body runs in (`shard_map` calls it inside `jax.shard_map`).
     """
 
     def __init__(
@@ -82,17 +85,30 @@ class Discovery:
         parent: "_context.Frame | None" = None,
         traces: FunctionTraces | None = None,
         discover_in: "_context.Frame | None" = None,
+        trace_in: "Callable[[Callable[..., None], tuple], None] | None" = None,
     ):
         self.traces = traces or traces_for(fun, name, static_argnums)
         self.name = self.traces.name
         self.frame = parent if parent is not None else _context.current_frame()
-        call = self.traces.parse(args, kwargs or {})
-        # The states are seen as they are inside the transform (`vmap` strips their
-        # batch axes); their values come from the calling frame.
-        trace = self.traces.trace_for(call, discover_in or self.frame)
+        found: list[tuple[Hashable, Trace]] = []
+
+        def discover(*body_args: Any) -> None:
+            call = self.traces.parse(body_args, kwargs or {})
+            # The states are seen as they are inside the transform (`vmap` strips
+            # their batch axes); their values come from the calling frame.
+            found.append(
+                (call.key, self.traces.trace_for(call, discover_in or self.frame))
+            )
+
+        if trace_in is None:
+            discover(*args)
+        else:
+            trace_in(discover, args)
+        [(self.key, trace)] = found
+        # Read here, not where the trace was made: a value read inside `trace_in`'s
+        # context could be a tracer of it.
         self.values = self.frame.read_many(trace.states)
         self.trace: Trace = trace
-        self.key = call.key
 
     @property
     def states(self) -> tuple[State, ...]:

@@ -51,7 +51,8 @@ def _local(x: Any, spec: Any, mesh: Mesh) -> Any:
 
 class _ShardView(View):
     """What the function sees of the calling frame inside `shard_map`: each state's
-    value split by its PartitionSpec."""
+    value split by its PartitionSpec. Only used inside `jax.shard_map` (see
+    `_inside_shard_map`)."""
 
     __slots__ = ("mesh", "specs")
 
@@ -63,17 +64,22 @@ class _ShardView(View):
         value = self.parent.fetch(state)
         spec = self.specs(state, value)
         check_divisible(state, value, self.mesh, spec)
-        local = jtu.tree_map(lambda x: _local(x, spec, self.mesh), value)
-        if compat.single_pass_enabled():
-            return local
-        return jtu.tree_map(placeholder, local)
+        return self._shard(value, spec)
 
     def peek(self, state):
         value = self.parent.peek(state)
         if value is MISSING:
             return value
-        spec = self.specs(state, value)
-        return jtu.tree_map(lambda x: _local(x, spec, self.mesh), value)
+        return self._shard(value, self.specs(state, value))
+
+    def _shard(self, value: Any, spec: PartitionSpec) -> Any:
+        """A stand-in for one device's shard of `value`, typed as the body sees it:
+        varying across devices along the mesh axes that `spec` splits it over (so
+        that, e.g., a loop carry of it may take per-device values)."""
+        axes = tuple(a for a in self.mesh.axis_names if a in _axes_of(spec))
+        return jtu.tree_map(
+            lambda x: compat.vary(placeholder(_local(x, spec, self.mesh)), axes), value
+        )
 
 
 def _state_spec_rule(state_specs: Any) -> Callable[[State, Any], PartitionSpec]:
@@ -110,19 +116,6 @@ def _per_argument_specs(in_specs: Any, args: tuple, name: str) -> tuple:
             "for all."
         )
     return tuple(in_specs)
-
-
-def _local_args(args: tuple, specs: tuple, mesh: Mesh) -> tuple:
-    """The per-device abstract values of `args`, each split by its (prefix) spec."""
-    return tuple(
-        jtu.tree_map(
-            lambda s, a: jtu.tree_map(lambda x: _local(x, s, mesh), a),
-            spec,
-            arg,
-            is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
-        )
-        for spec, arg in zip(specs, args)
-    )
 
 
 def _placed(values: list, specs: list[PartitionSpec], mesh: Mesh) -> list:
@@ -172,6 +165,29 @@ def _per_device_body(
     return body
 
 
+def _inside_shard_map(
+    mesh: Mesh, specs: tuple, check_vma: bool
+) -> Callable[[Callable[..., None], tuple], None]:
+    """A `trace_in` for `Discovery`: it traces inside `jax.shard_map` itself, under
+    `jax.eval_shape` (nothing runs), so that the function is traced where its mesh
+    axes are manual and its values are typed as varying across devices or not, as in
+    the body: `jax.lax.pcast`, collectives and loop carries trace as they will there."""
+
+    def trace_in(discover: Callable[..., None], args: tuple) -> None:
+        def body(*local_args: Any) -> tuple:
+            discover(*show_static(local_args))
+            return ()
+
+        jax.eval_shape(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=specs, out_specs=(), check_vma=check_vma
+            ),
+            *args,
+        )
+
+    return trace_in
+
+
 def _call_sharded(
     fun: Callable,
     traces: FunctionTraces,
@@ -189,9 +205,10 @@ def _call_sharded(
     args = hide_static(args)  # a model's handles ride in the tree structure
     traced = Discovery(
         fun,
-        show_static(_local_args(args, specs, mesh)),
+        args,
         traces=kept_or_fresh(traces),
         discover_in=_ShardView(_context.current_frame(), spec_of, mesh),
+        trace_in=_inside_shard_map(mesh, specs, check_vma),
     )
     traced.refuse_new_states("`shard_map`")
     states, written = traced.states, traced.written
@@ -235,8 +252,8 @@ def shard_map(
 
     **Returns:**
 
-    A function with the signature of `fun`. (`fun` is traced twice per call: once to
-    find its states, once under `jax.shard_map`.)
+    A function with the signature of `fun`. (`fun` is traced twice per call, both
+    times inside `jax.shard_map`: once to find its states, once to run.)
 
     **Raises:**
 
@@ -271,10 +288,7 @@ def shard_map(
         ```
     """
     spec_of = _state_spec_rule(state_specs)
-    # The mesh axes are in scope while tracing, so that collectives trace.
-    traces = traces_for(
-        fun, getattr(fun, "__name__", None), axis_env=list(mesh.shape.items())
-    )
+    traces = traces_for(fun, getattr(fun, "__name__", None))
 
     @ft.wraps(fun)
     def sharded(*args: Any, **kwargs: Any) -> Any:
