@@ -113,6 +113,18 @@ def test_donation_never_deletes_a_value_the_caller_holds():
     assert not old.is_deleted() and (old == 2).all() and (s.value == 3).all()
 
 
+def test_a_copy_kept_as_the_docs_say_survives_donation():
+    # `jnp.copy` makes its own buffer: it survives the donated call, where the
+    # snapshot made by `jax.device_put` to the value's own device can share one.
+    s = es.State(jnp.ones(3), name="s")
+    increment = _donating_increment(s)
+    increment()
+    snapshot = jnp.copy(s.value)
+    increment()
+    assert not snapshot.is_deleted() and (snapshot == 2).all()
+    assert (s.value == 3).all()
+
+
 def test_donation_never_deletes_a_value_another_state_holds():
     online = es.State(jnp.ones(3), name="online")
     target = es.State(jnp.zeros(3), name="target")

@@ -205,16 +205,19 @@ def jit(
         options are given (`jax.jit` then infers neither from the other); see
         [`eqstate.transform.StatefulFunction`][].
     - `donate_states`: donate the buffers of the written states to the computation,
-        so that they are updated in place. Donation never deletes a value someone
-        else still holds: a call where a written state's value is also held by
+        so that they are updated in place. Donation never deletes an array object
+        that is held elsewhere: a call where a written state's value is also held by
         another state, passed as an argument, or kept by the caller (`old = s.value`)
         runs without donation, as does every call while `jax.debug_nans` or
         `jax.debug_infs` is on. A function that can fail while it runs (it holds a
         callback: `eqx.error_if`, `jax.debug.callback`, `jax.debug.print`) is never
         donated, with a warning, because a failed call must leave the previous
         values readable. Another array object sharing a device buffer with a state's
-        value is not seen: `jax.device_put` can make one (replicating a one-device
-        array), so place states with [`eqstate.shard`][], which never does.
+        value is not seen (nor is it by `jax.jit`'s `donate_argnums`), and is deleted
+        with it: `jax.device_put` makes one when the value is already where it puts
+        it (on its own device, or replicating a one-device array). Keep a snapshot
+        with `jnp.copy(s.value)`, and place states with [`eqstate.shard`][], which
+        never shares buffers.
     - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
