@@ -464,6 +464,27 @@ def test_a_literal_key_in_a_nested_transform_is_refused_pointing_to_a_seed():
     assert len({tuple(r) for r in jax.random.key_data(eager.value).tolist()}) == 3
 
 
+@pytest.mark.parametrize("new_first", (True, False))
+def test_a_refused_nested_call_in_a_build_writes_nothing(new_first):
+    # The nested call writes a state of the lane and a state that existed before
+    # the build (refused): the lane's state keeps its value, in either order.
+    existing = es.ShortTermState(jnp.zeros(()), name="existing")
+
+    def member():
+        p = es.ParamState(jnp.zeros(()), name="p")
+
+        def inner():
+            for s in (p, existing) if new_first else (existing, p):
+                s.value = s.value + 1.0
+
+        with pytest.raises(es.TraceContextError, match="existing"):
+            es.transform.jit(inner)()
+        return p
+
+    p = es.transform.vmap_new_states(member, axis_size=3)()
+    assert (p.value == 0).all() and existing.value == 0
+
+
 def test_eval_shape_of_a_seeded_constructor_inside_a_build():
     def member():
         shapes, (w, _) = es.transform.eval_shape(

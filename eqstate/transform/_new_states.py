@@ -134,26 +134,31 @@ class _LaneFrame(_context.Frame):
 
     fetch = read
 
-    def _store(self, state: State, value: Any) -> None:
+    def _checked(self, state: State, value: Any) -> Any:
+        """`value` as a write to `state` stores it; raises if the lane refuses it."""
         if state not in self.values and not isinstance(state, RandomState):
             raise TraceContextError(
                 _PRE_EXISTING_WRITE.format(label=_context.label_here(state))
             )
-        self.values[state] = check_write(state, self.read(state), value)
+        return check_write(state, self.read(state), value)
 
     def write(self, state, value):
         self.check_trace(state)
-        self._store(state, value)
+        self.values[state] = self._checked(state, value)
 
     def commit(self, updates, new=()):
         self.check_commit_trace(updates, new)
-        for state, value in updates.items():
-            self._store(state, value)
+        # Every write is checked before any is stored: a refused call writes nothing.
+        checked = {
+            state: self._checked(state, value) for state, value in updates.items()
+        }
         for state, value in new:
             if isinstance(state, RandomState) and not _batched(value):
                 raise BatchAxisError(
                     _NESTED_SHARED_KEY.format(label=state_label(state, value))
                 )
+        self.values.update(checked)
+        for state, value in new:
             self.add_new(state, value)
 
     def nested_new_value(self, state, value):
