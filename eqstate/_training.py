@@ -94,6 +94,11 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
     each state's value plus its update (as [`eqstate.assign`][], all at once), and
     returns `model` with its arrays updated (as `eqx.apply_updates`).
 
+    Each sum is cast to the state's dtype, as `optax.apply_updates` casts it (a
+    float32 update to a bfloat16 parameter gives bfloat16). An update that the
+    state's dtype cannot hold, complex for a real state or inexact for an integer
+    one, is refused rather than truncated, as is one of another shape.
+
     **Arguments:**
 
     - `model`: the model the updates are for.
@@ -178,4 +183,22 @@ def _add(state: Any, value: Any, update: Any) -> Any:
             "shape of the value it updates: pass what `optimizer.update` returned "
             "for `eqstate.trainable(model)`."
         )
+    summed = jnp.result_type(value, update)
+    if _kind(summed) != _kind(value.dtype):
+        raise StateValueError(
+            f"Cannot apply an update of dtype {jnp.result_type(update)} to "
+            f"{state_label(state)} (dtype {value.dtype}): the sum is {summed}, and "
+            f"casting it back to {value.dtype} would drop what that dtype cannot hold "
+            "(an imaginary part, a fraction). Compute the updates in the state's "
+            "dtype, or give the state a dtype that holds them."
+        )
     return (value + update).astype(value.dtype)
+
+
+def _kind(dtype: Any) -> str:
+    """The kind of numbers `dtype` holds: `b` (bool), `i` (integers), `f` (real) or
+    `c` (complex)."""
+    for kind, of in (("c", jnp.complexfloating), ("f", jnp.floating)):
+        if jnp.issubdtype(dtype, of):
+            return kind
+    return "b" if jnp.issubdtype(dtype, jnp.bool_) else "i"

@@ -1000,6 +1000,28 @@ def apply_updates_wrong_shape():
     return lambda: es.apply_updates({"w": w}, (updates, None)), [w]
 
 
+@case(
+    "`apply_updates` with a complex update to a real state",
+    es.StateValueError,
+    r"complex64 to ParamState 'w' \(dtype float32\).*imaginary",
+)
+def apply_updates_complex_to_real():
+    w = _w((2,))
+    updates = es.StateDict({w: jnp.array([1j, 2j])})
+    return lambda: es.apply_updates({"w": w}, (updates, None)), [w]
+
+
+@case(
+    "`apply_updates` with a fractional update to an integer state",
+    es.StateValueError,
+    r"float32 to ShortTermState 'n' \(dtype int32\).*fraction",
+)
+def apply_updates_float_to_int():
+    n = es.ShortTermState(jnp.array([0, 1]), name="n")
+    updates = es.StateDict({n: jnp.array([0.7, 0.7])})
+    return lambda: es.apply_updates({"n": n}, (updates, None)), [n]
+
+
 @case("`jit` donating an argument the function lacks", ValueError, r"donate_argnums")
 def jit_donate_out_of_range():
     return lambda: es.transform.jit(lambda x: x, donate_argnums=5), []

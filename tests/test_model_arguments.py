@@ -776,3 +776,12 @@ def test_apply_updates_of_another_shape_than_a_state_is_an_error_changing_nothin
     ):
         es.apply_updates(model, (updates, None))
     assert (model.v.value == 0).all() and (model.w.value == 0).all()
+
+
+def test_apply_updates_casts_a_sum_of_the_same_kind_to_the_state_dtype_as_optax():
+    w = es.ParamState(jnp.ones(3, jnp.bfloat16), name="w")
+    update = jnp.full(3, 0.5, jnp.float32)
+    es.apply_updates(None, (es.StateDict({w: update}), None))
+    [want] = jax.tree.leaves(optax.apply_updates([jnp.ones(3, jnp.bfloat16)], [update]))
+    assert w.value.dtype == jnp.bfloat16 == want.dtype
+    assert (w.value == want).all()
