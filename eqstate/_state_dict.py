@@ -336,16 +336,28 @@ def _summarise_states(values: Mapping) -> str:
     return first_and_more(map(state_label, values))
 
 
-def _canonical_order(sd: StateDict) -> tuple[State, ...] | None:
-    """The handles in creation order, computed once per (immutable) dictionary; `None`
-    when that is already the insertion order."""
+class _Handles(tuple):
+    """A `StateDict`'s handles, as its tree structure holds them. Printed with each
+    handle's address: JAX's error about two structures keyed by different handles of
+    the same name (an optimiser's state made for another copy of a model) then tells
+    them apart."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "(" + ", ".join(f"{s!r} at {id(s):#x}" for s in self) + ")"
+
+
+def _canonical_order(sd: StateDict) -> tuple[_Handles, bool]:
+    """The handles in creation order, and whether that differs from the insertion
+    order; computed once per (immutable) dictionary."""
     order = sd._canonical
     if order is None:
         states = tuple(sd._values)
-        ordered = tuple(sorted(states, key=creation_order))
-        order = () if ordered == states else ordered
+        ordered = _Handles(sorted(states, key=creation_order))
+        order = (ordered, ordered != states)
         object.__setattr__(sd, "_canonical", order)
-    return order or None
+    return order
 
 
 def rekeyed(tree: Any, handles: Mapping[State, State]) -> Any:
@@ -373,21 +385,22 @@ def _is_state_dict(x: Any) -> bool:
 # the same states (e.g. gradients and parameters) have the same tree structure.
 def _flatten_with_keys(sd: StateDict):
     values = sd._values
-    order = _canonical_order(sd) or tuple(values)
+    order, _ = _canonical_order(sd)
     return [(jtu.DictKey(s), values[s]) for s in order], order
 
 
 def _flatten(sd: StateDict):
     values = sd._values
-    order = _canonical_order(sd)
-    if order is None:
-        return tuple(values.values()), tuple(values)
+    order, reordered = _canonical_order(sd)
+    if not reordered:
+        return tuple(values.values()), order
     return tuple(values[s] for s in order), order
 
 
 def _unflatten(states: tuple, children: Iterable) -> StateDict:
     sd = state_dict_of(dict(zip(states, children)))
-    object.__setattr__(sd, "_canonical", ())  # Already in creation order.
+    if type(states) is _Handles:
+        object.__setattr__(sd, "_canonical", (states, False))  # In creation order.
     return sd
 
 

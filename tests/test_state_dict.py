@@ -246,3 +246,20 @@ def test_filter_without_filters_keeps_every_state_as_states_of_does():
     model = {"w": es.ParamState(jnp.ones(2)), "n": es.State(jnp.array(0))}
     values = es.values_of(model)
     assert values.filter().states == values.states == es.states_of(model)
+
+
+def test_structures_keyed_by_different_handles_of_one_name_print_apart():
+    # JAX's error about mismatched structures (an optimiser's state made for another
+    # copy of a model) prints both sides' handles: their addresses tell them apart.
+    a, b = (es.ParamState(jnp.ones(2), name="w") for _ in range(2))
+    with pytest.raises(ValueError) as info:
+        jax.tree.map(
+            lambda x, y: x + y,
+            es.StateDict({a: jnp.ones(2)}),
+            es.StateDict({b: jnp.ones(2)}),
+        )
+    assert f"{id(a):#x}" in str(info.value) and f"{id(b):#x}" in str(info.value)
+    treedef = jax.tree.structure(es.StateDict({a: jnp.ones(2), b: jnp.ones(2)}))
+    assert treedef == jax.tree.structure(
+        es.StateDict({b: jnp.zeros(2), a: jnp.ones(2)})
+    )
