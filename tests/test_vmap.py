@@ -319,6 +319,43 @@ def test_a_key_reseeded_alike_in_every_lane_is_kept(run):
     ).all()
 
 
+def _reseed_in_cond(rng, x):
+    es.transform.cond(x > 0, lambda: rng.seed(42), lambda: rng.seed(42))
+
+
+def _reseed_in_while(rng, x):
+    # Every lane runs at least one iteration, each reseeding.
+    body = lambda i: (rng.seed(42), i + 1)[1]  # noqa: E731
+    es.transform.while_loop(lambda i: i < x, body, 0.0)
+
+
+@pytest.mark.parametrize("reseed", (_reseed_in_cond, _reseed_in_while))
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda f: es.transform.vmap(f)(jnp.arange(1.0, 4.0)),
+        lambda f: es.transform.map(f, jnp.arange(1.0, 4.0), batch_size=3),
+    ],
+    ids=["vmap", "map-in-chunks"],
+)
+def test_a_key_reseeded_alike_under_a_batched_predicate_is_kept(run, reseed):
+    # The predicate is batched, so the reseeded key is too, though every lane wrote
+    # the same one: it is kept, as a sequential loop keeps it.
+    rng = es.RandomState(0, name="rng")
+    run(lambda x: (reseed(rng, x), x)[1])
+    assert (
+        jax.random.key_data(rng.value) == jax.random.key_data(jax.random.key(42))
+    ).all()
+
+
+def test_keys_reseeded_differently_per_lane_leave_the_outer_successor():
+    rng = es.RandomState(0, name="rng")
+    before = rng.value
+    es.transform.vmap(lambda x: rng.seed(x))(jnp.arange(3))
+    after = jax.random.split(before)[0]
+    assert (jax.random.key_data(rng.value) == jax.random.key_data(after)).all()
+
+
 def test_a_zero_size_batch_maps_to_an_empty_result_like_jax_vmap():
     # The inferred size 0 is not checked as a user's `axis_size` (which stays > 0).
     xs = jnp.zeros((0, 3))

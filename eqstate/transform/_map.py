@@ -23,7 +23,7 @@ from ._common import (
 from ._discovery import Discovery
 from ._loops import _loop_length, _scan, _slice
 from ._trace import sub_jaxprs, Trace
-from ._vmap import written_alike
+from ._vmap import key_after_lanes, written_alike, written_per_lane
 
 
 compat.hide_from_tracebacks(__file__)
@@ -163,7 +163,7 @@ def _chunk_function(
             advanced.append(outer)
             keys.append(lane_keys)
         element = _element_function(traced, current, written, randoms)
-        ys, new_values, reseeded = jax.vmap(element, out_axes=(0, 0, None))(
+        ys, new_values, alike, per_lane = jax.vmap(element, out_axes=(0, 0, None, 0))(
             keys, chunk_xs
         )
         # The value the chunk's last element wrote, as in a sequential map.
@@ -171,7 +171,10 @@ def _chunk_function(
         for i, value in enumerate(last):
             weak.written(i, value)
         # A key every element wrote alike (a reseed) is kept, as in `vmap`.
-        advanced = [a if k is None else k for a, k in zip(advanced, reseeded)]
+        advanced = [
+            key_after_lanes(same, lanes, a, count)
+            for a, same, lanes in zip(advanced, alike, per_lane)
+        ]
         return strong([*last, *advanced]), ys
 
     return chunk
@@ -182,19 +185,21 @@ def _element_function(
     current: dict[State, Any],
     written: Sequence[State],
     randoms: Sequence[State],
-) -> Callable[[list, tuple], tuple[Any, list, list]]:
+) -> Callable[[list, tuple], tuple[Any, list, list, list]]:
     """One element of a chunk: `traced` evaluated with its own random keys, returning
-    its output, what it wrote to `written`, and the keys it wrote alike in every
-    element (see `written_alike`)."""
+    its output, what it wrote to `written`, and the keys it wrote to `randoms`: alike
+    in every element by construction, and those that may differ (see
+    `key_after_lanes`)."""
 
-    def element(element_keys: list, x: tuple) -> tuple[Any, list, list]:
+    def element(element_keys: list, x: tuple) -> tuple[Any, list, list, list]:
         here = dict(current)
         here.update(zip(randoms, element_keys))
         out, updates, _ = traced.evaluate(
             [here[s] for s in traced.states], show_static(x)
         )
-        reseeded = [written_alike(updates.get(s)) for s in randoms]
-        return hide_static(out), [updates[s] for s in written], reseeded
+        alike = [written_alike(updates.get(s)) for s in randoms]
+        per_lane = [written_per_lane(updates.get(s)) for s in randoms]
+        return hide_static(out), [updates[s] for s in written], alike, per_lane
 
     return element
 

@@ -474,18 +474,40 @@ def _lane_function(
             [updates[s] for s in roles.mapped_written],
             [updates[s] for s in roles.broadcast_written],
             [written_alike(updates.get(s)) for s in roles.randoms],
+            [written_per_lane(updates.get(s)) for s in roles.randoms],
         )
 
     return lane
 
 
 def written_alike(value: Any) -> Any:
-    """`value`, a random key written in a lane, if every lane wrote it alike (a
-    reseed), else `None`: keys advanced by draws from the lane's own key differ
-    across lanes, and the state then takes its outer successor instead."""
+    """`value`, a random key written in a lane, if it is the same in every lane by
+    construction (a reseed), else `None`."""
     if value is None or _differs_across_lanes(value):
         return None
     return value
+
+
+def written_per_lane(value: Any) -> Any:
+    """`value`, a random key written in a lane, if it may differ across lanes, else
+    `None`. Keys advanced by draws from the lane's own key differ; a reseed under a
+    batched predicate (`cond`, `while_loop`) is batched, yet equal in every lane."""
+    if value is None or not _differs_across_lanes(value):
+        return None
+    return value
+
+
+def key_after_lanes(alike: Any, per_lane: Any, outer_key: Any, size: int) -> Any:
+    """The value a random state split per lane takes after the lanes ran: the key
+    every lane wrote alike (`alike`, or the rows of `per_lane` if they are all
+    equal, which only a reseed makes), else `outer_key`, its outer successor. One
+    lane's key is its own, so `per_lane` is kept only from two lanes on."""
+    if alike is not None:
+        return alike
+    if per_lane is None or size < 2:
+        return outer_key
+    data = jax.random.key_data(per_lane)
+    return jax.lax.select(jnp.all(data == data[:1]), per_lane[0], outer_key)
 
 
 def _differs_across_lanes(value: Any) -> bool:
@@ -529,10 +551,16 @@ def _call_vmapped(
         _context.mapped_in_rules([*roles.mapped, *roles.randoms])
     size = _lane_count(axes, args, axis_size, _state_sizes(traced, mapped_axis))
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
-    out, new_mapped, new_broadcast, reseeded = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
+    out, new_mapped, new_broadcast, alike, per_lane = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
         _lane_function(traced, values, roles),
         in_axes=(list(roles.mapped.values()), 0, arrays_only(axes), eqx.if_array(0)),
-        out_axes=(arrays_only(out_axes), _out_state_axes(roles, out_pairs), None, None),
+        out_axes=(
+            arrays_only(out_axes),
+            _out_state_axes(roles, out_pairs),
+            None,
+            None,
+            0,
+        ),
         axis_name=axis_name,
         axis_size=size,
         spmd_axis_name=spmd_axis_name,
@@ -541,8 +569,8 @@ def _call_vmapped(
     for state, value in zip(roles.mapped_written, new_mapped):
         _check_same_shape(state, values[state], value)
         updates[state] = value
-    for state, outer_key, key in zip(roles.randoms, outer_keys, reseeded):
-        updates[state] = outer_key if key is None else key
+    for state, outer_key, same, keys in zip(roles.randoms, outer_keys, alike, per_lane):
+        updates[state] = key_after_lanes(same, keys, outer_key, size)
     traced.commit(updates)
     return out
 
