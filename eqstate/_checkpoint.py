@@ -13,11 +13,10 @@ import jax
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from ._checkpoint_checks import refuse_under_transforms
+from ._checkpoint_checks import refuse_under_transforms, values_to_save
 from ._checkpoint_file import read_array, read_checkpoint, write_checkpoint
 from ._checkpoint_match import check_entries, is_state_mapping, load_target
 from ._checkpoint_paths import state_paths, stored_leaves, values_from_arrays
-from ._context import to_value
 from ._multi_process import device_put, resolve_backend
 from ._state import State
 from ._state_dict import StateDict
@@ -87,13 +86,16 @@ def save(
 
     [`eqstate.CheckpointError`][] if a state is not in `model`, if states lack unique
     names when there is no `model`, if two arrays would get the same path, if a
-    value is a leaked tracer or an array that has been deleted (donated to a
-    jitted call), if the Orbax backend finds a file or a directory that is not an
-    Orbax checkpoint at `path`, if the file cannot be written (a read-only
-    directory, a full disk: the `OSError` is its cause), or if called inside a JAX
-    transform (`jit`, a loop body, `vmap`), which would write the file only once,
-    while tracing: save between calls of the compiled step. `TypeError` if
-    `states` is not a mapping of states. Nothing is written or removed then.
+    value is None or holds something JAX cannot make an array of (text, an
+    arbitrary object), if a value is a leaked tracer, an array that has been
+    deleted (donated to a jitted call) or a `float0` array (the gradient of an
+    integer, which holds no data), if the Orbax backend finds a file or a
+    directory that is not an Orbax checkpoint at `path`, if the file cannot be
+    written (a read-only directory, a full disk: the `OSError` is its cause), or if
+    called inside a JAX transform (`jit`, a loop body, `vmap`), which would write
+    the file only once, while tracing: save between calls of the compiled step.
+    `TypeError` if `states` is not a mapping of states. Nothing is written or
+    removed then.
 
     !!! Example
 
@@ -124,7 +126,7 @@ def save(
         from ._orbax import save_orbax
 
         return save_orbax(path, states, model=model)
-    values = {state: to_value(value) for state, value in states.items()}
+    values = values_to_save(states)
     write_checkpoint(
         path, stored_leaves(state_paths(tuple(values), model, "save"), values)
     )

@@ -1,15 +1,21 @@
 """Checks that both checkpoint backends make before they touch a file: that a checkpoint
-is saved or loaded outside JAX transforms, and that every array to save can be read."""
+is saved or loaded outside JAX transforms, that every value to save is made of arrays,
+and that every array to save can be read."""
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.tree_util as jtu
 from jax.core import Tracer
+from jaxtyping import PyTree
 
 from ._checkpoint_paths import Leaf
+from ._context import to_value
 from ._errors import CheckpointError
 from ._jax_compat import is_top_level
 from ._pretty_print import state_label
+from ._state import State
 
 
 _UNDER_TRANSFORM = (
@@ -48,9 +54,46 @@ def refuse_under_transforms(verb: str, fix: str) -> None:
         )
 
 
+def _first_non_array(value: PyTree) -> str:
+    for path, leaf in jtu.tree_leaves_with_path(value):
+        try:
+            to_value(leaf)
+        except TypeError:
+            text = repr(leaf)
+            text = text if len(text) <= 60 else text[:57] + "..."
+            where = f" at `{jtu.keystr(path)}`" if path else ""
+            return f"{text} (a {type(leaf).__name__}){where}"
+    return "a leaf that is not an array"
+
+
+def values_to_save(states: Mapping[State, PyTree]) -> dict[State, PyTree]:
+    """The values of `states` with every leaf a JAX array; `CheckpointError` naming
+    the state for a value that is None (the checkpoint would have no entry for it)
+    or that has a leaf JAX cannot make an array of (text, an arbitrary object)."""
+    values = {}
+    for state, value in states.items():
+        what = f"Cannot save {state_label(state)}: its value"
+        if value is None:
+            raise CheckpointError(
+                f"{what} is None, which holds no arrays, so the checkpoint would "
+                "have no entry for it and could not restore it. Nothing was written. "
+                "Pass the state's value, e.g. `eqstate.values_of(model)`, or leave "
+                "the state out of the mapping."
+            )
+        try:
+            values[state] = to_value(value)
+        except TypeError as e:
+            raise CheckpointError(
+                f"{what} holds {_first_non_array(value)}, which JAX cannot make an "
+                "array of. Nothing was written. A checkpoint stores arrays: pass the "
+                "state's value, e.g. `eqstate.values_of(model)`."
+            ) from e
+    return values
+
+
 def check_savable(spec: Leaf, leaf: Any) -> None:
-    """Raises `CheckpointError` if `leaf`, the array stored as `spec`, cannot be read:
-    a tracer, or an array that has been deleted."""
+    """Raises `CheckpointError` if `leaf`, the array stored as `spec`, cannot be
+    stored: a tracer, an array that has been deleted, or a `float0` array."""
     what = f"Cannot save `{spec.path}` ({state_label(spec.state)}): its value"
     if isinstance(leaf, Tracer):
         raise CheckpointError(
@@ -67,4 +110,12 @@ def check_savable(spec: Leaf, leaf: Any) -> None:
             "written. Save the states' current values, e.g. "
             "`eqstate.values_of(model)` taken after the call, or keep a copy "
             "(`jnp.copy(x)`) of values that must outlive a donating call."
+        )
+    if spec.dtype == jax.dtypes.float0:
+        raise CheckpointError(
+            f"{what} (shape {spec.shape}) has dtype float0, the dtype of the "
+            "gradient JAX gives for an integer value (`jax.grad(..., "
+            "allow_int=True)`): it holds no data, and a checkpoint cannot store it. "
+            "Nothing was written or removed. Leave the state out of the checkpoint "
+            "(e.g. save `eqstate.values_of(model)` rather than its gradients)."
         )

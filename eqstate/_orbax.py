@@ -31,10 +31,13 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from ._checkpoint_checks import check_savable, refuse_under_transforms
+from ._checkpoint_checks import (
+    check_savable,
+    refuse_under_transforms,
+    values_to_save,
+)
 from ._checkpoint_match import check_entries, load_target
 from ._checkpoint_paths import Leaf, state_paths, stored_leaves, values_from_arrays
-from ._context import to_value
 from ._errors import CheckpointError
 from ._multi_process import device_put
 from ._pretty_print import first_and_more, state_label
@@ -163,10 +166,10 @@ def _save_args(
     ocp: Any, states: Mapping[State, PyTree], model: PyTree | None
 ) -> tuple[Any, list[dict[str, Any]]]:
     """Orbax's save arguments for `states`, and the eqstate entries they describe."""
-    values = {state: to_value(value) for state, value in states.items()}
+    values = values_to_save(states)
     leaves = stored_leaves(state_paths(tuple(values), model, "save"), values)
-    _refuse_what_orbax_cannot_save(leaves)
     arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
+    _refuse_what_orbax_cannot_save(leaves)
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
     for (spec, _), array, checksum in zip(leaves, arrays, checksums(arrays)):

@@ -15,6 +15,7 @@ import eqstate as es
 import eqstate.nn as enn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
@@ -477,6 +478,39 @@ def save_deleted_array():
     stale[w].delete()
     path = os.path.join(tempfile.mkdtemp(), "model.eqstate")
     return lambda: es.save(path, stale), [w]
+
+
+@case(
+    "saving None as a state's value",
+    es.CheckpointError,
+    "Cannot save ParamState 'w': its value is None",
+)
+def save_none_value():
+    w = _w()
+    path = _checkpoint_of({"w": w}, lambda p: None)
+    return lambda: es.save(path, {w: None}), [w]
+
+
+@case(
+    "saving text as a state's value",
+    es.CheckpointError,
+    r"ParamState 'w': its value holds 'hello' \(a str\)",
+)
+def save_text_value():
+    w = _w()
+    path = _checkpoint_of({"w": w}, lambda p: None)
+    return lambda: es.save(path, {w: "hello"}), [w]
+
+
+@case(
+    "saving a `float0` array (the gradient of an integer)",
+    es.CheckpointError,
+    r"`g` \(State 'g'\): .*dtype float0",
+)
+def save_float0():
+    g = es.State(np.zeros(2, jax.dtypes.float0), name="g")
+    path = os.path.join(tempfile.mkdtemp(), "model.eqstate")
+    return lambda: es.save(path, es.values_of(g)), [g]
 
 
 @case("an unknown checkpoint backend", ValueError, "Unknown checkpoint backend")

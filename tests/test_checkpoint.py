@@ -1348,3 +1348,54 @@ def test_orbax_save_replaces_an_earlier_checkpoint_or_fills_an_empty_directory(
     w.value = jnp.ones(3)
     es.save(path, es.values_of(w), backend="orbax")
     assert (es.load(path, es.values_of(w))[w] == 1).all()
+
+
+_BACKENDS = ("single-file", "orbax")
+
+
+def _good_checkpoint(path: pathlib.Path, backend: str):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    c = es.ShortTermState(jnp.array(7), name="c")
+    es.save(path, es.values_of([w, c]), backend=backend)
+    return w, c
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize(
+    "value, match",
+    (
+        (None, "its value is None"),
+        ("hello", r"its value holds 'hello' \(a str\), which JAX cannot"),
+        ({"a": object()}, r"its value holds <object .* at `\['a'\]`, which JAX"),
+    ),
+    ids=("None", "text", "object"),
+)
+def test_save_refuses_a_value_without_arrays_naming_the_state(
+    tmp_path, backend, value, match
+):
+    path = tmp_path / "ckpt"
+    w, c = _good_checkpoint(path, backend)
+    before = _files(path)
+    with pytest.raises(
+        es.CheckpointError,
+        match=rf"(?s)Cannot save ParamState 'w': {match}.*Nothing was written",
+    ):
+        es.save(path, {w: value, c: jnp.array(8)}, backend=backend)
+    assert _files(path) == before and os.listdir(tmp_path) == ["ckpt"]
+    assert (es.load(path, es.values_of([w, c]))[w] == jnp.arange(3.0)).all()
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+def test_save_refuses_a_float0_array_before_writing(tmp_path, backend):
+    # A float0 array is what `jax.grad(..., allow_int=True)` gives for an int leaf:
+    # the single-file backend wrote it, and its own `load` refused the file.
+    path = tmp_path / "ckpt"
+    w, c = _good_checkpoint(path, backend)
+    g = es.State(np.zeros((2,), jax.dtypes.float0), name="g")
+    before = _files(path)
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"(?s)Cannot save `g` \(State 'g'\): .*dtype float0.*Nothing was written",
+    ):
+        es.save(path, es.values_of([w, c, g]), backend=backend)
+    assert _files(path) == before and os.listdir(tmp_path) == ["ckpt"]
