@@ -55,7 +55,8 @@ def save(
     Without `model`, it is the state's `name`. A value with several arrays stores one
     entry per array, its path extended by the array's place in the value:
     `opt.mu.0`. Every dtype round-trips bit for bit, including `bfloat16`, integers,
-    booleans and typed PRNG keys.
+    booleans and typed PRNG keys. A value with no arrays (`{}`) has no entries and
+    loads back as it was; so does an empty `StateDict`.
 
     The write is atomic: the file is written next to `path` under a temporary name,
     flushed to disk and renamed onto `path`. If anything fails, the temporary file is

@@ -6,7 +6,8 @@ writes, with two items:
 - `state`: a flat dict `{path: array}` saved by Orbax's `PyTreeCheckpointHandler`,
     where `path` is the readable state path of the single-file format
     (`layers.0.bn.running_mean`). PRNG keys are stored as their key data. Plain Orbax
-    restores it without eqstate.
+    restores it without eqstate. A checkpoint of no arrays (no states, or values
+    such as `{}`) has no `state` item: Orbax cannot save an empty PyTree.
 - `eqstate`: JSON `{"format": "eqstate-orbax", "version": 1, "entries": [...]}`, one
     entry per array as in the single-file header (`path`, `dtype`, `shape`,
     `weak_type`, `key_impl` for keys) plus `checksum`: a 32-bit checksum of the array's bytes, computed on
@@ -189,13 +190,13 @@ def _save_args(
             array = np.asarray(array)
         tree[spec.path] = array
     meta = {"format": _FORMAT, "version": _VERSION, "entries": entries}
-    args = ocp.args.Composite(
-        **{
-            _STATE_ITEM: ocp.args.PyTreeSave(tree),
-            _META_ITEM: ocp.args.JsonSave(meta),
-        }
-    )
-    return args, entries
+    items = {_META_ITEM: ocp.args.JsonSave(meta)}
+    if tree:
+        # Orbax refuses an empty PyTree only once it has removed the checkpoint it
+        # replaces: a checkpoint of no arrays (no states, or values such as `{}`)
+        # has no `state` item.
+        items[_STATE_ITEM] = ocp.args.PyTreeSave(tree)
+    return ocp.args.Composite(**items), entries
 
 
 def _bits(dtype: np.dtype) -> int:
@@ -367,6 +368,8 @@ def restore_with(
         meta = {_META_ITEM: None}  # not an eqstate checkpoint: refused just below
     entries = _check_meta(where, meta[_META_ITEM])
     by_path = check_entries(where, target, [spec for spec, _ in specs], entries)
+    if not specs:  # Nothing to read: a checkpoint of no arrays has no `state` item.
+        return values_from_arrays(expected, [], [], by_path)
     args = ocp.args.PyTreeRestore(restore_args=_restore_args(ocp, specs))
     try:
         stored = restore(ocp.args.Composite(**{_STATE_ITEM: args}))[_STATE_ITEM]

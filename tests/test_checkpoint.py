@@ -1353,6 +1353,38 @@ def test_orbax_save_replaces_an_earlier_checkpoint_or_fills_an_empty_directory(
 _BACKENDS = ("single-file", "orbax")
 
 
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("what", ("no states", "a state holding {}"))
+def test_a_checkpoint_of_no_arrays_replaces_a_good_one_and_loads(
+    tmp_path, backend, what
+):
+    # Orbax refused an empty PyTree only after removing the checkpoint it replaced.
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    empty = es.ShortTermState({}, name="empty")
+    states = es.StateDict() if what == "no states" else es.values_of(empty)
+    path = tmp_path / "ckpt"
+    es.save(path, es.values_of(w), backend=backend)
+    es.save(path, states, backend=backend)
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert dict(es.load(path, states, backend=backend)) == dict(states)
+    with pytest.raises(es.CheckpointError, match="`w`"):
+        es.load(path, es.values_of(w), backend=backend)
+
+
+def test_checkpoint_manager_saves_and_loads_a_checkpoint_of_no_arrays(tmp_path):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    empty = es.ShortTermState({}, name="empty")
+    with es.CheckpointManager(tmp_path, async_save=False) as manager:
+        manager.save(1, es.values_of(w))
+        manager.save(2, es.StateDict())
+        manager.save(3, es.values_of(empty))
+        assert manager.steps() == (1, 2, 3)
+        assert sorted(os.listdir(tmp_path)) == ["1", "2", "3"]
+        assert dict(manager.load(es.StateDict(), step=2)) == {}
+        assert dict(manager.load(es.values_of(empty))) == {empty: {}}
+        assert (manager.load(es.values_of(w), step=1)[w] == jnp.arange(3.0)).all()
+
+
 def _good_checkpoint(path: pathlib.Path, backend: str):
     w = es.ParamState(jnp.arange(3.0), name="w")
     c = es.ShortTermState(jnp.array(7), name="c")
