@@ -228,32 +228,56 @@ def _refuse_what_orbax_cannot_save(leaves: list[tuple[Leaf, Any]]) -> None:
 
 
 _NOT_A_CHECKPOINT = (
-    "Cannot save an Orbax checkpoint to {path!r}: it is {what}, not an Orbax "
-    "checkpoint. Orbax replaces what is at the path whole, so saving would delete "
-    "it. Nothing was written or removed. Save to a new path{fix}."
+    "Cannot save {checkpoint} to {path!r}: it is {what}, not an Orbax checkpoint. "
+    "Orbax replaces what is at the path whole, so saving would delete it. Nothing "
+    "was written or removed. {fix}."
 )
-_FILE_FIX = ", or with `backend='single-file'` to replace a single-file checkpoint"
+_FILE_FIX = (
+    "Save to a new path, or with `backend='single-file'` to replace a single-file "
+    "checkpoint"
+)
 _DIRECTORY_FIX = (
-    ", e.g. a subdirectory `os.path.join(path, 'checkpoint')`, or keep a series of "
-    "checkpoints in the directory with `eqstate.CheckpointManager(path)`"
+    "Save to a new path, e.g. a subdirectory `os.path.join(path, 'checkpoint')`, or "
+    "keep a series of checkpoints in the directory with "
+    "`eqstate.CheckpointManager(path)`"
 )
+# Orbax writes this file into every checkpoint it commits.
+_CHECKPOINT_FILE = "_CHECKPOINT_METADATA"
 
 
-def _refuse_to_replace(path: str) -> None:
+def _refuse_to_replace(
+    path: str,
+    checkpoint: str = "an Orbax checkpoint",
+    fixes: tuple[str, str] = (_FILE_FIX, _DIRECTORY_FIX),
+) -> None:
     """Raises `CheckpointError` if `path` holds something that is not an Orbax
-    checkpoint (or an empty directory), which Orbax would remove before writing."""
+    checkpoint (or an empty directory), which Orbax would remove before writing.
+
+    **Arguments:**
+
+    - `path`: where Orbax is about to write.
+    - `checkpoint`: what is being saved, for the message.
+    - `fixes`: what to do instead when `path` is a file, and when it is a directory.
+    """
     if not os.path.lexists(path):
         return
     if not os.path.isdir(path):
+        what = "a file" if os.path.exists(path) else "a broken symlink"
         raise CheckpointError(
-            _NOT_A_CHECKPOINT.format(path=path, what="a file", fix=_FILE_FIX)
+            _NOT_A_CHECKPOINT.format(
+                checkpoint=checkpoint, path=path, what=what, fix=fixes[0]
+            )
         )
     held = sorted(os.listdir(path))
-    if held and not os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")):
+    if held and not os.path.isfile(os.path.join(path, _CHECKPOINT_FILE)):
         shown = first_and_more(repr(name) for name in held)
-        what = f"a directory holding {shown}"
         raise CheckpointError(
-            _NOT_A_CHECKPOINT.format(path=path, what=what, fix=_DIRECTORY_FIX)
+            _NOT_A_CHECKPOINT.format(
+                checkpoint=checkpoint,
+                path=path,
+                what=f"a directory holding {shown}",
+                fix=fixes[1],
+            )
         )
 
 
@@ -463,6 +487,37 @@ def _finish_saves_at_exit() -> None:
         register(_finish_saves)
 
 
+_STEP_FIX = (
+    "Move it out of {directory!r}, whose entries named by numbers are checkpoints, "
+    "or save another step"
+)
+
+
+class _CheckpointsOnly:
+    """An Orbax `NameFormat` that lists as steps only the directories that are Orbax
+    checkpoints: a user's directory `1/` or file `5` in the manager's directory is no
+    step, so the manager neither loads it nor deletes it under `max_to_keep`."""
+
+    def __init__(self, name_format: Any):
+        self._name_format = name_format
+
+    def build_name(self, step: int) -> str:
+        return self._name_format.build_name(step)
+
+    def find_all(self, base_path: Any) -> Any:
+        return (
+            metadata
+            for metadata in self._name_format.find_all(base_path)
+            if (metadata.path / _CHECKPOINT_FILE).is_file()
+        )
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        metadata = self._name_format.find_step(base_path, step)
+        if not (metadata.path / _CHECKPOINT_FILE).is_file():
+            raise ValueError(f"{metadata.path} is not a checkpoint.")
+        return metadata
+
+
 class CheckpointManager:
     """A directory of numbered checkpoints of a training run, written with Orbax: it
     keeps the last few, saves in the background while training goes on, and finds
@@ -514,8 +569,10 @@ class CheckpointManager:
         """**Arguments:**
 
         - `directory`: where the checkpoints go, one subdirectory per step. It is
-            created if missing. With several processes, every process must see it
-            (a shared file system, or a bucket Orbax can write).
+            created if missing. Only subdirectories that are checkpoints count as
+            steps: others, even named by a number, are neither loaded nor deleted.
+            With several processes, every process must see it (a shared file
+            system, or a bucket Orbax can write).
         - `max_to_keep`: keep only the last this many checkpoints, deleting older
             ones after each save; `None` keeps all. (Keyword only argument.)
         - `async_save`: save in the background: `save` returns once the values are
@@ -525,6 +582,10 @@ class CheckpointManager:
             3.11; from Python 3.12 on, Python refuses the thread Orbax then needs,
             so the last save may be lost, and eqstate says so on stderr. (Keyword
             only argument.)
+
+        **Raises:**
+
+        [`eqstate.CheckpointError`][] if `directory` is a file.
         """
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(
@@ -534,12 +595,22 @@ class CheckpointManager:
         ocp = orbax("`eqstate.CheckpointManager`")
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+            what = "a file" if os.path.exists(self.directory) else "a broken symlink"
+            raise CheckpointError(
+                f"Cannot keep checkpoints in {self.directory!r}: it is {what}, not a "
+                "directory. Pass the path of a directory, which is created if "
+                "missing; a single checkpoint file is written with "
+                "`eqstate.save(path, states)`."
+            )
+        self._name_format = _CheckpointsOnly(ocp.step.standard_name_format())
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
             # What a crash mid-save left behind is never a checkpoint: remove it.
             cleanup_tmp_directories=True,
+            step_name_format=self._name_format,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._async = async_save
@@ -565,8 +636,10 @@ class CheckpointManager:
         **Raises:**
 
         [`eqstate.CheckpointError`][] as [`eqstate.save`][] does (inside a JAX
-        transform too), or if `step` is not a non-negative integer higher than the
-        latest step saved.
+        transform too), if `step` is not a non-negative integer higher than the
+        latest step saved, or if the directory holds a file, or a directory that
+        is not a checkpoint, under the name of `step` (saving would delete it).
+        Nothing is written or removed then.
         """
         refuse_under_transforms(
             "save",
@@ -580,6 +653,12 @@ class CheckpointManager:
                 f"holds step {latest}, and steps must increase. Pass the training "
                 "step, or resume from the latest checkpoint with `load` first."
             )
+        fix = _STEP_FIX.format(directory=self.directory)
+        _refuse_to_replace(
+            os.path.join(self.directory, self._name_format.build_name(step)),
+            f"checkpoint {step}",
+            (fix, fix),
+        )
         args, _ = _save_args(self._ocp, states, model)
         if self._async:
             _LIVE_MANAGERS.add(self)

@@ -583,6 +583,31 @@ def manager_step_not_integer():
 
 
 @case(
+    "a checkpoint step whose path holds a user's file",
+    es.CheckpointError,
+    "Cannot save checkpoint 5 to .*: it is a file, not an Orbax checkpoint",
+)
+def manager_step_is_a_file():
+    w = _w()
+    directory = tempfile.mkdtemp()
+    pathlib.Path(directory, "5").write_text("precious")
+    manager = es.CheckpointManager(directory, async_save=False)
+    return lambda: manager.save(5, es.values_of(w)), [w]
+
+
+@case(
+    "a checkpoint directory that is a file",
+    es.CheckpointError,
+    "Cannot keep checkpoints in .*: it is a file",
+)
+def manager_on_a_file():
+    w = _w()
+    path = os.path.join(tempfile.mkdtemp(), "run")
+    pathlib.Path(path).write_text("precious")
+    return lambda: es.CheckpointManager(path), [w]
+
+
+@case(
     "a state split over a mesh axis that does not divide it",
     ValueError,
     "must be a multiple",

@@ -1431,3 +1431,73 @@ def test_save_refuses_a_float0_array_before_writing(tmp_path, backend):
     ):
         es.save(path, es.values_of([w, c, g]), backend=backend)
     assert _files(path) == before and os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize(
+    "make, what",
+    (
+        (lambda p: p.write_text("user data"), "a file"),
+        (lambda p: _run_directory(p), r"a directory holding 'logs', 'notes\.txt'"),
+    ),
+    ids=("file", "directory"),
+)
+def test_checkpoint_manager_refuses_to_save_over_what_is_not_a_checkpoint(
+    tmp_path, make, what
+):
+    make(tmp_path / "5")
+    before = _files(tmp_path)
+    w = es.ParamState(jnp.zeros(3), name="w")
+    with es.CheckpointManager(tmp_path, async_save=False) as manager:
+        assert manager.steps() == ()
+        with pytest.raises(
+            es.CheckpointError,
+            match=rf"(?s)Cannot save checkpoint 5 to .*/5': it is {what}, not an "
+            "Orbax checkpoint.*Nothing was written or removed.*Move it out of",
+        ):
+            manager.save(5, es.values_of(w))
+        assert _files(tmp_path) == before
+        manager.save(6, es.values_of(w))
+        assert manager.steps() == (6,)
+
+
+@pytest.mark.parametrize("async_save", (False, True))
+def test_checkpoint_manager_ignores_directories_that_are_not_checkpoints(
+    tmp_path, async_save
+):
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "notes.txt").write_text("precious")
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "notes.txt").write_text("precious")
+    w = es.ParamState(jnp.zeros(3), name="w")
+    with es.CheckpointManager(
+        tmp_path, max_to_keep=1, async_save=async_save
+    ) as manager:
+        assert manager.steps() == () and manager.latest_step() is None
+        with pytest.raises(es.CheckpointError, match="No checkpoint in"):
+            manager.load(es.values_of(w))
+        with pytest.raises(
+            es.CheckpointError, match=r"No checkpoint 1 in .*steps \[\]"
+        ):
+            manager.load(es.values_of(w), step=1)
+        manager.save(2, es.values_of(w))
+        manager.save(3, es.values_of(w))
+        manager.wait_until_finished()
+        assert manager.steps() == (3,)
+    assert (tmp_path / "1" / "notes.txt").read_text() == "precious"
+    assert sorted(os.listdir(tmp_path)) == ["1", "3", "7"]
+    with es.CheckpointManager(tmp_path) as manager:
+        assert manager.steps() == (3,)
+
+
+@pytest.mark.parametrize("kind", ("file", "dangling symlink"))
+def test_checkpoint_manager_refuses_a_path_that_is_not_a_directory(tmp_path, kind):
+    path = tmp_path / "run"
+    if kind == "file":
+        path.write_text("user data")
+    else:
+        path.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(
+        es.CheckpointError, match=r"Cannot keep checkpoints in .*/run': it is a"
+    ):
+        es.CheckpointManager(path, async_save=False)
+    assert sorted(os.listdir(tmp_path)) == ["run"]
