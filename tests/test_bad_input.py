@@ -1312,7 +1312,7 @@ def map_float_batch_size():
 @case(
     "a batched `map` whose elements depend on each other through a state",
     ValueError,
-    "State 'count' carries a value from one element to the next",
+    "State 'count' may carry a value from one element to the next",
 )
 def map_batched_carried_state():
     count = es.State(jnp.array(0), name="count")

@@ -364,3 +364,14 @@ def test_a_zero_size_batch_maps_to_an_empty_result_like_jax_vmap():
     assert es.transform.vmap(lambda x: x * s.value, in_states=s)(xs).shape == (0, 3)
     noisy = es.transform.jit(es.transform.vmap(lambda x: x * es.random.normal()))
     assert noisy(xs).shape == (0, 3)
+
+
+def test_inconsistent_sizes_name_what_was_given_and_every_leaf_of_a_state():
+    q = es.State(jnp.ones(5), name="q")
+    with pytest.raises(ValueError, match="sizes") as info:
+        es.transform.vmap(lambda x: x * q.value.sum(), in_states=q)(jnp.ones(3))
+    # The size taken from the argument is not presented as an `axis_size`.
+    assert "axis_size" not in str(info.value) and "argument 0: 3" in str(info.value)
+    u = es.State({"a": jnp.zeros(3), "b": jnp.zeros(4)}, name="u")
+    with pytest.raises(ValueError, match=r"State 'u'.*\['a'\]: 3.*\['b'\]: 4"):
+        es.transform.vmap(lambda: u.value["a"], in_states={0: u})()

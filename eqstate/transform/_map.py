@@ -38,10 +38,11 @@ _MAP = (
 
 _CARRIED_OVER = (
     "`map` with `batch_size` runs the elements of a chunk at once, so an element "
-    "cannot see what the element before it wrote; but {label} carries a value from "
-    "one element to the next (the function uses its value from before the call to "
-    "compute what it returns or writes). Map sequentially (`batch_size=None`), or "
-    "use `eqstate.transform.for_loop`."
+    "cannot see what the element before it wrote; but {label} may carry a value "
+    "from one element to the next: the function uses its value from before the "
+    "call to compute what it returns or writes, or eqstate cannot tell that it does "
+    "not (the state passes through a nested loop, which eqstate assumes uses it). "
+    "Map sequentially (`batch_size=None`), or use `eqstate.transform.for_loop`."
 )
 
 

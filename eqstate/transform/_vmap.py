@@ -311,13 +311,13 @@ def vmap(
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         axes = per_argument_axes(in_axes, len(args))
         traces_of_size = ft.partial(traces_of, axes=axes)
-        traced, size = _discover_lane(
+        traced = _discover_lane(
             fun, traces_of_size, args, kwargs, axes, mapped_axis,
             axis_size=axis_size, axis_name=axis_name,
         )  # fmt: skip
         return _call_vmapped(
             traced, args, kwargs, axes, mapped_axis, out_pairs,
-            out_axes=out_axes, axis_name=axis_name, axis_size=size,
+            out_axes=out_axes, axis_name=axis_name, axis_size=axis_size,
             spmd_axis_name=spmd_axis_name,
         )  # fmt: skip
 
@@ -364,10 +364,9 @@ def _discover_lane(
     *,
     axis_size: int | None,
     axis_name: Hashable | None,
-) -> tuple[Discovery, int | None]:
+) -> Discovery:
     """`fun` traced on one lane of its arguments and mapped states, to find the
-    states it uses; with the axis size known so far (`None` if only states are
-    mapped and there is no `axis_name`)."""
+    states it uses."""
     frame = _context.current_frame()
     # None if only states are mapped: their values give the size. Computed first,
     # as it checks that every mapped argument has its mapped axis.
@@ -391,7 +390,7 @@ def _discover_lane(
         size = _lane_count(axes, args, None, _state_sizes(first, mapped_axis))
     traced = discover(size)
     traced.refuse_new_states("`vmap` (use `vmap_new_states` to create states)")
-    return traced, size
+    return traced
 
 
 def _lane_args(tree: Any, axis: Any) -> Any:
@@ -587,11 +586,15 @@ def _lane_count(
 
 
 def _state_sizes(traced: Discovery, mapped_axis: Callable) -> dict[str, int]:
+    """The length of the mapped axis of every leaf of the mapped states, by state
+    and path in its value."""
     sizes = {}
     for state, value in zip(traced.states, traced.values):
         axis = mapped_axis(state)
         if axis is not None:
-            sizes[state_label(state, value)] = jtu.tree_leaves(value)[0].shape[axis]
+            label = state_label(state, value)
+            for path, leaf in jtu.tree_leaves_with_path(value):
+                sizes[f"{label}{jtu.keystr(path)}"] = jnp.shape(leaf)[axis]
     return sizes
 
 
