@@ -375,3 +375,18 @@ def test_inconsistent_sizes_name_what_was_given_and_every_leaf_of_a_state():
     u = es.State({"a": jnp.zeros(3), "b": jnp.zeros(4)}, name="u")
     with pytest.raises(ValueError, match=r"State 'u'.*\['a'\]: 3.*\['b'\]: 4"):
         es.transform.vmap(lambda: u.value["a"], in_states={0: u})()
+
+
+def test_a_shared_state_written_under_a_batched_predicate_is_refused_saying_why():
+    # Both branches write 5, but the predicate is batched, so the value is too: the
+    # error says so rather than that the lanes differ.
+    c = es.State(jnp.array(0), name="c")
+
+    def h(x):
+        write = lambda: setattr(c, "value", jnp.array(5))  # noqa: E731
+        es.transform.cond(x > 0, write, write)
+        return x
+
+    with pytest.raises(es.BatchAxisError, match=r"State 'c'.*batched.*predicate"):
+        es.transform.vmap(h)(jnp.arange(3.0))
+    assert c.value == 0

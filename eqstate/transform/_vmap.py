@@ -28,11 +28,13 @@ compat.hide_from_tracebacks(__file__)
 
 
 _UNDECLARED_BATCHED_WRITE = (
-    "{label} is written inside `vmap` with a value that differs across the mapped "
-    "axis, but it is not declared in `in_states`, so it holds one value for every "
-    "lane and a batched write cannot be stored without losing lanes. Declare it to "
-    "give it a batch axis (its value must then have one): `vmap(f, in_states={{0: "
-    "state}})`, or write a value that does not depend on the mapped arguments."
+    "{label} is written inside `vmap` with a batched value, one that may differ "
+    "across the mapped axis (it depends on a mapped argument or state, or is chosen "
+    "by a `cond` or `while_loop` whose predicate does), but it is not declared in "
+    "`in_states`, so it holds one value for every lane and a batched write cannot "
+    "be stored without losing lanes. Declare it to give it a batch axis (its value "
+    "must then have one): `vmap(f, in_states={{0: state}})`, or write a value that "
+    "does not depend on the mapped arguments."
 )
 
 _NOTHING_MAPPED = (
