@@ -99,8 +99,15 @@ def _as_arrays(values: list) -> list:
     def as_array(x: Any) -> Any:
         if isinstance(x, jax.Array):
             return x
-        array = jnp.asarray(x, dtype=getattr(x, "dtype", None))
-        weak = isinstance(x, (int, float, complex)) and not isinstance(x, bool)
-        return compat.weakly_typed(array) if weak else array
+        # A Python number as the builtin one: weakly typed, as JAX types those.
+        if isinstance(x, bool):
+            return jnp.asarray(bool(x))
+        if isinstance(x, int):
+            return jnp.asarray(int(x))
+        if isinstance(x, float):
+            return jnp.asarray(float(x))
+        if isinstance(x, complex):
+            return jnp.asarray(complex(x))
+        return jnp.asarray(x)
 
     return jax.tree_util.tree_map(as_array, values)
