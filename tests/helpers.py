@@ -90,3 +90,22 @@ def run_in_threads(*works: Callable[[], object]) -> list[BaseException]:
     for t in threads:
         t.join()
     return errors
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = [0]
+
+
+def _count_compiles(event: str, duration: float, **kwargs) -> None:
+    if event == _COMPILE_EVENT:
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compilations(fn: Callable[[], object]) -> int:
+    """How many XLA programs `fn()` compiles (on any thread meanwhile)."""
+    before = _compiles[0]
+    jax.block_until_ready(fn())
+    return _compiles[0] - before

@@ -18,6 +18,7 @@ from .._state import State
 from ._common import hide_static, show_static, strong, WeakCarry
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
+from ._staged import staged
 
 
 compat.hide_from_tracebacks(__file__)
@@ -102,11 +103,13 @@ def switch(
 
         return branch
 
-    out, new_values = jax.lax.switch(
+    out, new_values = staged(
+        lambda index, entry, operands: jax.lax.switch(
+            index, [make_branch(t) for t in traced], entry, *operands
+        ),
         index,
-        [make_branch(t) for t in traced],
         strong(entry),
-        *hide_static(operands),
+        hide_static(operands),
     )
     traced[0].commit(dict(zip(written, weak.restored(new_values))))
     return show_static(out)

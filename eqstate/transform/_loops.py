@@ -27,6 +27,7 @@ from ._conditions import cond
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
 from ._progress_bar import ProgressBar
+from ._staged import staged
 
 
 compat.hide_from_tracebacks(__file__)
@@ -269,8 +270,10 @@ def _scan(
         new_carry, y = hide_static(new_carry), hide_static(y)
         return (new_carry, carried.carry_out(updates, state_values)), y
 
-    (final, state_values), ys = loop(
-        step, (init, carried.initial()), xs, n, reverse, unroll, pbar
+    (final, state_values), ys = staged(
+        lambda carry, xs: loop(step, carry, xs, n, reverse, unroll, pbar),
+        (init, carried.initial()),
+        xs,
     )
     traced.commit(carried.final(state_values))
     return show_static(final), show_static(ys)
@@ -391,8 +394,9 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
         )
         return hide_static(out), carried.carry_out(updates, state_values)
 
-    final, state_values = jax.lax.while_loop(
-        loop_cond, loop_body, (hidden, carried.initial())
+    final, state_values = staged(
+        lambda carry: jax.lax.while_loop(loop_cond, loop_body, carry),
+        (hidden, carried.initial()),
     )
     traced_body.commit(carried.final(state_values))
     return show_static(final)

@@ -22,6 +22,7 @@ from ._common import (
 )
 from ._discovery import Discovery
 from ._loops import _loop_length, _scan, _slice
+from ._staged import staged
 from ._trace import sub_jaxprs, Trace
 from ._vmap import key_after_lanes, written_alike, written_per_lane
 
@@ -137,7 +138,9 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     entry = [values[s] for s in carried]
     weak = WeakCarry(entry)
     chunk = _chunk_function(traced, values, written, randoms, weak)
-    state_values, ys = _scan_chunks(chunk, strong(entry), xs, n, size)
+    state_values, ys = staged(
+        lambda entry, xs: _scan_chunks(chunk, entry, xs, n, size), strong(entry), xs
+    )
     traced.commit(dict(zip(carried, weak.restored(state_values))))
     return show_static(ys)
 

@@ -21,6 +21,7 @@ from ._common import hide_static, show_static
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._function_traces import FunctionTraces
+from ._staged import staged
 from ._view import View
 from ._vmap import placeholder
 
@@ -214,13 +215,14 @@ def _call_sharded(
     states, written = traced.states, traced.written
     state_spec = {s: spec_of(s, v) for s, v in zip(states, traced.values)}
     values = _placed(traced.values, [state_spec[s] for s in states], mesh)
-    out, new_values = jax.shard_map(
+    sharded = jax.shard_map(
         _per_device_body(fun, states, written, state_spec, check_vma),
         mesh=mesh,
         in_specs=([state_spec[s] for s in states], *specs),
         out_specs=(out_specs, [state_spec[s] for s in written]),
         check_vma=check_vma,
-    )(values, *args)
+    )
+    out, new_values = staged(lambda values, args: sharded(values, *args), values, args)
     traced.commit(dict(zip(written, new_values)))
     return show_static(out)
 

@@ -1,0 +1,175 @@
+"""Top-level calls of the loops, the conditionals and `shard_map`, compiled once per
+program.
+
+Called eagerly, `jax.lax.scan` (like `cond` and the other loops) compiles its body on
+each call unless it is the very same Python function as before, and then JAX reuses
+the first trace, with the globals it read then; eager `jax.shard_map` compiles on
+every call. eqstate reruns a function's Python on every top-level call, so that a
+changed global is seen, and the loop it builds is a new function each time. `staged`
+keeps that freshness without recompiling: it traces the whole call to a jaxpr, and
+calls a compiled function kept for jaxprs of the same *structure* (`jaxpr_key`),
+with the jaxpr's constants (arrays closed over, the states' values) passed as
+arguments.
+
+Two jaxprs with one key compute the same function of their inputs and constants:
+the key holds every equation's primitive, the wiring of its variables, their types,
+its literal values and its parameters. A parameter that is not a jaxpr or a plain
+value (a number, a string, a dtype, an enum, a sharding, a tuple of those) counts by
+identity (e.g. the function of a `jax.pure_callback`), so that an unknown object can
+only make a key differ. The key leaves out the differentiation rules of
+`jax.custom_jvp` and `jax.custom_vjp` functions: the compiled function only
+evaluates, and at top level nothing differentiates it. A jaxpr with effects
+(`jax.debug.print`, `io_callback`) is evaluated as JAX would, compiling each call.
+"""
+
+import enum
+import functools as ft
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import jax.tree_util as jtu
+import numpy as np
+from jax.core import ShapedArray
+
+from .. import _jax_compat as compat
+from ._eager import jit_disabled
+
+
+compat.hide_from_tracebacks(__file__)
+
+
+# Compiled functions kept, the least recently used forgotten first.
+PROGRAMS_KEPT = 64
+_programs: OrderedDict[tuple, Callable] = OrderedDict()
+# The objects whose identities the kept keys hold, kept alive with them so that no id
+# is reused while its key is.
+_held: dict[tuple, list] = {}
+_lock = threading.Lock()
+
+# The primitives of `jax.custom_jvp` / `jax.custom_vjp` calls: their parameters that
+# are neither jaxprs nor plain values are the differentiation rules (functions,
+# thunks), which do not change what evaluating the call computes.
+_CUSTOM_CALLS = frozenset(
+    {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+)
+_PLAIN = (bool, int, str, bytes, type(None), np.dtype, enum.Enum)
+
+
+def staged(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`, for a function of arrays (PyTrees of them) that JAX can trace:
+    at top level compiled once per jaxpr structure (see the module documentation),
+    elsewhere called as it is."""
+    if not compat.is_top_level() or jit_disabled():
+        return fn(*args)
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    leaves = jtu.tree_leaves(args)
+    if closed.effects:
+        out = jex_core.jaxpr_as_fun(closed)(*leaves)
+    else:
+        out = _compiled(closed.jaxpr)(closed.consts, leaves)
+    return jtu.tree_unflatten(jtu.tree_structure(shapes), out)
+
+
+def _compiled(jaxpr: jex_core.Jaxpr) -> Callable:
+    """The compiled function for jaxprs with the structure of `jaxpr`."""
+    held: list = []
+    key = jaxpr_key(jaxpr, held)
+    with _lock:
+        fn = _programs.get(key)
+        if fn is not None:
+            _programs.move_to_end(key)
+            return fn
+        if len(_programs) >= PROGRAMS_KEPT:
+            old, _ = _programs.popitem(last=False)
+            _held.pop(old, None)
+        fn = _programs[key] = jax.jit(ft.partial(_evaluate, jaxpr))
+        _held[key] = held
+    return fn
+
+
+def _evaluate(jaxpr: jex_core.Jaxpr, consts: list, leaves: list) -> list:
+    return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, consts))(*leaves)
+
+
+def jaxpr_key(jaxpr: jex_core.Jaxpr, held: list) -> tuple:
+    """A hashable key equal for two jaxprs only if they compute the same function of
+    their constants and inputs; objects counted by identity are added to `held`."""
+    numbers: dict[Any, int] = {}
+
+    def bound(var: Any) -> Any:
+        numbers[var] = len(numbers)
+        return var.aval
+
+    def used(var: Any) -> Any:
+        if isinstance(var, jex_core.Literal):
+            return ("literal", var.aval, *_literal(var.val, held))
+        return numbers[var]
+
+    inputs = tuple(bound(v) for v in (*jaxpr.constvars, *jaxpr.invars))
+    eqns = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        params = tuple((k, _param(v, held)) for k, v in sorted(eqn.params.items()))
+        if name in _CUSTOM_CALLS:
+            params = tuple(p for p in params if not _is_identity(p[1]))
+        ins = tuple(used(v) for v in eqn.invars)
+        outs = tuple(bound(v) for v in eqn.outvars)
+        eqns.append((_held_id(eqn.primitive, held), ins, outs, params))
+    return inputs, tuple(eqns), tuple(used(v) for v in jaxpr.outvars)
+
+
+def _is_identity(key: Any) -> bool:
+    return type(key) is tuple and len(key) == 2 and key[0] == "id"
+
+
+def _literal(value: Any, held: list) -> tuple:
+    try:
+        array = np.asarray(value)
+    except Exception:
+        return (_held_id(value, held),)
+    if array.dtype == object:
+        return (_held_id(value, held),)
+    return (type(value), array.dtype.str, array.shape, array.tobytes())
+
+
+def _param(value: Any, held: list) -> Any:
+    """A parameter's part of a key (see `jaxpr_key`)."""
+    if isinstance(value, jex_core.ClosedJaxpr):
+        consts = tuple(_held_id(c, held) for c in value.consts)
+        return ("closed jaxpr", jaxpr_key(value.jaxpr, held), consts)
+    if isinstance(value, jex_core.Jaxpr):
+        return ("jaxpr", jaxpr_key(value, held))
+    if isinstance(value, np.generic):
+        return (type(value), value.dtype.str, value.tobytes())
+    if isinstance(value, float):
+        # `-0.0 == 0.0`; a NaN is unequal to itself, so never matches: both safe.
+        return (type(value), value, math.copysign(1.0, value))
+    if isinstance(value, complex):
+        return (type(value), _param(value.real, held), _param(value.imag, held))
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_param(v, held) for v in value))
+    if isinstance(value, (frozenset, set)):
+        return (type(value), frozenset(_param(v, held) for v in value))
+    if isinstance(value, (*_PLAIN, *_DESCRIPTIONS)):
+        return (type(value), value)
+    return _held_id(value, held)
+
+
+# Compared by what they describe.
+_DESCRIPTIONS = (
+    ShapedArray,
+    jax.sharding.Sharding,
+    jax.sharding.Mesh,
+    jax.sharding.AbstractMesh,
+    jax.sharding.PartitionSpec,
+)
+
+
+def _held_id(value: Any, held: list) -> tuple:
+    held.append(value)
+    return ("id", id(value))
