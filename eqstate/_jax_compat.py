@@ -10,6 +10,9 @@ makes eqstate slower or its errors less precise, never wrong:
   `jax.extend.core` (JAX 0.10 on) when the private module is missing.
 - a value loaded from a checkpoint is made weakly typed again (`weakly_typed`) when
   it was saved weakly typed; without the internal it stays strongly typed.
+- a `scan`'s parameters that describe how its values are grouped (`FLAT_TREES`, JAX
+  0.12) are compared by value in the keys of top-level programs; without it each call
+  of such a loop compiles again.
 
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
@@ -39,6 +42,15 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX r
     _core = _source_info_util = _traceback_util = _pe = _trace_ctx = None
     _lax_internal = None
     _HAS_NEW_ARG = False
+
+
+try:  # JAX 0.12: the structures of a `scan`'s inputs and outputs, in its parameters.
+    _flattree: Any = importlib.import_module("jax._src.flattree")
+    FLAT_TREES: tuple[type, ...] = (_flattree.FlatTree,)
+except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
+    FLAT_TREES = ()
+"""Types of jaxpr parameters that describe how values are grouped (compared by
+value, as JAX compares them); empty before JAX 0.12, whose `scan` introduced them."""
 
 
 def _from_jax(name: str, modules: tuple[Any, ...]) -> Any:

@@ -129,6 +129,41 @@ def test_programs_that_differ_in_a_constant_or_a_type_are_told_apart(make):
     assert not np.array_equal(*results)
 
 
+def test_random_bits_follow_the_threefry_setting_of_each_call():
+    """`jax.threefry_partitionable` is not a parameter of the random primitives but
+    the context of their equations: it must tell programs apart."""
+
+    def body(c, x):
+        return c, jax.random.uniform(jax.random.fold_in(jax.random.key(0), x), (3,))
+
+    xs = jnp.arange(2)
+    draws = []
+    for partitionable in (True, False, True):
+        with jax.threefry_partitionable(partitionable):
+            _, ys = es.transform.scan(body, 0.0, xs)
+            _, expected = jax.lax.scan(lambda c, x: body(c, x), 0.0, xs)
+        assert np.array_equal(ys, expected), partitionable
+        draws.append(ys)
+    assert not np.array_equal(draws[0], draws[1])
+
+
+def test_a_numpy_array_changed_in_place_reaches_a_nested_jit():
+    """A nested `jax.jit` of a new function bakes the NumPy array it closes over into
+    its jaxpr, as it is now: a changed array makes another program."""
+    w = np.full(3, 2.0, dtype=np.float32)
+    xs = jnp.ones((2, 3))
+    for value in (2.0, 3.0):
+        w[:] = value
+        _, ys = es.transform.scan(
+            lambda c, x: (c, jax.jit(lambda y: y * w)(x)), 0.0, xs
+        )
+        _, expected = jax.lax.scan(
+            lambda c, x: (c, jax.jit(lambda y: y * w)(x)), 0.0, xs
+        )
+        assert np.array_equal(expected, value * xs)  # what JAX does
+        assert np.array_equal(ys, expected), value
+
+
 def test_a_callback_in_the_body_is_the_current_one():
     xs = jnp.arange(3.0)
     s = es.ShortTermState(jnp.array(0.0))
@@ -248,6 +283,31 @@ def test_threads_each_get_their_own_answers():
     for t in threads:
         t.join()
     assert not errors
+
+
+_PROGRAMS = {
+    "scan": lambda x: jax.lax.scan(lambda c, y: (c + y, c * y), 0.0, x),
+    "while_loop": lambda x: jax.lax.while_loop(
+        lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1]), (0, x)
+    ),
+    "cond": lambda x: jax.lax.cond(x[0] > 0, jnp.sin, jnp.cos, x),
+    "switch": lambda x: jax.lax.switch(1, [jnp.sin, jnp.cos, jnp.tanh], x),
+    "map": lambda x: jax.lax.map(jax.nn.relu, x, batch_size=2),
+    "jit": lambda x: jax.jit(lambda y: y @ y)(x),
+}
+
+
+@pytest.mark.parametrize("name", list(_PROGRAMS))
+def test_one_program_traced_twice_has_one_key(name):
+    """On every JAX release the suite runs on: no parameter of these equations
+    counts by identity, so that calling such a loop again compiles nothing."""
+    x = jnp.arange(3.0)
+    # New functions, so that JAX traces each anew rather than reuse its trace.
+    first, second = (
+        jax.make_jaxpr(lambda x: _PROGRAMS[name](x))(x).jaxpr for _ in range(2)
+    )
+    assert first is not second
+    assert _staged.jaxpr_key(first, []) == _staged.jaxpr_key(second, [])
 
 
 def test_the_programs_kept_are_bounded():

@@ -227,3 +227,19 @@ def test_vary_types_a_value_as_varying_inside_shard_map(check_vma):
         jnp.ones(2)
     )
     assert seen == [frozenset({"x"}) if check_vma else frozenset(), True]
+
+
+def test_flat_trees_in_a_scan_compare_by_value():
+    def grouping(jaxpr):
+        params = jaxpr.eqns[0].params.values()
+        return [p for p in params if isinstance(p, compat.FLAT_TREES)]
+
+    def traced():
+        body = lambda c, x: ((c[0] + x, c[1]), x)  # noqa: E731
+        return jax.make_jaxpr(lambda xs: jax.lax.scan(body, (0.0, 1.0), xs))(
+            jnp.ones(3)
+        ).jaxpr
+
+    first, second = grouping(traced()), grouping(traced())
+    assert len(first) == (2 if compat.FLAT_TREES else 0)
+    assert first == second and [hash(g) for g in first] == [hash(g) for g in second]

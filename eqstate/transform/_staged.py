@@ -13,7 +13,9 @@ arguments.
 
 Two jaxprs with one key compute the same function of their inputs and constants:
 the key holds every equation's primitive, the wiring of its variables, their types,
-its literal values and its parameters. A parameter that is not a jaxpr or a plain
+its literal values, its parameters and its context (e.g.
+`jax.threefry_partitionable`). Nested jaxprs count by their keys, and their
+constants by value, or by identity for JAX arrays, which cannot change. A parameter that is not a jaxpr or a plain
 value (a number, a string, a dtype, an enum, a sharding, a tuple of those) counts by
 identity (e.g. the function of a `jax.pure_callback`), so that an unknown object can
 only make a key differ. The key leaves out the differentiation rules of
@@ -110,7 +112,10 @@ def jaxpr_key(jaxpr: jex_core.Jaxpr, held: list) -> tuple:
             return ("literal", var.aval, *_literal(var.val, held))
         return numbers[var]
 
-    inputs = tuple(bound(v) for v in (*jaxpr.constvars, *jaxpr.invars))
+    inputs = (
+        len(jaxpr.constvars),
+        tuple(bound(v) for v in (*jaxpr.constvars, *jaxpr.invars)),
+    )
     eqns = []
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -119,7 +124,10 @@ def jaxpr_key(jaxpr: jex_core.Jaxpr, held: list) -> tuple:
             params = tuple(p for p in params if not _is_identity(p[1]))
         ins = tuple(used(v) for v in eqn.invars)
         outs = tuple(bound(v) for v in eqn.outvars)
-        eqns.append((_held_id(eqn.primitive, held), ins, outs, params))
+        # The context the equation runs in (e.g. `jax.threefry_partitionable`):
+        # compared by value, or interned (one object per value) and so by identity.
+        context = getattr(eqn, "ctx", None)
+        eqns.append((_held_id(eqn.primitive, held), ins, outs, params, context))
     return inputs, tuple(eqns), tuple(used(v) for v in jaxpr.outvars)
 
 
@@ -137,10 +145,18 @@ def _literal(value: Any, held: list) -> tuple:
     return (type(value), array.dtype.str, array.shape, array.tobytes())
 
 
+def _constant(value: Any, held: list) -> tuple:
+    """A constant of a nested jaxpr's part of a key: a JAX array (immutable) by
+    identity, anything else (a NumPy array, which can change in place) by value."""
+    if isinstance(value, jax.Array):
+        return _held_id(value, held)
+    return _literal(value, held)
+
+
 def _param(value: Any, held: list) -> Any:
     """A parameter's part of a key (see `jaxpr_key`)."""
     if isinstance(value, jex_core.ClosedJaxpr):
-        consts = tuple(_held_id(c, held) for c in value.consts)
+        consts = tuple(_constant(c, held) for c in value.consts)
         return ("closed jaxpr", jaxpr_key(value.jaxpr, held), consts)
     if isinstance(value, jex_core.Jaxpr):
         return ("jaxpr", jaxpr_key(value, held))
@@ -167,6 +183,7 @@ _DESCRIPTIONS = (
     jax.sharding.Mesh,
     jax.sharding.AbstractMesh,
     jax.sharding.PartitionSpec,
+    *compat.FLAT_TREES,
 )
 
 
