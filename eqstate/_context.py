@@ -539,7 +539,25 @@ class DictFrame(Frame):
         return self.values.get(state, MISSING)
 
 
-class TraceFrame(Frame):
+class ParentAnswersNested(Frame):
+    """A frame over a `parent` that passes on what nested transforms ask of it
+    (`nested_new_value`, `nested_mark`, `rewind_nested`): only a lane of
+    `vmap_new_states`, above it, answers them."""
+
+    __slots__ = ()
+    parent: Frame
+
+    def nested_new_value(self, state, value):
+        return self.parent.nested_new_value(state, value)
+
+    def nested_mark(self):
+        return self.parent.nested_mark()
+
+    def rewind_nested(self, mark):
+        self.parent.rewind_nested(mark)
+
+
+class TraceFrame(ParentAnswersNested):
     """The frame of a StatefulFunction while it traces its function.
 
     On the first access of a state it imports the value from its parent: in single-pass
@@ -639,15 +657,6 @@ class TraceFrame(Frame):
         refuse_leaked_tracers(state, value, eager=False)
         self.values[state] = self.parent.nested_new_value(state, value)
         self.new_states.append(state)
-
-    def nested_new_value(self, state, value):
-        return self.parent.nested_new_value(state, value)
-
-    def nested_mark(self):
-        return self.parent.nested_mark()
-
-    def rewind_nested(self, mark):
-        self.parent.rewind_nested(mark)
 
     def peek(self, state):
         value = self.values.get(state, MISSING)

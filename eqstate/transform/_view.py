@@ -31,7 +31,7 @@ class View(_context.Frame):
         raise NotImplementedError(_READ_ONLY)
 
 
-class Overlay(View):
+class Overlay(_context.ParentAnswersNested, View):
     """The parent of a trace, showing it `values` for some states and the values of
     `parent` for the others: a `jit` plan's body traces the function against the
     states moved to their `state_shardings`, whose types may differ from the values
@@ -50,15 +50,6 @@ class Overlay(View):
     def peek(self, state):
         value = self.values.get(state, MISSING)
         return self.parent.peek(state) if value is MISSING else value
-
-    def nested_new_value(self, state, value):
-        return self.parent.nested_new_value(state, value)
-
-    def nested_mark(self):
-        return self.parent.nested_mark()
-
-    def rewind_nested(self, mark):
-        self.parent.rewind_nested(mark)
 
 
 _READ_ONLY = "A view is only read through; write to the frame it views."
