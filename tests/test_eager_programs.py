@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from eqstate.transform import _staged
 from hypothesis import given, settings, strategies as st
-from jax.sharding import AxisType, PartitionSpec as P
 
 from .helpers import compilations, tree_allclose
 
@@ -53,33 +52,6 @@ def test_a_loop_called_again_at_top_level_compiles_nothing(loop):
     # The new value of the state went in: the second call started from 4, not 0.
     if loop != "map in chunks":
         assert not tree_allclose(h.value, first)
-
-
-def test_shard_map_called_again_at_top_level_compiles_nothing():
-    n = len(jax.devices())
-    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
-    per_device = es.State(jnp.zeros(n))
-    total = es.State(jnp.array(0.0))
-
-    @es.transform.shard_map(
-        mesh=mesh,
-        in_specs=(P("data"),),
-        out_specs=P("data"),
-        state_specs={per_device: P("data")},
-    )
-    def step(x):
-        per_device.value = per_device.value + x.sum()
-        total.value = total.value + jax.lax.psum(x.sum(), "data")
-        return x * 2
-
-    x = jnp.arange(2.0 * n)
-    # The first call puts the states on the mesh; the second sees them there.
-    step(x)
-    step(x)
-    assert compilations(lambda: step(x)) == 0
-    assert np.array_equal(per_device.value, 3 * x.reshape(n, 2).sum(1))
-    assert total.value == 3 * x.sum()
-    assert per_device.value.sharding.spec == P("data")
 
 
 def test_a_rebound_global_is_seen():
