@@ -118,17 +118,29 @@ def jaxpr_key(jaxpr: jex_core.Jaxpr, held: list) -> tuple:
     )
     eqns = []
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        params = tuple((k, _param(v, held)) for k, v in sorted(eqn.params.items()))
-        if name in _CUSTOM_CALLS:
-            params = tuple(p for p in params if not _is_identity(p[1]))
         ins = tuple(used(v) for v in eqn.invars)
         outs = tuple(bound(v) for v in eqn.outvars)
         # The context the equation runs in (e.g. `jax.threefry_partitionable`):
         # compared by value, or interned (one object per value) and so by identity.
         context = getattr(eqn, "ctx", None)
-        eqns.append((_held_id(eqn.primitive, held), ins, outs, params, context))
+        primitive = _held_id(eqn.primitive, held)
+        eqns.append((primitive, ins, outs, _params(eqn, held), context))
     return inputs, tuple(eqns), tuple(used(v) for v in jaxpr.outvars)
+
+
+def _params(eqn: jex_core.JaxprEqn, held: list) -> tuple:
+    """An equation's parameters' part of a key: the rules of a custom derivative
+    are left out (and not kept alive)."""
+    custom = eqn.primitive.name in _CUSTOM_CALLS
+    params = []
+    for name, value in sorted(eqn.params.items()):
+        mark = len(held)
+        param = _param(value, held)
+        if custom and _is_identity(param):
+            del held[mark:]
+            continue
+        params.append((name, param))
+    return tuple(params)
 
 
 def _is_identity(key: Any) -> bool:
