@@ -136,6 +136,24 @@ def test_a_numpy_array_changed_in_place_reaches_a_nested_jit():
         assert np.array_equal(ys, expected), value
 
 
+def test_a_deleted_array_in_a_nested_jit_is_refused_as_jax_refuses_it():
+    c = jnp.arange(3.0)
+    inner = jax.jit(lambda x: x + c)
+    h = es.ShortTermState(jnp.zeros(3))
+
+    def step(x):
+        h.value = inner(x)
+        return h.value
+
+    es.transform.for_loop(step, jnp.ones((2, 3)))
+    c.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        jax.lax.map(inner, jnp.ones((2, 3)))  # what JAX does
+    with pytest.raises(RuntimeError, match="deleted"):
+        es.transform.for_loop(step, jnp.ones((2, 3)))
+    assert np.array_equal(h.value, jnp.array([1.0, 2.0, 3.0]))
+
+
 def test_a_callback_in_the_body_is_the_current_one():
     xs = jnp.arange(3.0)
     s = es.ShortTermState(jnp.array(0.0))

@@ -161,7 +161,8 @@ def _constant(value: Any, held: list) -> tuple:
     """A constant of a nested jaxpr's part of a key: a JAX array (immutable) by
     identity, anything else (a NumPy array, which can change in place) by value."""
     if isinstance(value, jax.Array):
-        return _held_id(value, held)
+        # A deleted one: a key of its own, so that JAX, compiling, says it is gone.
+        return _held_id(object() if value.is_deleted() else value, held)
     return _literal(value, held)
 
 
