@@ -76,8 +76,12 @@ if os.environ.get("EQSTATE_TEST_CHECK_LEAKS"):
         """Every test under `jax.checking_leaks()`: a tracer kept after its trace
         ends (in a cache, a frame, a handle) fails the test. Tests marked
         `upstream_leak` run unchecked: they use a JAX or Equinox feature that trips
-        JAX's checker without eqstate too (the marker says which)."""
-        if request.node.get_closest_marker("upstream_leak"):
+        JAX's checker without eqstate too (the marker says which); so do those
+        marked `counts_compilations`, as the checker turns JAX's caches off."""
+        node = request.node
+        if node.get_closest_marker("upstream_leak") or node.get_closest_marker(
+            "counts_compilations"
+        ):
             yield
             return
         # JAX's checker runs `gc.collect()` whenever a trace ends; freezing what exists
@@ -116,6 +120,12 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "upstream_leak(reason): trips jax.checking_leaks without eqstate too",
+    )
+    config.addinivalue_line(
+        "markers",
+        "counts_compilations: counts XLA compilations, which jax.checking_leaks "
+        "multiplies (it turns JAX's caches off), so the leak-checked run runs it "
+        "unchecked",
     )
     config.addinivalue_line(
         "markers",

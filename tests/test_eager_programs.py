@@ -41,6 +41,7 @@ def _loops(h: es.State) -> dict:
     }
 
 
+@pytest.mark.counts_compilations
 @pytest.mark.parametrize("loop", list(_loops(es.ShortTermState(jnp.zeros(3)))))
 def test_a_loop_called_again_at_top_level_compiles_nothing(loop):
     h = es.ShortTermState(jnp.zeros(3))
@@ -185,6 +186,7 @@ def _twice_rule(rule_factor: float):
     return f
 
 
+@pytest.mark.counts_compilations
 def test_differentiation_uses_each_function_own_rule():
     """Two `custom_jvp` functions with one primal share a compiled program when
     evaluated at top level; their derivatives stay their own."""

@@ -253,6 +253,7 @@ def test_jit_state_shardings_on_an_explicit_mesh_match_jax_reshard(placed):
             assert q.value.sharding.is_equivalent_to(split, 1)
 
 
+@pytest.mark.counts_compilations
 def test_shard_map_threads_states_with_their_specs():
     mesh = _mesh("data")
     per_device = es.State(jnp.zeros(N), name="per_device")
