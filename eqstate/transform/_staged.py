@@ -89,13 +89,15 @@ def _compiled(jaxpr: jex_core.Jaxpr) -> Callable:
         if len(_programs) >= PROGRAMS_KEPT:
             old, _ = _programs.popitem(last=False)
             _held.pop(old, None)
-        fn = _programs[key] = jax.jit(ft.partial(_evaluate, jaxpr))
+        fn = _programs[key] = jax.jit(ft.partial(eqstate_program, jaxpr))
         _held[key] = held
     return fn
 
 
-def _evaluate(jaxpr: jex_core.Jaxpr, consts: list, leaves: list) -> list:
-    return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, consts))(*leaves)
+def eqstate_program(jaxpr: jex_core.Jaxpr, constants: list, inputs: list) -> list:
+    """`jaxpr` evaluated (JAX's errors about a top-level call name this function and
+    its arguments)."""
+    return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, constants))(*inputs)
 
 
 def jaxpr_key(jaxpr: jex_core.Jaxpr, held: list) -> tuple:
