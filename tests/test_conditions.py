@@ -243,7 +243,8 @@ def test_switch_takes_the_branch_jax_lax_switch_takes(index):
 
 
 @pytest.mark.parametrize(
-    "index", (np.uint32(2**31 + 5), np.uint32(2**32 - 1), np.int64(-7), 5, 1)
+    "index",
+    (np.uint32(2**31 + 5), np.uint32(2**32 - 1), np.int64(-7), 5, 1, 2**40, -(2**40)),
 )
 def test_switch_takes_the_branch_jax_lax_switch_takes_under_disable_jit(index):
     branches = [lambda: 0, lambda: 1, lambda: 2]

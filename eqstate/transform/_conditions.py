@@ -103,6 +103,9 @@ def switch(
 
         return branch
 
+    # To int32 as `jax.lax.switch` converts it (a large index wraps), before it
+    # becomes an argument of the compiled program, which takes no larger integer.
+    index = jax.lax.convert_element_type(index, jnp.int32)
     out, new_values = staged(
         lambda index, entry, operands: jax.lax.switch(
             index, [make_branch(t) for t in traced], entry, *operands
