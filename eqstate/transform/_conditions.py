@@ -70,10 +70,11 @@ def switch(
     if not all(callable(b) for b in branches):
         raise TypeError("`branches` must be a sequence of functions.")
     _check_index(index)
+    # As `jax.lax.switch`: to int32 first (a large index wraps), then clamp. Also the
+    # compiled program of a top-level call (see `staged`) takes no larger integer.
+    index = jax.lax.convert_element_type(index, jnp.int32)
     if jit_disabled() and not _context.has_tracer(index):
-        # As `jax.lax.switch`: to int32 first (a large unsigned index wraps), then clamp.
-        chosen = int(jax.lax.convert_element_type(index, jnp.int32))
-        chosen = min(max(chosen, 0), len(branches) - 1)
+        chosen = min(max(int(index), 0), len(branches) - 1)
         with guarded(f"branch {chosen} of a conditional"):
             return branches[chosen](*operands)
     traced = [
@@ -103,9 +104,6 @@ def switch(
 
         return branch
 
-    # To int32 as `jax.lax.switch` converts it (a large index wraps), before it
-    # becomes an argument of the compiled program, which takes no larger integer.
-    index = jax.lax.convert_element_type(index, jnp.int32)
     out, new_values = staged(
         lambda index, entry, operands: jax.lax.switch(
             index, [make_branch(t) for t in traced], entry, *operands
