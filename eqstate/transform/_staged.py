@@ -15,10 +15,10 @@ Two jaxprs with one key compute the same function of their inputs and constants:
 the key holds every equation's primitive, the wiring of its variables, their types,
 its literal values, its parameters and its context (e.g.
 `jax.threefry_partitionable`). Nested jaxprs count by their keys, and their
-constants by value, or by identity for JAX arrays, which cannot change. A parameter that is not a jaxpr or a plain
-value (a number, a string, a dtype, an enum, a sharding, a tuple of those) counts by
-identity (e.g. the function of a `jax.pure_callback`), so that an unknown object can
-only make a key differ. The key leaves out the differentiation rules of
+constants by value, or by identity for JAX arrays, which cannot change. A parameter
+that is not a jaxpr or a plain value (a number, a string, a dtype, an enum, a
+sharding, a tuple of those) counts by identity (e.g. the function of a
+`jax.pure_callback`), so that an unknown object can only make a key differ. The key leaves out the differentiation rules of
 `jax.custom_jvp` and `jax.custom_vjp` functions: the compiled function only
 evaluates, and at top level nothing differentiates it. A jaxpr with effects
 (`jax.debug.print`, `io_callback`) is evaluated as JAX would, compiling each call.
