@@ -23,6 +23,7 @@ import operator
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -450,25 +451,35 @@ def _as_step(step: Any, directory: str) -> int:
     return number
 
 
-# Managers that may have saves in flight when the program ends (see `_finish_saves`):
-# held until `close()`, as a manager the program no longer refers to (a local of a
-# function that returned) may still be saving.
-_LIVE_MANAGERS: "set[CheckpointManager]" = set()
+# The closers of managers that may have saves in flight when the program ends (see
+# `_finish_saves`). Each `weakref.finalize` also runs when its manager is dropped, so
+# that a manager a function made and forgot to close finishes its saves then, while
+# Python can still start the threads Orbax needs (from 3.12 on it cannot at exit).
+_UNCLOSED: "set[weakref.finalize]" = set()
 _FINISH_REGISTERED = threading.Lock()
 
 
+def _close_dropped(manager: Any, directory: str) -> None:
+    """Waits for the saves of a manager nobody closed, then closes it; says on stderr
+    if its last checkpoint may be lost."""
+    try:
+        manager.close()
+    except Exception as error:
+        print(
+            f"eqstate: the checkpoint being saved in {directory!r} when its manager "
+            f"was dropped or the program ended may be incomplete: {error!r}. Call "
+            "`close()` (or use a `with` block) once training is done.",
+            file=sys.stderr,
+        )
+
+
 def _finish_saves() -> None:
-    """Waits for every live manager's saves: a program that ends without `close()`
-    must not lose the checkpoint its last `save` reported."""
-    for manager in list(_LIVE_MANAGERS):
-        try:
-            manager.wait_until_finished()
-        except Exception as error:  # The other managers' saves still get their wait.
-            print(
-                f"eqstate: the checkpoint being saved in {manager.directory!r} when the "
-                f"program ended may be incomplete: {error!r}",
-                file=sys.stderr,
-            )
+    """Closes every manager not yet closed, each in turn even if one fails: a program
+    that ends without `close()` must not lose the checkpoint its last `save`
+    reported."""
+    for closer in list(_UNCLOSED):
+        closer()
+    _UNCLOSED.clear()
 
 
 def _finish_saves_at_exit() -> None:
@@ -577,11 +588,14 @@ class CheckpointManager:
             ones after each save; `None` keeps all. (Keyword only argument.)
         - `async_save`: save in the background: `save` returns once the values are
             copied off the devices, and the files are written while the program
-            goes on. Call `close()` (or use a `with` block) before the program
-            ends. One that ends without it still waits for its saves on Python
-            3.11; from Python 3.12 on, Python refuses the thread Orbax then needs,
-            so the last save may be lost, and eqstate says so on stderr. (Keyword
-            only argument.)
+            goes on. Call `close()` (or use a `with` block) once training is done.
+            A manager dropped without it (say, the local of a function that
+            returned) waits for its saves and closes when it is garbage collected.
+            One still referenced when the program ends waits for its saves then on
+            Python 3.11; from Python 3.12 on, Python refuses the threads Orbax then
+            needs, so its last save may be lost (eqstate says so on stderr) and
+            Orbax's waiting threads may hold the program's exit up for minutes.
+            (Keyword only argument.)
 
         **Raises:**
 
@@ -614,6 +628,14 @@ class CheckpointManager:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._async = async_save
+        self._closer = weakref.finalize(
+            self, _close_dropped, self._manager, self.directory
+        )
+        self._closer.atexit = async_save  # Only saves in the background can be lost.
+        if async_save:
+            _UNCLOSED.difference_update([c for c in list(_UNCLOSED) if not c.alive])
+            _UNCLOSED.add(self._closer)
+            _finish_saves_at_exit()
 
     def save(
         self,
@@ -660,9 +682,6 @@ class CheckpointManager:
             (fix, fix),
         )
         args, _ = _save_args(self._ocp, states, model)
-        if self._async:
-            _LIVE_MANAGERS.add(self)
-            _finish_saves_at_exit()
         self._manager.save(step, args=args, force=True)
 
     def load(
@@ -736,8 +755,9 @@ class CheckpointManager:
     def close(self) -> None:
         """Waits for the saves in flight, then releases the manager's resources.
         Call it (or use a `with` block) before the program ends: see `async_save`."""
+        self._closer.detach()
+        _UNCLOSED.discard(self._closer)
         self._manager.close()
-        _LIVE_MANAGERS.discard(self)
 
     def __enter__(self) -> "CheckpointManager":
         return self
