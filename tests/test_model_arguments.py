@@ -785,3 +785,25 @@ def test_apply_updates_casts_a_sum_of_the_same_kind_to_the_state_dtype_as_optax(
     [want] = jax.tree.leaves(optax.apply_updates([jnp.ones(3, jnp.bfloat16)], [update]))
     assert w.value.dtype == jnp.bfloat16 == want.dtype
     assert (w.value == want).all()
+
+
+class _Holder(eqx.Module):
+    s: es.State
+
+
+@pytest.mark.parametrize("first_four", (True, False))
+def test_a_negative_static_position_moves_with_the_number_of_arguments(first_four):
+    # `static_argnums=-1` makes `c` dynamic in `f(model, x, c, flag)` and static in
+    # `f(model, x, c)`: a split remembered for the one must not serve the other.
+    model = _Holder(es.State(jnp.array(1.0), name="s"))
+    c = 2.0
+
+    def f(model, x, *rest):
+        scale = 100.0 if isinstance(rest[-1], float) else 1.0
+        return x * scale * rest[0] + model.s.value
+
+    jf = es.transform.jit(f, static_argnums=-1)
+    x = jnp.ones(())
+    calls = ((x, c, 7), (x, c)) if first_four else ((x, c), (x, c, 7))
+    for args in calls * 2:
+        assert jf(model, *args) == f(model, *args)

@@ -125,7 +125,14 @@ class ArgSplitter:
                 dynamic.append(arg)
                 continue
             last = remembered.get(i)
-            if last is not None and last[0] is arg and _unchanged_since(*last[3:]):
+            # A negative static position names another argument when the number of
+            # arguments changes: a split remembered from a dynamic position is stale.
+            if (
+                last is not None
+                and last[0] is arg
+                and i not in static
+                and _unchanged_since(*last[3:])
+            ):
                 parts.append(last[1])
                 dynamic.extend(last[2])
                 continue
