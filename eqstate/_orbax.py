@@ -18,6 +18,7 @@ writes, with two items:
 """
 
 import functools as ft
+import gc
 import importlib
 import operator
 import os
@@ -208,16 +209,29 @@ def _bits(dtype: np.dtype) -> int:
     return dtype.itemsize * 8
 
 
+def _has_tensorstore_type(dtype: np.dtype) -> bool:
+    """Whether TensorStore, which writes Orbax's arrays, has a type for `dtype`."""
+    try:
+        importlib.import_module("tensorstore").dtype(dtype.name)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _refuse_what_orbax_cannot_save(leaves: list[tuple[Leaf, Any]]) -> None:
     """Raises `CheckpointError`, before anything is written or removed, for an array
-    with no elements or of a dtype narrower than a byte (`int4`, `float4_e2m1fn`):
-    Orbax cannot save those."""
+    with no elements, of a dtype narrower than a byte (`int4`, `float4_e2m1fn`) or
+    of one TensorStore has no type for (`float8_e4m3`): Orbax cannot save those."""
+    convert = "convert the value first, e.g. to `int8` or `bfloat16`"
     for spec, _ in leaves:
         if 0 in spec.shape:
             why, fix = "arrays with no elements", "leave the empty state out"
         elif (bits := _bits(spec.dtype)) < 8:
             why = f"dtypes narrower than a byte ({spec.dtype} has {bits} bits)"
-            fix = "convert the value first, e.g. to `int8` or `bfloat16`"
+            fix = convert
+        elif not _has_tensorstore_type(spec.dtype):
+            why = f"{spec.dtype}, for which TensorStore has no type"
+            fix = convert
         else:
             continue
         raise CheckpointError(
@@ -457,20 +471,46 @@ def _as_step(step: Any, directory: str) -> int:
 # Python can still start the threads Orbax needs (from 3.12 on it cannot at exit).
 _UNCLOSED: "set[weakref.finalize]" = set()
 _FINISH_REGISTERED = threading.Lock()
+# Whether this thread is collecting garbage (see `_note_collection`).
+_COLLECTING = threading.local()
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    _COLLECTING.now = phase == "start"
 
 
 def _close_dropped(manager: Any, directory: str) -> None:
     """Waits for the saves of a manager nobody closed, then closes it; says on stderr
-    if its last checkpoint may be lost."""
+    if its last checkpoint may be lost.
+
+    A manager in a reference cycle is dropped by the garbage collector, which runs
+    in whichever thread allocates, possibly one of Orbax's own that the save needs:
+    waiting there would wait forever, so another thread closes it."""
+    if getattr(_COLLECTING, "now", False):
+        try:
+            closer = threading.Thread(
+                target=_close_dropped,
+                args=(manager, directory),
+                name=f"eqstate: closing the checkpoint manager of {directory}",
+            )
+            closer.start()
+            return
+        except RuntimeError as error:  # At interpreter shutdown, from Python 3.12.
+            _report_incomplete(directory, error)
+            return
     try:
         manager.close()
     except Exception as error:
-        print(
-            f"eqstate: the checkpoint being saved in {directory!r} when its manager "
-            f"was dropped or the program ended may be incomplete: {error!r}. Call "
-            "`close()` (or use a `with` block) once training is done.",
-            file=sys.stderr,
-        )
+        _report_incomplete(directory, error)
+
+
+def _report_incomplete(directory: str, error: BaseException) -> None:
+    print(
+        f"eqstate: the checkpoint being saved in {directory!r} when its manager was "
+        f"dropped or the program ended may be incomplete: {error!r}. Call `close()` "
+        "(or use a `with` block) once training is done.",
+        file=sys.stderr,
+    )
 
 
 def _finish_saves() -> None:
@@ -489,6 +529,7 @@ def _finish_saves_at_exit() -> None:
     `atexit` handler runs too late."""
     if not _FINISH_REGISTERED.acquire(blocking=False):
         return
+    gc.callbacks.append(_note_collection)
     register = getattr(threading, "_register_atexit", None)
     if register is None:  # pragma: no cover - depends on the Python release
         import atexit
@@ -628,6 +669,7 @@ class CheckpointManager:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._async = async_save
+        self._closed = False
         self._closer = weakref.finalize(
             self, _close_dropped, self._manager, self.directory
         )
@@ -659,14 +701,16 @@ class CheckpointManager:
 
         [`eqstate.CheckpointError`][] as [`eqstate.save`][] does (inside a JAX
         transform too), if `step` is not a non-negative integer higher than the
-        latest step saved, or if the directory holds a file, or a directory that
-        is not a checkpoint, under the name of `step` (saving would delete it).
-        Nothing is written or removed then.
+        latest step saved, if the directory holds a file, a directory that is
+        not a checkpoint, or a checkpoint another manager saved, under the name of
+        `step` (saving would delete it), or if the manager is closed. Nothing is
+        written or removed then.
         """
         refuse_under_transforms(
             "save",
             "step(x)\n    manager.save(n, eqstate.values_of(model), model=model)",
         )
+        self._refuse_if_closed("save")
         step = _as_step(step, self.directory)
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:
@@ -675,12 +719,17 @@ class CheckpointManager:
                 f"holds step {latest}, and steps must increase. Pass the training "
                 "step, or resume from the latest checkpoint with `load` first."
             )
+        step_path = os.path.join(self.directory, self._name_format.build_name(step))
+        if os.path.isfile(os.path.join(step_path, _CHECKPOINT_FILE)):
+            raise CheckpointError(
+                f"Cannot save checkpoint {step} in {self.directory!r}: another manager "
+                "or program saved that step after this manager was made, and saving "
+                "would replace it. Nothing was written or removed. Keep one manager "
+                "per directory, or make a new one, which sees every step saved, and "
+                "save a later step."
+            )
         fix = _STEP_FIX.format(directory=self.directory)
-        _refuse_to_replace(
-            os.path.join(self.directory, self._name_format.build_name(step)),
-            f"checkpoint {step}",
-            (fix, fix),
-        )
+        _refuse_to_replace(step_path, f"checkpoint {step}", (fix, fix))
         args, _ = _save_args(self._ocp, states, model)
         self._manager.save(step, args=args, force=True)
 
@@ -707,12 +756,13 @@ class CheckpointManager:
 
         **Raises:**
 
-        [`eqstate.CheckpointError`][] if there is no such checkpoint, or as
-        [`eqstate.load`][] does (inside a JAX transform too).
+        [`eqstate.CheckpointError`][] if there is no such checkpoint or the manager
+        is closed, or as [`eqstate.load`][] does (inside a JAX transform too).
         """
         refuse_under_transforms(
             "load", "eqstate.assign(manager.load(model))\n    step(x)"
         )
+        self._refuse_if_closed("load")
         self._manager.wait_until_finished()
         steps = self.steps()
         if step is None:
@@ -754,10 +804,19 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for the saves in flight, then releases the manager's resources.
-        Call it (or use a `with` block) before the program ends: see `async_save`."""
+        Call it (or use a `with` block) before the program ends: see `async_save`.
+        A closed manager refuses to save or load; closing it again does nothing."""
+        self._closed = True
         self._closer.detach()
         _UNCLOSED.discard(self._closer)
         self._manager.close()
+
+    def _refuse_if_closed(self, what: str) -> None:
+        if self._closed:
+            raise CheckpointError(
+                f"Cannot {what} with the checkpoint manager of {self.directory!r}: it "
+                "is closed. Make a new `eqstate.CheckpointManager` for the directory."
+            )
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -1254,6 +1254,44 @@ def _single_file_checkpoint(path: pathlib.Path) -> None:
     es.save(path, es.values_of(es.ParamState(jnp.ones(3), name="w")))
 
 
+_FLOAT8 = (
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
+
+
+@pytest.mark.parametrize("name", _FLOAT8)
+def test_orbax_saves_a_float8_bit_exactly_or_refuses_it_keeping_the_old_checkpoint(
+    tmp_path, name
+):
+    # Which of these TensorStore can write depends on its release.
+    dtype = getattr(jnp, name, None)
+    if dtype is None:
+        pytest.skip(f"this JAX has no {name}")
+    q = es.State(jnp.linspace(-2, 2, 5).astype(dtype), name="q")
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    path = tmp_path / "ckpt"
+    es.save(path, es.values_of(w), backend="orbax")
+    before = _files(path)
+    try:
+        es.save(path, es.values_of([w, q]), backend="orbax")
+    except es.CheckpointError as error:
+        assert f"dtype {name}" in str(error) and "Nothing was written" in str(error)
+        assert _files(path) == before and os.listdir(tmp_path) == ["ckpt"]
+        loaded = es.load(path, es.values_of(w), backend="orbax")
+        assert (loaded[w] == jnp.arange(3.0)).all()
+    else:
+        target = es.values_of([w, q])
+        loaded = es.load(path, target, backend="orbax")
+        assert tree_bitwise_equal(loaded[q], q.value)
+
+
 @pytest.mark.parametrize("name", ("int4", "uint4", "int2", "uint2", "float4_e2m1fn"))
 def test_orbax_refuses_a_sub_byte_dtype_before_touching_the_old_checkpoint(
     tmp_path, name

@@ -1,6 +1,7 @@
 """The Orbax backend of `eqstate.save` / `eqstate.load` and `eqstate.CheckpointManager`,
 in one process; `test_multi_process.py` runs them across processes."""
 
+import os
 import subprocess
 import sys
 
@@ -318,3 +319,69 @@ def test_managers_dropped_long_ago_are_not_kept_for_the_programs_end(tmp_path):
     kept = es.CheckpointManager(tmp_path / "kept")
     assert sum(closer.alive for closer in _orbax._UNCLOSED) == len(_orbax._UNCLOSED)
     kept.close()
+
+
+def test_a_closed_manager_refuses_to_save_or_load(tmp_path):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    manager = es.CheckpointManager(tmp_path)
+    manager.save(1, es.values_of(w))
+    manager.close()
+    manager.close()  # again: nothing to do
+    for call in (
+        lambda: manager.save(2, es.values_of(w)),
+        lambda: manager.load(es.values_of(w)),
+    ):
+        with pytest.raises(es.CheckpointError, match=r"is closed.*new"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
+
+
+def test_a_step_another_manager_saved_is_not_replaced(tmp_path):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    late = es.CheckpointManager(tmp_path)  # made before the steps below are saved
+    with es.CheckpointManager(tmp_path) as first:
+        first.save(1, es.values_of(w))
+        first.save(2, es.values_of(w))
+    w.value = w.value + 100
+    with pytest.raises(es.CheckpointError, match=r"(?s)another manager.*Nothing was"):
+        late.save(1, es.values_of(w))
+    late.save(3, es.values_of(w))
+    late.close()
+    with es.CheckpointManager(tmp_path) as manager:
+        assert manager.steps() == (1, 2, 3)
+        assert (manager.load(es.values_of(w), step=1)[w] == jnp.arange(3.0)).all()
+
+
+_DROPPED_IN_A_CYCLE = """
+import gc, os, sys, time
+import eqstate as es
+import jax.numpy as jnp
+
+w = es.ParamState(jnp.zeros(2_000_000), name="w")
+for run in range(3):
+    manager = es.CheckpointManager(os.path.join(sys.argv[1], str(run)))
+    manager.cycle = manager  # only the garbage collector can drop it
+    manager.save(1, es.values_of(w))
+    gc.disable()
+    del manager
+    # Collect often while the save runs, so that Orbax's own threads collect too.
+    gc.enable()
+    gc.set_threshold(1, 1, 1)
+    start = time.monotonic()
+    while time.monotonic() - start < 1.5:
+        time.sleep(0.001)
+    gc.set_threshold(700, 10, 10)
+"""
+
+
+def test_managers_collected_in_a_cycle_finish_their_saves_without_deadlock(tmp_path):
+    # The collector may run in the thread that writes the save: waiting for the save
+    # there would wait forever.
+    subprocess.run(
+        [sys.executable, "-c", _DROPPED_IN_A_CYCLE, str(tmp_path)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    for run in range(3):
+        assert os.listdir(tmp_path / str(run)) == ["1"]
