@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 from .helpers import traces_per_key, tree_allclose
@@ -617,3 +618,41 @@ def test_keyword_arguments_named_like_the_jitted_body_s_own_are_passed_through()
     for _ in range(2):
         assert (g(jnp.ones(2), read=3.0, written=4.0) == 4).all()
     assert (s.value == 6).all()
+
+
+def _donating_draw(rng):
+    return es.transform.jit(lambda: jr.normal(rng.split_key()), donate_states=True)
+
+
+def test_donation_never_deletes_the_data_of_a_key_the_caller_holds():
+    # `jax.random.key_data(key)` is the key's own buffer, not a copy.
+    rng = es.RandomState(0, name="rng")
+    draw = _donating_draw(rng)
+    draw()
+    data = jr.key_data(rng.value)
+    before = np.array(data)
+    draw()
+    assert not data.is_deleted() and (np.array(data) == before).all()
+    es.random.seed(3)
+    default = jr.key_data(es.random.get_key())
+    es.transform.jit(lambda: es.random.normal(), donate_states=True)()
+    assert not default.is_deleted()
+
+
+def test_donation_never_deletes_a_key_another_random_state_wraps():
+    rng = es.RandomState(0, name="rng")
+    twin = es.RandomState(jr.wrap_key_data(jr.key_data(rng.value)), name="twin")
+    draw = _donating_draw(rng)
+    draw()
+    draw()
+    assert (jr.key_data(twin.value) == jr.key_data(jr.key(0))).all()
+
+
+def test_donation_reuses_the_buffer_of_a_key_nobody_else_holds():
+    rng = es.RandomState(0, name="rng")
+    draw = _donating_draw(rng)
+    draw()
+    buffer = jr.key_data(rng.value).unsafe_buffer_pointer()
+    for _ in range(3):
+        draw()
+        assert jr.key_data(rng.value).unsafe_buffer_pointer() == buffer

@@ -327,7 +327,7 @@ def _unsafe_to_donate(written: list, single_leaf: bool) -> bool:
     if compat.nan_checks_enabled():
         return True
     if single_leaf:
-        return _refcounts_above(written, _HELD_ONCE)
+        return _refcounts_above(written, _HELD_ONCE) or _key_data_held(written)
     roots, nested = _containers(written)
     if roots is None:
         return True
@@ -335,7 +335,33 @@ def _unsafe_to_donate(written: list, single_leaf: bool) -> bool:
     # `StateDict`) keeps its arrays alive without raising their counts.
     if _refcounts_above(roots, _HELD_ONCE + 1) or _refcounts_above(nested, _HELD_ONCE):
         return True
-    return _refcounts_above(jax.tree_util.tree_leaves(written), _HELD_ONCE)
+    leaves = jax.tree_util.tree_leaves(written)
+    return _refcounts_above(leaves, _HELD_ONCE) or _key_data_held(leaves)
+
+
+def _key_data_held(leaves: list) -> bool:
+    """Whether the data of a typed PRNG key among `leaves` is also held apart from
+    the key: `jax.random.key_data(key)` is the key's own buffer, which donating the
+    key deletes, and a key wrapping it (`jax.random.wrap_key_data`) shares it."""
+    for x in leaves:
+        if type(x) is not ArrayImpl and _is_key(x):
+            if sys.getrefcount(jax.random.key_data(x)) > _key_data_held_once():
+                return True
+    return False
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key
+    )
+
+
+@ft.cache
+def _key_data_held_once() -> int:
+    """The count `_key_data_held` sees for data that only its key holds (measured,
+    as it varies across Pythons)."""
+    key = jax.random.key(0)
+    return sys.getrefcount(jax.random.key_data(key))
 
 
 def _containers(values: list) -> tuple[list | None, list]:

@@ -207,8 +207,9 @@ def jit(
     - `donate_states`: donate the buffers of the written states to the computation,
         so that they are updated in place. Donation never deletes an array object
         that is held elsewhere: a call where a written state's value is also held by
-        another state, passed as an argument, or kept by the caller (`old = s.value`)
-        runs without donation, as does every call while `jax.debug_nans` or
+        another state, passed as an argument, or kept by the caller (`old = s.value`;
+        for a random key, also its data, `jax.random.key_data(rng.value)`, which
+        is the key's own buffer) runs without donation, as does every call while `jax.debug_nans` or
         `jax.debug_infs` is on. A function that can fail while it runs (it holds a
         callback: `eqx.error_if`, `jax.debug.callback`, `jax.debug.print`) is never
         donated, with a warning, because a failed call must leave the previous
