@@ -470,6 +470,9 @@ def _as_step(step: Any, directory: str) -> int:
 # that a manager a function made and forgot to close finishes its saves then, while
 # Python can still start the threads Orbax needs (from 3.12 on it cannot at exit).
 _UNCLOSED: "set[weakref.finalize]" = set()
+# The threads closing managers that the garbage collector dropped (see
+# `_close_dropped`), which the program's end waits for.
+_CLOSING: "list[threading.Thread]" = []
 _FINISH_REGISTERED = threading.Lock()
 # Whether this thread is collecting garbage (see `_note_collection`).
 _COLLECTING = threading.local()
@@ -487,17 +490,19 @@ def _close_dropped(manager: Any, directory: str) -> None:
     in whichever thread allocates, possibly one of Orbax's own that the save needs:
     waiting there would wait forever, so another thread closes it."""
     if getattr(_COLLECTING, "now", False):
+        closer = threading.Thread(
+            target=_close_dropped,
+            args=(manager, directory),
+            name=f"eqstate: closing the checkpoint manager of {directory}",
+            daemon=False,  # Not inherited from a daemon thread that collected.
+        )
         try:
-            closer = threading.Thread(
-                target=_close_dropped,
-                args=(manager, directory),
-                name=f"eqstate: closing the checkpoint manager of {directory}",
-            )
             closer.start()
-            return
         except RuntimeError as error:  # At interpreter shutdown, from Python 3.12.
             _report_incomplete(directory, error)
             return
+        _CLOSING[:] = [t for t in _CLOSING if t.is_alive()] + [closer]
+        return
     try:
         manager.close()
     except Exception as error:
@@ -514,12 +519,15 @@ def _report_incomplete(directory: str, error: BaseException) -> None:
 
 
 def _finish_saves() -> None:
-    """Closes every manager not yet closed, each in turn even if one fails: a program
-    that ends without `close()` must not lose the checkpoint its last `save`
-    reported."""
-    for closer in list(_UNCLOSED):
+    """Closes every manager not yet closed, each in turn even if one fails, and waits
+    for those being closed: a program that ends without `close()` must not lose the
+    checkpoint its last `save` reported."""
+    closers = list(_UNCLOSED)
+    for closer in closers:
         closer()
-    _UNCLOSED.clear()
+    _UNCLOSED.difference_update(closers)
+    for thread in list(_CLOSING):
+        thread.join()
 
 
 def _finish_saves_at_exit() -> None:
@@ -631,11 +639,13 @@ class CheckpointManager:
             copied off the devices, and the files are written while the program
             goes on. Call `close()` (or use a `with` block) once training is done.
             A manager dropped without it (say, the local of a function that
-            returned) waits for its saves and closes when it is garbage collected.
-            One still referenced when the program ends waits for its saves then on
-            Python 3.11; from Python 3.12 on, Python refuses the threads Orbax then
-            needs, so its last save may be lost (eqstate says so on stderr) and
-            Orbax's waiting threads may hold the program's exit up for minutes.
+            returned) waits for its saves and closes then; one in a reference cycle
+            closes in a thread of its own once the garbage collector drops it. One
+            whose saves are still being written when the program ends is waited for
+            then on Python 3.11; from Python 3.12 on, Python refuses the threads
+            Orbax then needs, so its last save may be lost (eqstate says so on
+            stderr) and Orbax's waiting threads may hold the program's exit up for
+            minutes.
             (Keyword only argument.)
 
         **Raises:**
@@ -805,11 +815,18 @@ class CheckpointManager:
     def close(self) -> None:
         """Waits for the saves in flight, then releases the manager's resources.
         Call it (or use a `with` block) before the program ends: see `async_save`.
-        A closed manager refuses to save or load; closing it again does nothing."""
-        self._closed = True
-        self._closer.detach()
-        _UNCLOSED.discard(self._closer)
-        self._manager.close()
+        A closed manager refuses to save or load; closing it again is harmless.
+
+        **Raises:**
+
+        What Orbax raises if a save in the background failed; the manager is
+        closed all the same."""
+        try:
+            self._manager.close()
+        finally:
+            self._closed = True
+            self._closer.detach()
+            _UNCLOSED.discard(self._closer)
 
     def _refuse_if_closed(self, what: str) -> None:
         if self._closed:

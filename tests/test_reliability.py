@@ -2,6 +2,8 @@
 
 import gc
 import resource
+import subprocess
+import sys
 import threading
 
 import eqstate as es
@@ -211,3 +213,21 @@ def test_an_eager_transform_sees_the_globals_of_each_call(transform):
             ), (transform, x, double, got, want)
     finally:
         _CURRENT.update(x=jnp.ones(2), double=False)
+
+
+_FIRST_DONATION_GUARDED = """
+import jax, jax.random as jr
+import eqstate as es
+
+rng = es.RandomState(0, name="rng")
+draw = es.transform.jit(lambda: jr.normal(rng.split_key()), donate_states=True)
+with jax.transfer_guard("disallow"):
+    draw()
+    draw()
+"""
+
+
+def test_the_first_donated_call_of_a_program_may_run_under_a_transfer_guard():
+    subprocess.run(
+        [sys.executable, "-c", _FIRST_DONATION_GUARDED], check=True, timeout=120
+    )
