@@ -277,6 +277,27 @@ def test_batch_norm_called_per_example_says_to_call_it_on_the_batch_outside_vmap
     assert "x[None]" not in str(info.value)
 
 
+@pytest.mark.parametrize("vmap", (jax.vmap, eqx.filter_vmap), ids=("jax", "eqx"))
+def test_batch_norm_in_inference_per_example_of_square_shape_is_refused(vmap):
+    # One example (channels, height, width) with height == channels passes the
+    # feature-axis check, and would be normalised along its height.
+    bn = enn.BatchNorm(3)
+    bn(jnp.arange(60.0).reshape(5, 3, 4))
+    images = jnp.ones((2, 3, 3, 4))
+    with pytest.raises(ValueError, match=r"(?s)shape \(3, 3, 4\).*one example"):
+        vmap(eqx.nn.inference_mode(bn))(images)
+    # What is unambiguous runs: the whole batch, and the lanes of an ensemble,
+    # whose statistics are mapped too.
+    assert bn(images, inference=True).shape == images.shape
+    ensemble = es.transform.vmap_new_states(
+        lambda: enn.BatchNorm(3, inference=True), axis_size=2
+    )()
+    lanes = es.transform.vmap(
+        lambda x: ensemble(x), in_states={0: es.states_of(ensemble)}
+    )
+    assert lanes(images).shape == images.shape
+
+
 def test_batch_norm_channels_last_input_gets_a_hint_about_the_feature_axis():
     bn = enn.BatchNorm(3)
     with pytest.raises(

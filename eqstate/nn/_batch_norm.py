@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Inexact, Num, PRNGKeyArray
 
+from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._state import LongTermState, ParamState
 
@@ -172,6 +173,15 @@ class BatchNorm(eqx.Module):
                 f"of shape (batch, {n}) or (batch, {n}, *spatial): the batch on axis 0 "
                 f"and the features on axis 1; {got}.{hint}"
             )
+        if inference and x.shape[0] == n and self._per_example(x):
+            raise ValueError(
+                f"BatchNorm(num_features={n}) got an input of shape {x.shape} inside "
+                "a `vmap` that maps the input but not the layer's running statistics: "
+                f"one example of {n} channels, which would be normalised along axis "
+                f"1 (of size {n} too) as if it were a batch.{_PER_EXAMPLE_HINT} If "
+                f"each lane really is a batch of {n} examples, call the layer on all "
+                "of them at once: `bn(xs.reshape(-1, *xs.shape[2:]))`."
+            )
         if not inference and x.size // self.num_features < 2:
             raise ValueError(
                 f"BatchNorm(num_features={self.num_features}) got an input of shape "
@@ -179,6 +189,14 @@ class BatchNorm(eqx.Module):
                 "variance is zero. Train on batches of two or more, or call it with "
                 "`inference=True` to use the running statistics."
             )
+
+    def _per_example(self, x: Array) -> bool:
+        """Whether `x` is mapped by the innermost `vmap` and the running statistics
+        are not: the layer is called per example, as `eqx.nn.BatchNorm` is (an
+        ensemble's lanes each have statistics of their own)."""
+        return compat.is_batched_here(x) and not compat.is_batched_here(
+            self.running_mean.value
+        )
 
     def __call__(
         self,
@@ -202,8 +220,11 @@ class BatchNorm(eqx.Module):
         **Raises:**
 
         `ValueError` if the feature axis of `x` does not have size `num_features`,
-        if `x` is complex and the layer's states are real, or, in training, if there
-        is only one value per feature.
+        if `x` is complex and the layer's states are real, in training if there is
+        only one value per feature, or in inference if `x` looks like one example
+        of a square shape `(num_features, num_features, ...)` called per example
+        inside `jax.vmap` or `eqx.filter_vmap` (mapped there, while the running
+        statistics are not), which would be normalised along the wrong axis.
         """
         x = jnp.asarray(x)
         if inference is None:
