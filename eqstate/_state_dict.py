@@ -33,8 +33,11 @@ class StateDict(_MappingBase):
 
     It is a PyTree whose children are the values (the ordered tuple of handles is the
     static part), so it passes through `jax.jit`, `eqx.filter_jit`, optax and
-    checkpoints unchanged. Iteration follows insertion order. Every operation returns a
-    new dictionary.
+    checkpoints unchanged. Iteration follows insertion order; a dictionary rebuilt from
+    its leaves (out of `jax.jit`, `jax.tree.map` or optax) iterates in the creation
+    order of its states instead, as JAX sorts a `dict`'s keys, so that gradients and
+    parameters share one tree structure. Look values up by handle, not by position.
+    Every operation returns a new dictionary.
 
     Being immutable, it is its own `copy.copy`. `copy.deepcopy` of it (or of an
     optimiser's state holding it) returns a `StateDict` keyed by the same handles,
