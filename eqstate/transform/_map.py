@@ -250,7 +250,9 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
     last element's write, as in the sequential map. Random states drawn from are
     split per element (every element draws different numbers), and advance once per
     chunk; a random state the function only overwrites (a reseed) is like any other
-    overwritten state.
+    overwritten state. One drawn from and then reseeded with a value that differs
+    across elements (`rng.seed(x)`) advances once per chunk too: the last element's
+    reseed is dropped, as in [`eqstate.transform.vmap`][].
 
     States cannot be created inside `f`.
 
