@@ -326,7 +326,7 @@ def test_a_closed_manager_refuses_to_save_or_load(tmp_path):
     manager = es.CheckpointManager(tmp_path)
     manager.save(1, es.values_of(w))
     manager.close()
-    manager.close()  # again: nothing to do
+    manager.close()  # again: harmless
     for call in (
         lambda: manager.save(2, es.values_of(w)),
         lambda: manager.load(es.values_of(w)),

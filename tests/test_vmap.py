@@ -221,8 +221,11 @@ def test_axis_size_inference_errors():
         es.transform.vmap(lambda: 1.0)()
     with pytest.raises(ValueError, match="inconsistent sizes"):
         es.transform.vmap(lambda x, y: x + y)(jnp.ones(2), jnp.ones(3))
-    with pytest.raises(ValueError, match="positive integer"):
-        es.transform.vmap(lambda: 1.0, axis_size=0)
+    for size in (0, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            es.transform.vmap(lambda: 1.0, axis_size=size)
+        with pytest.raises(ValueError, match="positive integer"):
+            es.transform.vmap_new_states(lambda: None, axis_size=size)
     with pytest.raises(ValueError, match="one entry per argument"):
         es.transform.vmap(lambda x: x, in_axes=(0, 0))(jnp.ones(2))
 

@@ -78,8 +78,11 @@ def _check_axis_leaves(in_axes: AxisSpec) -> None:
 
 
 def check_axis_size(axis_size: int | None) -> None:
-    """Raises `ValueError` unless `axis_size` is `None` or a positive integer."""
-    if axis_size is not None and (not isinstance(axis_size, int) or axis_size <= 0):
+    """Raises `ValueError` unless `axis_size` is `None` or a positive integer (not a
+    `bool`, which JAX refuses later, as a shape)."""
+    if axis_size is not None and (
+        not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size <= 0
+    ):
         raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
 
 
