@@ -678,7 +678,6 @@ class CheckpointManager:
             step_name_format=self._name_format,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
-        self._async = async_save
         self._closed = False
         self._closer = weakref.finalize(
             self, _close_dropped, self._manager, self.directory
