@@ -18,10 +18,11 @@ its literal values, its parameters and its context (e.g.
 constants by value, or by identity for JAX arrays, which cannot change. A parameter
 that is not a jaxpr or a plain value (a number, a string, a dtype, an enum, a
 sharding, a tuple of those) counts by identity (e.g. the function of a
-`jax.pure_callback`), so that an unknown object can only make a key differ. The key leaves out the differentiation rules of
-`jax.custom_jvp` and `jax.custom_vjp` functions: the compiled function only
-evaluates, and at top level nothing differentiates it. A jaxpr with effects
-(`jax.debug.print`, `io_callback`) is evaluated as JAX would, compiling each call.
+`jax.pure_callback`), so that an unknown object can only make a key differ. The key
+leaves out the differentiation rules of `jax.custom_jvp` and `jax.custom_vjp`
+functions: the compiled function only evaluates, and at top level nothing
+differentiates it. A jaxpr with effects (`jax.debug.print`, `io_callback`) is
+evaluated as JAX would, compiling each call.
 """
 
 import enum
