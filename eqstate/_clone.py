@@ -47,10 +47,12 @@ def _register(tree: _T, states: tuple[State, ...], values: list[PyTree]) -> _T:
     value (e.g. an optimiser's state) is keyed by the fresh handles too."""
     frame = _context.current_frame()
     # In the originals' creation order: a StateDict flattens in the creation order of
-    # its handles, so one of the copy's states then flattens like the original's.
+    # its handles, and each copy counts as created right after its original.
     fresh = {s: fresh_copy(s) for s in sorted(states, key=creation_order)}
-    for state, value in zip(states, rekeyed(values, fresh)):
-        frame.add_new(fresh[state], value)
+    copied = dict(zip(states, rekeyed(values, fresh)))
+    for state, new in fresh.items():
+        # Registered in that order too: a jitted clone returns handles in it.
+        frame.add_new(new, copied[state])
     return rekeyed(_replace_handles(tree, fresh), fresh)
 
 
@@ -67,10 +69,10 @@ def clone(tree: _T) -> _T:
     (e.g. a module field) or held in a value (an optimiser's state, a snapshot of the
     best weights) is keyed by the new handles in place of the handles of `tree`, so
     that it refers to the clone's states, not to the original's; its keys naming
-    states that `tree` does not hold stay as they are. The new handles are created
-    in the creation order of the originals, so a `StateDict` of the clone's states
-    flattens like the original's (Equinox's serialisation matches leaves by that
-    order).
+    states that `tree` does not hold stay as they are. Each new handle counts as
+    created right after its original, so a `StateDict` holding the clone's states
+    (with other states or not) flattens like one holding the originals' (Equinox's
+    serialisation matches leaves by that order), under `jit` too.
 
     `copy.deepcopy` of a handle raises instead, since it cannot choose the context
     to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]

@@ -90,7 +90,7 @@ class State(Generic[_Value]):
         object.__setattr__(self, "_tag", tag)
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_expired_in", None)
-        object.__setattr__(self, "_order", next(_CREATION_ORDER))
+        object.__setattr__(self, "_order", (next(_CREATION_ORDER),))
         object.__setattr__(self, "_replicated", None)
         object.__setattr__(self, "_builds", frozenset())
         try:
@@ -305,7 +305,9 @@ def fresh_copy(state: State) -> State:
     if hasattr(state, "__dict__"):
         fresh.__dict__.update(state.__dict__)
     object.__setattr__(fresh, "_expired_in", None)
-    object.__setattr__(fresh, "_order", next(_CREATION_ORDER))
+    # Right after the handle it copies, so that a `StateDict` holding the copy in its
+    # place flattens like one holding the original (see `creation_order`).
+    object.__setattr__(fresh, "_order", (state._order[0], next(_CREATION_ORDER)))
     return fresh
 
 
@@ -359,15 +361,17 @@ def lazy_world_state(
     object.__setattr__(state, "_tag", None)
     object.__setattr__(state, "_name", name)
     object.__setattr__(state, "_expired_in", None)
-    object.__setattr__(state, "_order", next(_CREATION_ORDER))
+    object.__setattr__(state, "_order", (next(_CREATION_ORDER),))
     object.__setattr__(state, "_replicated", None)
     object.__setattr__(state, "_builds", frozenset())
     _context.WORLD.add_lazy(state, make_value)
     return state
 
 
-def creation_order(state: State) -> int:
-    """The position of `state` among all handles, in creation order."""
+def creation_order(state: State) -> tuple[int, ...]:
+    """The position of `state` among all handles, in creation order. A copy made by
+    `fresh_copy` (a clone, a member, a handle a jitted call returns) counts as made
+    when the handle it copies was, then after that handle and its earlier copies."""
     return state._order
 
 

@@ -13,9 +13,9 @@ from jaxtyping import PyTree
 from ._context import current_frame
 from ._custom_types import Filter
 from ._errors import StateValueError
-from ._pretty_print import state_label
-from ._run import assign, values_of
-from ._state import ParamState
+from ._pretty_print import first_and_more, state_label
+from ._run import assign, states_of, values_of
+from ._state import ParamState, State
 from ._state_dict import state_dict_of, StateDict
 
 
@@ -48,7 +48,12 @@ def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
     holding none (an integer setting, a step counter) is left out. So the pair has
     the structure of the gradients that
     `eqstate.transform.grad(loss, grad_states=es.ParamState, argnums=0)(model, ...)`
-    returns, and one optax optimiser serves both.
+    returns, and one optax optimiser serves both, when the loss reads no
+    `ParamState` outside `model`. A loss that also reads another model's (a frozen
+    teacher it closes over) gets gradients for those too: pass
+    `grad_states=es.states_of(model, es.ParamState)` to differentiate this model's
+    alone ([`eqstate.apply_updates`][] refuses updates to states `model` does not
+    hold).
 
     **Arguments:**
 
@@ -97,7 +102,8 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
     Each sum is cast to the state's dtype, as `optax.apply_updates` casts it (a
     float32 update to a bfloat16 parameter gives bfloat16). An update that the
     state's dtype cannot hold, complex for a real state or inexact for an integer
-    one, is refused rather than truncated, as is one of another shape.
+    one, is refused rather than truncated, as is one of another shape, and so is an
+    update to a state that `model` does not hold.
 
     **Arguments:**
 
@@ -158,10 +164,11 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
             f"{type(state_updates).__name__} first. Pass what `optimizer.update` "
             "returned for `eqstate.trainable(model)`."
         )
+    states = state_updates.states
+    _refuse_foreign(states, model)
     # The arrays first, then every state's update, before any state is written: updates
     # that do not fit the model raise, and a failed call changes nothing.
     updated = eqx.apply_updates(model, array_updates)
-    states = state_updates.states
     current = current_frame().read_many(states) if states else []
     assign(
         {
@@ -170,6 +177,22 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
         }
     )
     return updated
+
+
+def _refuse_foreign(states: tuple[State, ...], model: PyTree) -> None:
+    """Refuses updates to states that `model` does not hold, such as a frozen
+    teacher's parameters that the loss closes over."""
+    held = set(states_of(model))
+    foreign = [s for s in states if s not in held]
+    if foreign:
+        raise StateValueError(
+            f"The updates hold {first_and_more(map(state_label, foreign))}, which "
+            "`model` does not hold: `apply_updates` updates the model's own states "
+            "only. `grad_states=es.ParamState` differentiates every ParamState the "
+            "loss reads, also those of a model it closes over (a frozen teacher); "
+            "to train this model's alone, pass "
+            "`grad_states=es.states_of(model, es.ParamState)`."
+        )
 
 
 def _add(state: Any, value: Any, update: Any) -> Any:

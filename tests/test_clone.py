@@ -396,11 +396,12 @@ class _Autoencoder(eqx.Module):
         self.encoder = es.ParamState(encoder)
 
 
-def test_a_clone_flattens_its_state_dict_like_the_original(getkey):
+@pytest.mark.parametrize("make_clone", (es.clone, es.transform.jit(es.clone)))
+def test_a_clone_flattens_its_state_dict_like_the_original(make_clone):
     # A StateDict flattens in the creation order of its handles; Equinox's
     # serialisation matches leaves by that order, from a model into its clone too.
     model = _Autoencoder(jnp.full(3, 1.0), jnp.full(3, 2.0))
-    twin = es.clone(model)
+    twin = make_clone(model)
     assert tree_bitwise_equal(
         jax.tree.leaves(es.values_of(twin)), jax.tree.leaves(es.values_of(model))
     )
@@ -412,14 +413,50 @@ def test_a_clone_flattens_its_state_dict_like_the_original(getkey):
     assert (twin.encoder.value == 1).all() and (twin.decoder.value == 2).all()
 
 
-def test_a_member_flattens_its_state_dict_like_the_ensemble():
+@pytest.mark.parametrize("jitted", (False, True))
+def test_a_member_flattens_its_state_dict_like_the_ensemble(jitted):
     ensemble = es.transform.vmap_new_states(
         lambda: _Autoencoder(es.random.normal((3,)), es.random.normal((3,))),
         axis_size=2,
     )()
-    one = es.member(ensemble, 1)
+    take = es.transform.jit(es.member, static_argnums=1) if jitted else es.member
+    one = take(ensemble, 1)
     expected = [x[1] for x in jax.tree.leaves(es.values_of(ensemble))]
     assert tree_bitwise_equal(jax.tree.leaves(es.values_of(one)), expected)
+
+
+@pytest.mark.parametrize("make_clone", (es.clone, es.transform.jit(es.clone)))
+def test_a_clone_takes_its_originals_place_among_other_states(make_clone):
+    # A snapshot of the model's states and of one made between them: the clone's
+    # snapshot must flatten like the original's, or a file saved from the one loads
+    # into the wrong states of the other.
+    first = es.State(jnp.full(2, 1.0), name="first")
+    between = es.State(jnp.full(2, 2.0), name="between")
+    last = es.State(jnp.full(2, 3.0), name="last")
+    model = [last, first]
+    twin = make_clone(model)
+    twice = make_clone(twin)
+    for copied in (twin, twice):
+        snapshot = es.values_of([*copied, between])
+        assert [s.name for s in jax.tree.structure(snapshot).node_data()[1]] == [
+            "first",
+            "between",
+            "last",
+        ]
+        leaves = jax.tree.leaves(snapshot)
+        assert [float(x[0]) for x in leaves] == [1.0, 2.0, 3.0]
+
+
+def test_states_a_jitted_function_creates_flatten_where_its_first_call_made_them():
+    make = es.transform.jit(lambda: es.State(jnp.zeros(2), name="made"))
+    before = make()
+    other = es.State(jnp.ones(2), name="other")
+    after = make()
+    names = [
+        [s.name for s in jax.tree.structure(es.values_of(pair)).node_data()[1]]
+        for pair in ([other, before], [other, after])
+    ]
+    assert names == [["made", "other"], ["made", "other"]]
 
 
 def test_a_handle_is_not_array_like_to_equinox_or_jax(getkey):

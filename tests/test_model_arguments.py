@@ -778,10 +778,34 @@ def test_apply_updates_of_another_shape_than_a_state_is_an_error_changing_nothin
     assert (model.v.value == 0).all() and (model.w.value == 0).all()
 
 
+def test_apply_updates_refuses_a_closed_over_teachers_gradient_changing_nothing():
+    # `grad_states=es.ParamState` differentiates every ParamState the loss reads, a
+    # frozen teacher's too; a stateless optimiser passes its update through.
+    teacher = _Holder(es.ParamState(jnp.array(3.0), name="teacher"))
+    student = _Holder(es.ParamState(jnp.array(0.0), name="student"))
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(es.trainable(student))
+
+    def loss(model):
+        return (model.s.value - teacher.s.value) ** 2
+
+    grads = es.transform.grad(loss, grad_states=es.ParamState, argnums=0)(student)
+    updates, _ = optimizer.update(grads, opt_state, es.trainable(student))
+    with pytest.raises(es.StateValueError, match=r"ParamState 'teacher'.*states_of"):
+        es.apply_updates(student, updates)
+    assert student.s.value == 0 and teacher.s.value == 3
+
+    own = es.states_of(student, es.ParamState)
+    grads = es.transform.grad(loss, grad_states=own, argnums=0)(student)
+    updates, _ = optimizer.update(grads, opt_state, es.trainable(student))
+    es.apply_updates(student, updates)
+    assert student.s.value == pytest.approx(0.6) and teacher.s.value == 3
+
+
 def test_apply_updates_casts_a_sum_of_the_same_kind_to_the_state_dtype_as_optax():
     w = es.ParamState(jnp.ones(3, jnp.bfloat16), name="w")
     update = jnp.full(3, 0.5, jnp.float32)
-    es.apply_updates(None, (es.StateDict({w: update}), None))
+    es.apply_updates(w, (es.StateDict({w: update}), None))
     [want] = jax.tree.leaves(optax.apply_updates([jnp.ones(3, jnp.bfloat16)], [update]))
     assert w.value.dtype == jnp.bfloat16 == want.dtype
     assert (w.value == want).all()
