@@ -807,3 +807,98 @@ def test_vjp_of_a_mixed_state_gives_none_at_its_integer_leaves_as_grad_does(
     assert tree_allclose(state_ct[p]["w"], w_ct) and tree_allclose(x_ct, expected_x_ct)
     if spec == "handle":  # an integer state named explicitly: float0, as jax.vjp
         assert state_ct[count].dtype == jax.dtypes.float0
+
+
+def test_jvp_refuses_a_complex_tangent_for_a_real_state_rather_than_dropping_it():
+    w = es.ParamState(jnp.array([1.0, 2.0]), name="w")
+    x = jnp.array([3.0, 4.0])
+    tangents = es.StateDict({w: jnp.array([1j, 1j])})
+    with pytest.raises(TypeError, match=r"ParamState 'w' a complex tangent"):
+        es.transform.jvp(
+            lambda x: jnp.sum(w.value * x), (x,), (x,), state_tangents=tangents
+        )
+
+
+def test_a_gradient_made_once_sees_the_globals_of_each_jitted_function_using_it():
+    # As `jax.grad` does: each jitted function tracing it runs its Python again.
+    w = es.ParamState(jnp.array(1.0), name="w")
+    mask = {"now": jnp.array([1.0, 1.0])}
+
+    def loss(x):
+        return w.value * jnp.sum(mask["now"] * x)
+
+    grad = es.transform.grad(loss, grad_states=w)
+    x = jnp.array([2.0, 3.0])
+    first = es.transform.jit(lambda x: grad(x)[w])
+    assert first(x) == 5.0
+    mask["now"] = jnp.array([1.0, 0.0])
+    second = es.transform.jit(lambda x: grad(x)[w])
+    assert second(x) == 2.0
+    first.clear_cache()
+    assert first(x) == 2.0
+
+
+def test_clear_cache_of_a_jitted_gradient_finds_states_created_since():
+    # The docs' remedy for a function that lists the world's states.
+    class Bias(es.ParamState):
+        pass
+
+    keep = Bias(jnp.array(1.0))
+
+    def total():
+        return sum(v**2 for v in es.world().filter(Bias).values())
+
+    value_and_grad = es.transform.value_and_grad(total, grad_states=Bias)
+    step = es.transform.jit(lambda: value_and_grad())
+    assert step()[0] == 1.0
+    more = Bias(jnp.array(10.0))
+    step.clear_cache()
+    value, grads = step()
+    assert value == 101.0 and set(grads.states) == {keep, more}
+
+
+def test_calls_in_one_enclosing_trace_trace_the_function_once():
+    w = es.ParamState(jnp.array(2.0), name="w")
+    traced = []
+
+    def loss(x):
+        traced.append(None)
+        return w.value * x
+
+    grad = es.transform.grad(loss, grad_states=w)
+
+    @es.transform.jit
+    def three(x):
+        return [grad(x + i)[w] for i in range(3)]
+
+    es.transform.jit(lambda x: grad(x)[w])(jnp.array(1.0))
+    once = len(traced)  # two traces in the two-pass mode
+    traced.clear()
+    assert three(jnp.array(1.0)) == [1.0, 2.0, 3.0]
+    assert len(traced) == once
+
+
+@pytest.mark.parametrize(
+    "make",
+    (
+        es.transform.grad,
+        es.transform.vector_grad,
+        es.transform.jacrev,
+        es.transform.jacfwd,
+        es.transform.hessian,
+    ),
+)
+def test_the_gradient_transforms_decorate_methods(make):
+    w = es.ParamState(jnp.array(2.0), name="w")
+
+    class Model:
+        k = 3.0
+
+        def loss(self, x):
+            return self.k * w.value**2 * x
+
+        grad = make(loss, grad_states=w)
+
+    got = jax.tree.leaves(Model().grad(jnp.array(1.0)))
+    want = make(lambda w: Model.k * w**2)(jnp.array(2.0))
+    assert tree_allclose(got, [want])

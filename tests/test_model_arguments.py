@@ -384,8 +384,18 @@ def test_grad_warns_when_a_mixed_model_is_closed_over_or_passed_without_argnums(
         def loss(self, x):
             return _loss(self.model, x)
 
+        def __call__(self, x):
+            return self.loss(x)
+
     with pytest.warns(UserWarning, match="arrays get no gradient"):
         es.transform.grad(Holder(model).loss, grad_states=es.ParamState)(jnp.ones(3))
+    # The model itself, or a partial binding it: the same silent case.
+    with pytest.warns(UserWarning, match="is a Holder.*arrays get no gradient"):
+        es.transform.grad(Holder(model), grad_states=es.ParamState)(jnp.ones(3))
+    with pytest.warns(UserWarning, match="closes over a Mixed.*arrays get no gradient"):
+        es.transform.grad(ft.partial(_loss, model), grad_states=es.ParamState)(
+            jnp.ones(3)
+        )
     # Passed as an argument without `argnums`: the same silent case.
     with pytest.warns(UserWarning, match=r"argument 0.*add `argnums=0`"):
         es.transform.grad(_loss, grad_states=es.ParamState)(model, jnp.ones(3))

@@ -131,8 +131,11 @@ def combine(differentiable: Any, rest: Any) -> Any:
 
 
 def _closed_over(fun: Any) -> list[Any]:
-    """The objects `fun` closes over: its closure cells, and `self` of a method."""
-    found = [getattr(fun, "__self__", None)]
+    """The objects `fun` closes over: its closure cells, `self` of a method, the
+    arguments bound by a `functools.partial`, and `fun` itself (a module called)."""
+    found = [fun, getattr(fun, "__self__", None)]
+    if isinstance(fun, ft.partial):
+        found += [*fun.args, *fun.keywords.values(), *_closed_over(fun.func)]
     for cell in getattr(fun, "__closure__", None) or ():
         try:
             found.append(cell.cell_contents)
@@ -158,7 +161,7 @@ def _warn_if_arrays_untrained(fun: Any, name: str, args: tuple) -> None:
     how = None
     for obj in _closed_over(fun):
         if _holds_states_and_arrays(obj):
-            what = f"closes over a {type(obj).__name__}"
+            what = f"{'is' if obj is fun else 'closes over'} a {type(obj).__name__}"
             how = what, "pass the model as an argument and add `argnums=0`"
             break
     else:
@@ -356,6 +359,13 @@ class _GradientTransform:
         self._traces = traces_for(fun, name, transformed_argnums=self._argnums)
         self._warned = False
         ft.update_wrapper(self, fun, updated=())
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        # A method's instance is its first argument, as for a function `jax.grad`
+        # returns.
+        if instance is None:
+            return self
+        return ft.partial(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._grad_states is not None and not self._argnums and not self._warned:
@@ -925,6 +935,16 @@ def _state_tangent(state: State, tangent: Any, primal: Any) -> Any:
     """`tangent` for a leaf of `state`'s value, as `jax.jvp` takes it: in the
     primal's dtype, or `float0` for an integer, boolean or key primal."""
     if jnp.issubdtype(primal.dtype, jnp.inexact):
+        given = jnp.result_type(tangent)
+        if jnp.issubdtype(given, jnp.complexfloating) and not jnp.issubdtype(
+            primal.dtype, jnp.complexfloating
+        ):
+            raise TypeError(
+                f"`state_tangents` gives {state_label(state)} a complex tangent "
+                f"(dtype {given}) for a real value of dtype {primal.dtype}: casting "
+                "it would drop its imaginary part. Pass a real tangent, or give the "
+                "state a complex value."
+            )
         return jnp.asarray(tangent, primal.dtype)
     if getattr(tangent, "dtype", None) == jax.dtypes.float0:
         return tangent

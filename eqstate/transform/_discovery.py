@@ -44,16 +44,17 @@ def traces_for(
 
 
 def kept_or_fresh(traces: FunctionTraces) -> FunctionTraces:
-    """The trace cache a transformed function's call uses: `traces`, kept across
-    calls, inside an enclosing trace; a new, empty one at top level. A call at top
-    level runs the function's Python again, as JAX's eager transforms do, so that the
-    arrays and flags it reads from globals or closures are the current ones (a kept
-    trace holds their first values as constants)."""
-    if not compat.is_top_level():
-        return traces
-    return FunctionTraces(
-        traces.fun, traces.name, traces.parser, traces.state_returns, traces.axis_env
-    )
+    """The trace cache a transformed function's call uses: inside an enclosing trace,
+    one kept across the calls made in that very trace (a Python loop calling `grad`
+    ten times traces its function once); otherwise a new, empty one. Like JAX's own
+    transforms, a call at top level, or in another trace (another jitted function, a
+    retrace after `clear_cache()` or for new shapes), runs the function's Python
+    again, so that the arrays and flags it reads from globals or closures, and the
+    states it finds there, are the current ones (a kept trace holds the first ones).
+    """
+    if compat.is_top_level():
+        return traces.emptied()
+    return traces.kept_for(compat.current_trace())
 
 
 class Discovery:

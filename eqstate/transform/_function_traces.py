@@ -3,6 +3,7 @@ trace against a frame. `StatefulFunction`, `jit`'s plans and the other transform
 reach a function's pure form through this."""
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -63,6 +64,29 @@ class FunctionTraces:
         self._lock = threading.Lock()
         self._last_key: Hashable = MISSING
         self.stats = CacheStats()
+        self._kept: tuple[weakref.ref, FunctionTraces] | None = None
+
+    def emptied(self) -> "FunctionTraces":
+        """A new cache for the same function, holding no trace (and counting into
+        these `stats`)."""
+        fresh = FunctionTraces(
+            self.fun, self.name, self.parser, self.state_returns, self.axis_env
+        )
+        fresh.stats = self.stats
+        return fresh
+
+    def kept_for(self, enclosing: Any) -> "FunctionTraces":
+        """The cache for calls made inside the JAX trace `enclosing`: the one the
+        last call made in it used, or a new one if that call was in another."""
+        kept = self._kept
+        if kept is not None and kept[0]() is enclosing:
+            return kept[1]
+        fresh = self.emptied()
+        try:
+            self._kept = (weakref.ref(enclosing), fresh)
+        except TypeError:  # pragma: no cover - a trace that takes no weak reference
+            pass
+        return fresh
 
     def parse(self, args: tuple, kwargs: dict) -> CallArgs:
         return self.parser.parse(args, kwargs)
