@@ -1,7 +1,8 @@
 """Copies of models holding handles: `clone` and `member`."""
 
 import operator
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from ._custom_types import Filter
 from ._pretty_print import state_label, value_summary
 from ._run import states_of
 from ._state import creation_order, fresh_copy, is_state, NonBatchState, State
-from ._state_dict import rekeyed, StateDict
+from ._state_dict import rekeyed, state_dict_of, StateDict
 
 
 _T = TypeVar("_T")
@@ -118,17 +119,32 @@ def clone(tree: _T) -> _T:
     return _register(tree, states, [_copy(v) for v in values])
 
 
+_ARRAY = "the array at "
+
+
+def _built_size(states: tuple[State, ...]) -> int | None:
+    """The number of members of the builds that made `states` (for an ensemble whose
+    states are all shared, so that no stacked value tells it), if one size."""
+    sizes = {b.size for s in states for b, built in s._builds if built}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
     """The size of the leading axis shared by every `(label, value)` of `stacked`."""
     sizes: dict[str, int] = {}
     for label, value in stacked:
         for leaf in jtu.tree_leaves(value):
             if leaf.ndim == 0:
+                fix = (
+                    "Take the member of the ensemble alone, not of a tree that also "
+                    "holds values of another kind (an optimiser's step count)."
+                    if label.startswith(_ARRAY)
+                    else "If every member shares it, pass a filter selecting it as "
+                    "`shared=` (the `state_to_exclude` given to `vmap_new_states`)."
+                )
                 raise ValueError(
                     f"{label} holds {value_summary(value)}, which has no leading "
-                    "member axis, so it cannot be part of an ensemble member. If "
-                    "every member shares it, pass a filter selecting it as `shared=` "
-                    "(the `state_to_exclude` given to `vmap_new_states`)."
+                    f"member axis, so it cannot be part of an ensemble member. {fix}"
                 )
             sizes[f"{label} ({value_summary(value)})"] = leaf.shape[0]
     if len(set(sizes.values())) > 1:
@@ -150,7 +166,19 @@ def mark_replicated(state: State, replicated: bool) -> None:
     object.__setattr__(state, "_replicated", replicated)
 
 
-def mark_build(state: State, build: object, *, built: bool) -> None:
+class Build:
+    """One `vmap_new_states` call, as recorded on the states it returned (see
+    `mark_build`): its number of members, and whether it stacked its output's arrays
+    along their leading axis (`out_axes=0`), where `member` slices them."""
+
+    __slots__ = ("arrays_leading", "size")
+
+    def __init__(self, size: int, arrays_leading: bool):
+        self.size = size
+        self.arrays_leading = arrays_leading
+
+
+def mark_build(state: State, build: Build, *, built: bool) -> None:
     """Records on the handle that the `vmap_new_states` call `build` built `state`
     (`built=True`), or returned it without building it (a table tied into every
     member): `member` copies the latter whole in a tree that holds a state `build`
@@ -169,8 +197,8 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     States shared by every member (not stacked) are copied whole. Arrays of the tree
     that are not states, such as the weights of an `eqx.nn.Linear` built in each
     lane, are stacked by `vmap_new_states` too, and are sliced the same way; so are
-    the values of a `StateDict` in the tree, which is keyed by the member's handles
-    as by [`eqstate.clone`][].
+    the values of a `StateDict` in the tree (those of states copied whole are kept
+    whole), which is keyed by the member's handles as by [`eqstate.clone`][].
 
     The new states are registered in the innermost context, as by
     [`eqstate.clone`][]. For an ensemble whose values are in a `StateDict`, run it
@@ -207,9 +235,10 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
 
     **Raises:**
 
-    `IndexError` if `index` is out of range; `ValueError` if a stacked state has no
-    leading axis, or if the stacked states disagree on its size (a shared state that
-    `shared` does not select).
+    `IndexError` if `index` is out of range; `ValueError` if a stacked state or
+    array has no leading axis, if they disagree on its size (a shared state that
+    `shared` does not select), or if the tree holds arrays of an ensemble built with
+    `out_axes` other than 0.
 
     !!! Example
 
@@ -235,23 +264,61 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     # Selected as `states_of` selects: by any of the paths a state is found at.
     whole = _copied_whole(states, set(states_of(ensemble, shared)))
     stacked = [(state_label(s), v) for s, v in zip(states, values) if s not in whole]
-    arrays = jtu.tree_leaves_with_path(eqx.filter(ensemble, eqx.is_array))
-    stacked += [(f"the array at {jtu.keystr(path)}", x) for path, x in arrays]
-    if stacked:
-        size = _member_axis_size(stacked)
+    unsliced = _map_stacked(ensemble, whole, lambda x: x, lambda v: None)
+    arrays = jtu.tree_leaves_with_path(eqx.filter(unsliced, eqx.is_array))
+    if arrays:
+        _refuse_arrays_off_the_leading_axis(states)
+    stacked += [(f"{_ARRAY}{jtu.keystr(path)}", x) for path, x in arrays]
+    size = _member_axis_size(stacked) if stacked else _built_size(states)
+    if size is not None:
         if not -size <= index < size:
             raise IndexError(
                 f"Member {index} of an ensemble of {size} members does not exist: "
                 f"the index must be in [{-size}, {size})."
             )
-    ensemble = jtu.tree_map(
-        lambda x: x[index] if eqx.is_array(x) else x, ensemble, is_leaf=is_state
-    )
+    ensemble = _map_stacked(ensemble, whole, lambda x: x[index], lambda v: v)
     picked = [
         _copy(v) if s in whole else jtu.tree_map(lambda x: x[index], v)
         for s, v in zip(states, values)
     ]
     return _register(ensemble, states, picked)
+
+
+def _map_stacked(
+    tree: _T, whole: set[State], f: Callable[[Any], Any], keep: Callable[[Any], Any]
+) -> _T:
+    """`tree` with `f` applied to every array that holds the members, and `keep` to
+    the values that a `StateDict` in it (at any depth: a snapshot, an optimiser's
+    state) holds for states copied whole, which are not stacked."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, StateDict):
+            return state_dict_of(
+                {
+                    s: keep(v) if s in whole else _map_stacked(v, whole, f, keep)
+                    for s, v in x._values.items()
+                }
+            )
+        return f(x) if eqx.is_array(x) else x
+
+    return jtu.tree_map(one, tree, is_leaf=_is_state_dict)
+
+
+def _is_state_dict(x: Any) -> bool:
+    return isinstance(x, StateDict)
+
+
+def _refuse_arrays_off_the_leading_axis(states: tuple[State, ...]) -> None:
+    """Raises if a build of these states stacked its arrays along another axis than
+    the leading one, where `member` would slice them."""
+    if any(not b.arrays_leading for s in states for b, built in s._builds if built):
+        raise ValueError(
+            "This ensemble was built by `vmap_new_states` with `out_axes` other than "
+            "0, so its arrays hold the members along another axis than the leading "
+            "one, and `member` would slice them wrongly (its states are stacked "
+            "along the leading axis whatever `out_axes` says). Build it with "
+            "`out_axes=0` to take members with `eqstate.member`."
+        )
 
 
 def _copied_whole(states: tuple[State, ...], shared: set[State]) -> set[State]:

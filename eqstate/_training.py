@@ -64,7 +64,11 @@ def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
 
     `(state_values, arrays)`: a [`eqstate.StateDict`][] of the states' floating-point
     parts, and `model` with `None` in place of every leaf that is not a
-    floating-point array (as `eqx.filter(model, eqx.is_inexact_array)`).
+    floating-point array (as `eqx.filter(model, eqx.is_inexact_array)`). A
+    `StateDict` the model holds as a field (a snapshot to reset to) is arrays of the
+    model to Equinox: it gets gradients with `argnums`, and an optimiser updates it
+    (weight decay shrinks it). Keep such values out of the model passed to `grad`
+    and `trainable`, or in a state of their own.
 
     !!! Example
 

@@ -642,3 +642,54 @@ def test_clone_keeps_a_state_dict_whose_states_are_not_in_the_tree():
     model = _Resettable()
     tree = {"initial": model.initial, "x": jnp.ones(2)}
     assert es.clone(tree) is tree
+
+
+def test_member_copies_whole_a_shared_states_value_in_a_state_dict_in_the_tree():
+    # A snapshot of an ensemble's values taken with it: the shared state's value is
+    # not stacked, so slicing it would give the member a part of it.
+    ensemble = es.transform.vmap_new_states(
+        lambda: {
+            "w": es.ParamState(es.random.normal((2,)), name="w"),
+            "table": es.NonBatchState(jnp.arange(4.0) * 10, name="table"),
+        },
+        axis_size=4,
+    )()
+    one, snapshot = es.member((ensemble, es.values_of(ensemble)), 2)
+    assert tree_bitwise_equal(snapshot[one["table"]], jnp.arange(4.0) * 10)
+    assert tree_bitwise_equal(snapshot[one["w"]], ensemble["w"].value[2])
+    es.assign(snapshot)  # restores the member as it was
+    assert tree_bitwise_equal(one["table"].value, jnp.arange(4.0) * 10)
+
+
+def test_member_of_an_ensemble_with_its_optimiser_state_names_the_stray_array():
+    ensemble = es.transform.vmap_new_states(
+        lambda: {"w": es.ParamState(es.random.normal((2,)), name="w")}, axis_size=3
+    )()
+    opt_state = optax.adam(0.1).init(es.trainable(ensemble))
+    with pytest.raises(ValueError, match=r"\.count holds i32\[\].*ensemble alone"):
+        es.member((ensemble, opt_state), 1)
+
+
+@pytest.mark.parametrize("out_axes", (1, -1, {"w": 0, "lin": 1}))
+def test_member_refuses_an_ensemble_whose_arrays_are_stacked_on_another_axis(out_axes):
+    def make(key):
+        return {
+            "w": es.ParamState(jnp.zeros(3), name="w"),
+            "lin": eqx.nn.Linear(3, 3, key=key),
+        }
+
+    keys = jr.split(jr.key(0), 2)
+    ensemble = es.transform.vmap_new_states(make, out_axes=out_axes)(keys)
+    with pytest.raises(ValueError, match="`out_axes` other than 0"):
+        es.member(ensemble, 1)
+    # Without arrays in the tree, the states alone are sliced as usual.
+    assert es.member(ensemble["w"], 1).value.shape == (3,)
+
+
+def test_member_of_an_ensemble_of_shared_states_only_checks_the_index():
+    ensemble = es.transform.vmap_new_states(
+        lambda: {"n": es.NonBatchState(jnp.ones(2), name="n")}, axis_size=3
+    )()
+    assert tree_bitwise_equal(es.member(ensemble, -3)["n"].value, jnp.ones(2))
+    with pytest.raises(IndexError, match=r"Member 3 of an ensemble of 3"):
+        es.member(ensemble, 3)

@@ -393,3 +393,22 @@ def test_a_shared_state_written_under_a_batched_predicate_is_refused_saying_why(
     with pytest.raises(es.BatchAxisError, match=r"State 'c'.*batched.*predicate"):
         es.transform.vmap(h)(jnp.arange(3.0))
     assert c.value == 0
+
+
+def test_in_states_never_maps_a_non_batch_state_it_selects():
+    # The ensemble recipe `in_states={0: es.states_of(ensemble)}`: each lane sees a
+    # member's `w` and the whole shared `scale`.
+    ensemble = es.transform.vmap_new_states(
+        lambda: {
+            "w": es.ParamState(es.random.normal((4,)), name="w"),
+            "scale": es.NonBatchState(jnp.arange(4.0), name="scale"),
+        },
+        axis_size=4,
+    )()
+
+    def predict(member):
+        return member["w"].value * member["scale"].value
+
+    lanes = es.transform.vmap(predict, in_states={0: es.states_of(ensemble)})(ensemble)
+    want = ensemble["w"].value * ensemble["scale"].value
+    assert tree_bitwise_equal(lanes, want)

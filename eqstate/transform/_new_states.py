@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
-from .._clone import mark_build, mark_replicated
+from .._clone import Build, mark_build, mark_replicated
 from .._context import check_write, has_tracer
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
 from .._errors import BatchAxisError, TraceContextError
@@ -270,15 +270,17 @@ def _build(
         for state in made["new"]:
             expire(state, where)
         raise
-    _mark_build(out, made["new"])
+    _mark_build(out, made["new"], size, out_axes)
     return out
 
 
-def _mark_build(out: Any, new: list[State]) -> None:
+def _mark_build(out: Any, new: list[State], size: int, out_axes: AxisSpec) -> None:
     """Records this build on its new states and on the states of `out` that existed
     before it (a table tied into every member): `member` of a tree holding the
     former copies the latter whole, as it copies replicated states."""
-    build = object()
+    axes = jtu.tree_leaves(out_axes, is_leaf=lambda x: x is None)
+    leading = all(type(a) is int and a == 0 for a in axes)
+    build = Build(size, arrays_leading=leading)
     for state in new:
         mark_build(state, build, built=True)
     for state in set(states_of((out,))).difference(new):  # `out` may be a StateDict

@@ -16,7 +16,7 @@ from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
 from .._shapes import shape_dtype
-from .._state import RandomState, split_and_advance, State
+from .._state import NonBatchState, RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
@@ -178,6 +178,8 @@ def parse_state_axes(spec: Any, what: str) -> list[tuple[int, Callable]]:
 
 
 def axis_of(state: State, pairs: list[tuple[int, Callable]]) -> int | None:
+    if isinstance(state, NonBatchState):
+        return None  # Never given a batch axis, even where a filter selects it.
     return next((axis for axis, p in pairs if p((), state)), None)
 
 
@@ -284,6 +286,9 @@ def vmap(
         0); filters as in [`eqstate.filters`][], e.g. `{0: ensemble_states}`. Only
         the matching states the function reads or writes are mapped (and give the
         axis size): with no mapped argument and none of them used, pass `axis_size`.
+        [`eqstate.NonBatchState`][]s are never mapped, even where a filter selects
+        them (`es.states_of(ensemble)`): every lane sees their whole value, as every
+        member of an ensemble built by `vmap_new_states` shares it.
     - `out_states`: the axis of mapped states in the output, as `{axis: filter}`;
         by default their input axis. A state must keep its shape.
 
