@@ -242,8 +242,12 @@ class RandomState(State[Any]):
         super().__init__(_as_key(seed_or_key), tag=tag, name=name)
 
     def seed(self, seed_or_key: int | ArrayLike) -> None:
-        """Resets the key from an integer seed or a typed key."""
-        self.value = _as_key(seed_or_key)
+        """Resets the key from an integer seed (making a key of the PRNG
+        implementation the state holds) or a typed key."""
+        impl = None
+        if isinstance(seed_or_key, (int, np.integer)):
+            impl = jax.random.key_impl(self.value)
+        self.value = _as_key(seed_or_key, impl)
 
     def split_key(self, n: int | None = None) -> Any:
         """Advances the key and returns a fresh one (or `n` fresh ones, stacked).
@@ -324,7 +328,9 @@ def _key_count(n: Any) -> int:
     return n
 
 
-def _as_key(seed_or_key: Any) -> Any:
+def _as_key(seed_or_key: Any, impl: Any = None) -> Any:
+    """A typed key from `seed_or_key`, an integer seed (making a key of `impl`, by
+    default JAX's default implementation) or a typed key."""
     if isinstance(seed_or_key, (str, bytes)) or not (
         isinstance(seed_or_key, (int, np.integer)) or hasattr(seed_or_key, "dtype")
     ):
@@ -336,7 +342,7 @@ def _as_key(seed_or_key: Any) -> Any:
         # A concrete key even inside a trace: one seed is the same in every lane, which
         # lets `vmap_new_states` re-key a state a nested `jit` creates before its draws.
         with jax.ensure_compile_time_eval():
-            return jax.random.key(seed_or_key)
+            return jax.random.key(seed_or_key, impl=impl)
     if (
         hasattr(seed_or_key, "dtype")
         and jnp.issubdtype(seed_or_key.dtype, jnp.integer)

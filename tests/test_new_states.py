@@ -506,3 +506,61 @@ def test_a_pre_existing_batch_of_keys_is_read_per_lane_keeping_its_shape(getkey)
     )()
     assert draws.value.shape == (4, 3, 2)
     assert len({tuple(r) for r in draws.value.reshape(-1, 2).tolist()}) == 4 * 3
+
+
+def _impl(keys):
+    return jax.random.key_impl(keys)
+
+
+def test_vmap_new_states_keeps_the_prng_implementation_of_random_states():
+    rbg = _impl(jr.key(0, impl="rbg"))
+    before = es.RandomState(jr.key(1, impl="rbg"), name="before")
+    seen = []
+
+    def member():
+        seen.append(_impl(before.value))
+        rng = es.RandomState(jr.key(0, impl="rbg"), name="rng")
+        return es.ParamState(jr.normal(rng.split_key(), (2,)), name="w"), rng
+
+    w, rng = es.transform.vmap_new_states(member, axis_size=3)()
+    assert seen == [rbg] and _impl(rng.value) == rbg
+    assert rng.value.shape == (3,) and len({tuple(x) for x in w.value.tolist()}) == 3
+    rng.value = jr.split(jr.key(2, impl="rbg"), 3)  # still takes its own kind
+
+
+@pytest.mark.parametrize("jitted", (False, True))
+@pytest.mark.parametrize("how", ("state_to_exclude", "INIT_NO_BATCHING"))
+def test_a_replicated_random_state_is_shared_by_every_member(how, jitted):
+    tag = es.transform.INIT_NO_BATCHING if how == "INIT_NO_BATCHING" else "shared"
+
+    def member():
+        rng = es.RandomState(0, name="rng", tag=tag)
+        w = es.ParamState(es.random.normal((2,)), name="w")
+        return w, rng, jr.normal(rng.split_key(), (2,))
+
+    build = es.transform.jit(member) if jitted else member
+    w, rng, draws = es.transform.vmap_new_states(
+        build, axis_size=3, state_to_exclude="shared"
+    )()
+    assert rng.value.shape == ()
+    first, successor = jr.split(jr.key(0))[1], jr.split(jr.key(0))[0]
+    assert tree_bitwise_equal(draws, jnp.stack([jr.normal(first, (2,))] * 3))
+    assert tree_bitwise_equal(jr.key_data(rng.value), jr.key_data(successor))
+    assert not (w.value[0] == w.value[1]).all()
+
+
+def test_vmap2_new_states_leaves_the_default_key_as_it_was_when_the_build_fails():
+    def member(fail):
+        w = es.ParamState(es.random.normal((2,)), name="w")
+        if fail:
+            raise RuntimeError("no")
+        return w
+
+    make = es.transform.vmap2_new_states(member, in_axes=None, axis_size=3)
+    es.random.seed(7)
+    with pytest.raises(RuntimeError, match="no"):
+        make(True)
+    w, states = make(False)
+    es.random.seed(7)
+    w2, states2 = make(False)
+    assert tree_bitwise_equal(states[w], states2[w2])

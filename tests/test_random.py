@@ -276,3 +276,27 @@ def test_a_random_state_refuses_text_as_a_seed():
 def test_split_key_of_zero_keys_is_empty():
     keys = es.random.split_key(0)
     assert keys.shape == (0,)
+
+
+def test_seeding_a_random_state_with_an_integer_keeps_its_prng_implementation():
+    rng = es.RandomState(jax.random.key(0, impl="rbg"), name="rng")
+    rng.seed(5)
+    assert jax.random.key_impl(rng.value) == jax.random.key_impl(
+        jax.random.key(0, impl="rbg")
+    )
+    assert tree_bitwise_equal(
+        jax.random.key_data(rng.value),
+        jax.random.key_data(jax.random.key(5, impl="rbg")),
+    )
+
+
+@pytest.mark.usefixtures("tracing_mode")
+def test_vmap_draws_from_mapped_keys_of_another_prng_implementation():
+    keys = jax.random.split(jax.random.key(0, impl="rbg"), 3)
+    rng = es.RandomState(keys, name="rng")
+    out = es.transform.vmap(
+        lambda x: jax.random.normal(rng.split_key()) + x, in_states={0: rng}
+    )(jnp.zeros(3))
+    want = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[1]))(keys)
+    assert tree_bitwise_equal(out, want)
+    assert jax.random.key_impl(rng.value) == jax.random.key_impl(keys)

@@ -18,11 +18,24 @@ from .._errors import BatchAxisError, TraceContextError
 from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._run import run, states_of
-from .._state import expire, NonBatchState, RandomState, retag, State
+from .._state import (
+    expire,
+    NonBatchState,
+    RandomState,
+    retag,
+    split_and_advance,
+    State,
+)
 from .._state_dict import StateDict
 from ..random import DEFAULT
 from ._decorator import decorator_form
-from ._vmap import arrays_only, axis_size_of, check_axis_size, per_argument_axes
+from ._vmap import (
+    arrays_only,
+    axis_size_of,
+    check_axis_size,
+    per_argument_axes,
+    with_impl_of,
+)
 
 
 compat.hide_from_tracebacks(__file__)
@@ -109,16 +122,19 @@ class _LaneFrame(_context.Frame):
         self.replicated: dict[State, str] = {}
         self.randoms: list[State] = []
 
-    def _lane_key_for(self, state: State, shape: tuple[int, ...] = ()) -> Any:
-        """The lane's key for `state`: one key, or a batch of `shape` keys split from
-        it (for a random state holding several keys)."""
+    def _lane_key_for(self, state: State, like: Any) -> Any:
+        """The lane's key for `state`, whose value is `like`: one key, or a batch of
+        keys split from it (for a random state holding several keys), in the PRNG
+        implementation of `like`."""
         # Computed in the vmap's own trace even when a nested transform asks for it.
         if state is DEFAULT:
             return self.default_key
         with compat.in_trace(self.jax_trace):
             key = jax.random.fold_in(self.others_key, len(self.randoms))
+            shape = jnp.shape(like)
             if shape:
                 key = jax.random.split(key, shape)
+            key = with_impl_of(like, key)
         self.randoms.append(state)
         return key
 
@@ -126,8 +142,8 @@ class _LaneFrame(_context.Frame):
         value = self.values.get(state, MISSING)
         if value is MISSING:
             if isinstance(state, RandomState):
-                shape = jnp.shape(self.parent.fetch(state))
-                value = self.values[state] = self._lane_key_for(state, shape)
+                like = self.parent.fetch(state)
+                value = self.values[state] = self._lane_key_for(state, like)
             else:
                 value = self.parent.fetch(state)
         return value
@@ -153,7 +169,7 @@ class _LaneFrame(_context.Frame):
             state: self._checked(state, value) for state, value in updates.items()
         }
         for state, value in new:
-            if isinstance(state, RandomState) and not _batched(value):
+            if self._rekeyed(state) and not _batched(value):
                 raise BatchAxisError(
                     _NESTED_SHARED_KEY.format(label=state_label(state, value))
                 )
@@ -165,9 +181,17 @@ class _LaneFrame(_context.Frame):
         # A transform traced in the lane (a jitted constructor) may draw from a new
         # random state before it commits it here: re-key it now, as `add_new` does. A
         # traced value may or may not differ across lanes: `commit` checks it.
-        if isinstance(state, RandomState) and not has_tracer(value):
-            return self._lane_key_for(state, jnp.shape(value))
+        if self._rekeyed(state) and not has_tracer(value):
+            return self._lane_key_for(state, value)
         return value
+
+    def _rekeyed(self, state: State) -> bool:
+        """Whether the new `state` gets a key of its own in each lane: a random
+        state, unless replicated (every member then shares its key)."""
+        return (
+            isinstance(state, RandomState)
+            and _why_replicated(state, self.excluded) is None
+        )
 
     def nested_mark(self):
         return len(self.randoms)
@@ -189,9 +213,12 @@ class _LaneFrame(_context.Frame):
         mark_replicated(state, why is not None)
         if self.tag is not None:
             retag(state, self.tag)
-        if isinstance(state, RandomState) and not _batched(value):
-            # A new random state seeded alike in every lane is re-keyed per lane.
-            value = self._lane_key_for(state, jnp.shape(value))
+        # (`why`, not `_rekeyed`: the tag may have been replaced since.)
+        rekeyed = isinstance(state, RandomState) and why is None
+        if rekeyed and not _batched(value):
+            # A new random state seeded alike in every lane is re-keyed per lane,
+            # unless it is to be replicated: then every member shares its key.
+            value = self._lane_key_for(state, value)
         self.values[state] = value
         self.new_states.append(state)
 
@@ -404,9 +431,10 @@ def vmap_new_states(
     Random states are split per lane, so randomly initialised values differ across
     lanes, and no two random states of a lane share a key; the default random key
     advances once per call. A `RandomState` created in `fun` with the same value in
-    every lane (an integer seed) is re-keyed per lane: its seed is not used (see the
-    how-to guide on random numbers). A batch of keys is replaced by a batch of the same
-    shape, all distinct. This holds in a transform nested in `fun` (a jitted
+    every lane (an integer seed) is re-keyed per lane, in its own PRNG implementation:
+    its seed is not used (see the how-to guide on random numbers), unless the state is
+    replicated (then every member shares its key). A batch of keys is replaced by a
+    batch of the same shape, all distinct. This holds in a transform nested in `fun` (a jitted
     constructor) too; there, a key computed from traced values that turns out the same
     in every lane raises [`eqstate.BatchAxisError`][], as it may have been drawn from.
 
@@ -551,8 +579,11 @@ def vmap2_new_states(
 
     @ft.wraps(ctor)
     def make(*args: Any) -> tuple[_T, StateDict]:
-        seed = StateDict({DEFAULT: DEFAULT.split_key()})
-        states, module = run(build, seed, *args)
+        # The default key advances only once the build succeeded, as in
+        # `vmap_new_states`: a failed build changes nothing.
+        successor, key = split_and_advance(DEFAULT.value, None)
+        states, module = run(build, StateDict({DEFAULT: key}), *args)
+        DEFAULT.value = successor
         return module, states.split(DEFAULT)[1]
 
     return make

@@ -230,12 +230,34 @@ def _lane_of(state: State, x: Any, axis: int) -> Any:
     return lane if compat.single_pass_enabled() else placeholder(lane)
 
 
+def key_impl_of(keys: Any) -> tuple[Any, tuple[int, ...]]:
+    """The PRNG implementation of `keys` (typed keys: an array, a tracer or a
+    `jax.ShapeDtypeStruct`), and the shape of one key's data."""
+    found = []
+
+    def probe(x: Any) -> Any:
+        found.append(jax.random.key_impl(x))
+        return jax.random.key_data(x)
+
+    data = jax.eval_shape(probe, shape_dtype(keys))
+    return found[0], data.shape[len(jnp.shape(keys)) :]
+
+
+def with_impl_of(keys: Any, key: Any) -> Any:
+    """`key` (of any shape), or keys of the same shape drawn from it in the PRNG
+    implementation of `keys` if that is another."""
+    impl, data_shape = key_impl_of(keys)
+    if impl == jax.random.key_impl(key):
+        return key
+    data = jax.random.bits(key, key.shape + data_shape, jnp.uint32)
+    return jax.random.wrap_key_data(data, impl=impl)
+
+
 def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
     """An array of type `struct`, weak type included (zeros, or keys made from
     zeros)."""
     if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
-        impl = jax.random.key_impl(jax.random.key(0, impl=None))
-        data_shape = jax.random.key_data(jax.random.key(0)).shape
+        impl, data_shape = key_impl_of(struct)
         return jax.random.wrap_key_data(
             jnp.zeros(struct.shape + data_shape, jnp.uint32), impl=impl
         )
