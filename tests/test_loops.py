@@ -247,6 +247,21 @@ def test_body_must_return_a_pair():
         es.transform.scan(lambda c, x: c, 0, jnp.arange(3))
 
 
+@pytest.mark.parametrize("disable_jit", (False, True))
+def test_body_may_return_a_list_pair_like_lax(disable_jit):
+    total = es.State(jnp.array(0.0))
+
+    def step(c, x):
+        total.value = total.value + x
+        return [c + x, x * 2]
+
+    with jax.disable_jit(disable_jit):
+        got = es.transform.scan(step, 0.0, jnp.arange(3.0))
+    expected = jax.lax.scan(lambda c, x: [c + x, x * 2], 0.0, jnp.arange(3.0))
+    assert tree_allclose(tuple(got), tuple(expected))
+    assert total.value == 3.0
+
+
 def test_failure_in_a_loop_keeps_values():
     s = es.State(jnp.array(0))
 

@@ -174,11 +174,12 @@ def scan(
 
 
 def _check_pair(out: Any, loop: str = "`scan`") -> tuple[Any, Any]:
-    if not (isinstance(out, tuple) and len(out) == 2):
+    # A list of two, as `jax.lax.scan` takes it.
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError(
             f"The body of {loop} must return a pair `(carry, y)`, got {out!r}."
         )
-    return out
+    return tuple(out)
 
 
 def _ticks(n: int, reverse: bool) -> jax.Array:
