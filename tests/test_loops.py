@@ -231,6 +231,30 @@ def test_bounded_while_loop_stops_at_max_steps():
     assert calls.value == 5
 
 
+_PROMOTION_CASES = {
+    "strong body": (lambda v: v * jnp.float32(2), 1.0),
+    "weak body": (lambda v: v * 2, 1.0),
+    "int to float": (lambda v: v * 2.5, 1),
+    "bfloat16 body": (lambda v: (v * 2).astype(jnp.bfloat16), 1.0),
+    "tuple": (lambda v: (v[0] * jnp.float32(2), v[1] + 1), (1.0, jnp.int32(0))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_PROMOTION_CASES))
+@pytest.mark.parametrize("max_steps", (0, 8))
+def test_bounded_while_loop_result_has_the_types_of_lax_while_loop(case, max_steps):
+    body, init = _PROMOTION_CASES[case]
+
+    def cond(v):
+        return jax.tree.leaves(v)[0] < 10
+
+    got = es.transform.bounded_while_loop(cond, body, init, max_steps)
+    expected = jax.lax.while_loop(cond, body, init)
+    assert jax.tree.map(jax.typeof, got) == jax.tree.map(jax.typeof, expected)
+    if max_steps:
+        assert tree_allclose(got, expected)
+
+
 def test_states_cannot_be_created_in_a_loop_body():
     def step(c, x):
         es.State(jnp.zeros(()), name="new")

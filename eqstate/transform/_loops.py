@@ -26,6 +26,7 @@ from ._common import abstract, hide_static, show_static, strong, WeakCarry
 from ._conditions import cond
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
+from ._eval_shape import eval_shape
 from ._progress_bar import ProgressBar
 from ._staged import staged
 
@@ -425,6 +426,29 @@ def _while_eagerly(
     return val
 
 
+def _promote_leaf(x: Any, out: jax.ShapeDtypeStruct) -> Any:
+    aval = jax.typeof(x)
+    if not aval.weak_type or out.shape != aval.shape:
+        return x
+    if out.weak_type and out.dtype == aval.dtype:
+        return x
+    return jnp.asarray(x, dtype=jnp.result_type(x, out))
+
+
+def _promoted(body_fun: Callable, init_val: Any) -> Any:
+    """`init_val` with each weakly typed leaf converted to the type `body_fun` gives
+    it, as `jax.lax.while_loop` promotes its carry: the loop's result then has the
+    body's types, whether or not the body ran."""
+    leaves, treedef = jtu.tree_flatten(hide_static(init_val))
+    if not any(jax.typeof(x).weak_type for x in leaves):
+        return init_val
+    out_leaves, out_def = jtu.tree_flatten(hide_static(eval_shape(body_fun, init_val)))
+    if out_def != treedef:
+        return init_val  # The loop reports the mismatch.
+    promoted = [_promote_leaf(x, o) for x, o in zip(leaves, out_leaves)]
+    return show_static(jtu.tree_unflatten(treedef, promoted))
+
+
 def bounded_while_loop(
     cond_fun: Callable, body_fun: Callable, init_val: Any, max_steps: int
 ) -> Any:
@@ -473,5 +497,7 @@ def bounded_while_loop(
         pred = _condition(cond_fun, val, "bounded_while_loop")
         return cond(pred, body_fun, lambda v: v, val), None
 
+    if not jit_disabled():
+        init_val = _promoted(body_fun, init_val)
     final, _ = scan(step, init_val, None, length=max_steps)
     return final
