@@ -348,6 +348,22 @@ def test_while_loops_run_eagerly_under_disable_jit():
     assert steps.value == 6
 
 
+@pytest.mark.parametrize("max_steps", (0, 3))
+@pytest.mark.parametrize("init", (1.0, 5.0))
+def test_bounded_while_loop_returns_arrays_under_disable_jit(max_steps, init):
+    def cond(v):
+        return v < 3
+
+    def body(v):
+        return 4.0
+
+    with jax.disable_jit():
+        got = es.transform.bounded_while_loop(cond, body, init, max_steps)
+        expected = es.transform.while_loop(cond, body, init) if max_steps else init
+    assert isinstance(got, jax.Array)
+    assert jax.typeof(got) == jax.typeof(expected) and got == expected
+
+
 def test_while_loop_under_disable_jit_falls_back_when_a_transform_needs_it():
     # As `jax.lax.while_loop`: inside `jax.vmap` the condition has no Python value.
     def count_to(limit):

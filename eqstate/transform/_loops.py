@@ -410,19 +410,21 @@ def _condition(cond_fun: Callable, val: Any, loop: str) -> Any:
         return cond_fun(val)
 
 
+def _as_arrays(val: Any) -> Any:
+    """`val` with its Python scalars made arrays, as a compiled loop returns them."""
+    return show_static(jtu.tree_map(jnp.asarray, hide_static(val)))
+
+
 def _while_eagerly(
     cond_fun: Callable, body_fun: Callable, init_val: Any, loop: str
 ) -> Any:
     """`while_loop` under `jax.disable_jit()`: both functions run directly, as
     `jax.lax.while_loop` runs them there."""
 
-    def as_arrays(val: Any) -> Any:
-        return show_static(jtu.tree_map(jnp.asarray, hide_static(val)))
-
     with guarded(f"`body_fun` of `{loop}`"):
-        val = as_arrays(init_val)
+        val = _as_arrays(init_val)
         while _condition(cond_fun, val, loop):
-            val = as_arrays(body_fun(val))
+            val = _as_arrays(body_fun(val))
     return val
 
 
@@ -490,14 +492,15 @@ def bounded_while_loop(
         ) from None
     if max_steps < 0:
         raise ValueError(f"`max_steps` must be non-negative, got {max_steps}.")
-    if max_steps == 0 and jit_disabled():
-        return init_val  # `jax.lax.scan` cannot run zero steps eagerly.
 
     def step(val, _):
         pred = _condition(cond_fun, val, "bounded_while_loop")
         return cond(pred, body_fun, lambda v: v, val), None
 
-    if not jit_disabled():
-        init_val = _promoted(body_fun, init_val)
-    final, _ = scan(step, init_val, None, length=max_steps)
+    if jit_disabled():
+        if max_steps == 0:  # `jax.lax.scan` cannot run zero steps eagerly.
+            return _as_arrays(init_val)
+        # The step that skips the body keeps `init_val` as given: a Python float.
+        return _as_arrays(scan(step, init_val, None, length=max_steps)[0])
+    final, _ = scan(step, _promoted(body_fun, init_val), None, length=max_steps)
     return final
