@@ -1,6 +1,7 @@
 import io
 
 import eqstate as es
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -284,6 +285,39 @@ def test_body_may_return_a_list_pair_like_lax(disable_jit):
     expected = jax.lax.scan(lambda c, x: [c + x, x * 2], 0.0, jnp.arange(3.0))
     assert tree_allclose(tuple(got), tuple(expected))
     assert total.value == 3.0
+
+
+class _Counter(eqx.Module):
+    n: int
+    x: jax.Array
+
+
+_STATIC_CHANGING_LOOPS = {
+    "scan": lambda body, c: es.transform.scan(
+        lambda c, _: (body(c), None), c, length=2
+    ),
+    "checkpointed_scan": lambda body, c: es.transform.checkpointed_scan(
+        lambda c, _: (body(c), None), c, length=2
+    ),
+    "while_loop": lambda body, c: es.transform.while_loop(lambda c: c.x < 2, body, c),
+    "bounded_while_loop": lambda body, c: es.transform.bounded_while_loop(
+        lambda c: c.x < 2, body, c, 2
+    ),
+}
+
+
+@pytest.mark.parametrize("loop", sorted(_STATIC_CHANGING_LOOPS))
+def test_a_loop_body_changing_a_python_number_in_a_module_carry_says_what_to_do(loop):
+    def body(c):
+        return _Counter(c.n + 1, c.x + 1)
+
+    with pytest.raises(TypeError) as error:
+        _STATIC_CHANGING_LOOPS[loop](body, _Counter(0, jnp.array(0.0)))
+    message = str(error.value)
+    assert ".n` is a Python number in a field of an `eqx.Module`" in message
+    assert f"`{loop}` changed it from 0 to 1" in message
+    assert "`jnp.asarray(0)`" in message
+    assert "_Static" not in message
 
 
 def test_failure_in_a_loop_keeps_values():

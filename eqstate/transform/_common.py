@@ -14,7 +14,7 @@ from .._shapes import shape_dtype
 from .._state import is_state, State
 from .._state_dict import StateDict
 from ._leaves import dynamic_mask, in_module, is_dynamic
-from ._split_args import Static
+from ._split_args import same_static, Static
 
 
 compat.hide_from_tracebacks(__file__)
@@ -68,6 +68,23 @@ def show_static(tree: Any) -> Any:
     return jtu.tree_map(
         lambda x: x.value if _is_static(x) else x, tree, is_leaf=_is_static
     )
+
+
+def changed_static(before: Any, after: Any) -> tuple[str, Any, Any] | None:
+    """The first leaf hidden by `hide_static` in `before` or `after` (two hidden trees)
+    that the other does not hold at its place: its path (as `jax.tree_util.keystr`
+    writes it) and the two leaves, shown. `None` if there is none, or if the trees
+    differ otherwise."""
+    leaves_before, def_before = jtu.tree_flatten_with_path(before, is_leaf=_is_static)
+    leaves_after, def_after = jtu.tree_flatten(after, is_leaf=_is_static)
+    if def_before != def_after:
+        return None
+    for (path, a), b in zip(leaves_before, leaves_after):
+        if not (_is_static(a) or _is_static(b)):
+            continue
+        if not (_is_static(a) and _is_static(b) and same_static(a.value, b.value)):
+            return jtu.keystr(path), show_static(a), show_static(b)
+    return None
 
 
 def merge_leading_axes(tree: Any) -> Any:

@@ -10,6 +10,7 @@ iteration, as `jax.lax.scan` and `jax.lax.while_loop` do there: `print` and
 whole loop succeeds.
 """
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +23,14 @@ from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._shapes import shape_dtype
 from .._state import State
-from ._common import abstract, hide_static, show_static, strong, WeakCarry
+from ._common import (
+    abstract,
+    changed_static,
+    hide_static,
+    show_static,
+    strong,
+    WeakCarry,
+)
 from ._conditions import cond
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
@@ -183,6 +191,47 @@ def _check_pair(out: Any, loop: str = "`scan`") -> tuple[Any, Any]:
     return tuple(out)
 
 
+_STATIC_NUMBER = (
+    "`{name}` is a Python number in a field of an `eqx.Module`, which eqstate "
+    "treats as static (as `eqx.filter_jit` does): part of the loop's structure, "
+    "which cannot change from one iteration to the next. {where} changed it from "
+    "{old!r} to {new}. Store it as an array instead, e.g. `jnp.asarray({old!r})`."
+)
+
+_STATIC_OTHER = (
+    "`{name}` is not an array, so eqstate treats it as static: part of the loop's "
+    "structure, which cannot change from one iteration to the next. {where} changed "
+    "it from {old} to {new}. Keep it the same in every iteration, or carry an array "
+    "instead."
+)
+
+
+def _shown(x: Any) -> str:
+    if isinstance(x, jax.Array):
+        return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return repr(x)
+
+
+def _check_static_carry(before: Any, after: Any, where: str, name: str) -> None:
+    """Raises `TypeError` if a loop body changed a static leaf of its carry (both
+    hidden by `hide_static`), which JAX would report as a change of the carry's tree
+    structure."""
+    changed = changed_static(before, after)
+    if changed is None:
+        return
+    path, old, new = changed
+    number = isinstance(old, (bool, int, float, complex))
+    message = _STATIC_NUMBER if number else _STATIC_OTHER
+    raise TypeError(
+        message.format(
+            name=name + path,
+            where=where,
+            old=old if number else _shown(old),
+            new=_shown(new),
+        )
+    )
+
+
 def _ticks(n: int, reverse: bool) -> jax.Array:
     """The iteration count a progress bar sees at each element of a scan: a reversed
     scan runs the last element first."""
@@ -270,6 +319,7 @@ def _scan(
         )
         new_carry, y = _check_pair(out, what[0])
         new_carry, y = hide_static(new_carry), hide_static(y)
+        _check_static_carry(user_carry, new_carry, f"The body of {what[0]}", "carry")
         return (new_carry, carried.carry_out(updates, state_values)), y
 
     (final, state_values), ys = staged(
@@ -394,7 +444,9 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
         out, updates, _ = traced_body.evaluate(
             carried.values_for(traced_body, state_values), (show_static(val),)
         )
-        return hide_static(out), carried.carry_out(updates, state_values)
+        out = hide_static(out)
+        _check_static_carry(val, out, "`body_fun` of `while_loop`", "val")
+        return out, carried.carry_out(updates, state_values)
 
     final, state_values = staged(
         lambda carry: jax.lax.while_loop(loop_cond, loop_body, carry),
@@ -493,9 +545,17 @@ def bounded_while_loop(
     if max_steps < 0:
         raise ValueError(f"`max_steps` must be non-negative, got {max_steps}.")
 
+    @functools.wraps(body_fun)  # Errors name `body_fun`.
+    def body(val):
+        out = body_fun(val)
+        if not jit_disabled():  # Eagerly, as in `jax.lax`, the carry may change.
+            where = "`body_fun` of `bounded_while_loop`"
+            _check_static_carry(hide_static(val), hide_static(out), where, "val")
+        return out
+
     def step(val, _):
         pred = _condition(cond_fun, val, "bounded_while_loop")
-        return cond(pred, body_fun, lambda v: v, val), None
+        return cond(pred, body, lambda v: v, val), None
 
     if jit_disabled():
         if max_steps == 0:  # `jax.lax.scan` cannot run zero steps eagerly.
