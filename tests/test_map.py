@@ -181,6 +181,25 @@ def test_map_draws_per_element_and_advances_a_key_drawn_from(batch_size):
     assert not (jr.key_data(rng.value) == before).all()
 
 
+def test_batched_map_splits_a_key_the_function_only_reads_as_vmap_does():
+    rng = es.RandomState(0, name="rng")
+    before = jr.key_data(rng.value)
+
+    def f(x):
+        return jr.normal(rng.value) + x
+
+    sequential = es.transform.map(f, jnp.zeros(4))
+    assert len(np.unique(np.asarray(sequential))) == 1
+    assert (jr.key_data(rng.value) == before).all()
+    batched = es.transform.map(f, jnp.zeros(4), batch_size=2)
+    assert len(np.unique(np.asarray(batched))) == 4
+    assert not (jr.key_data(rng.value) == before).all()
+    rng.seed(0)
+    vmapped = es.transform.vmap(f)(jnp.zeros(4))
+    assert len(np.unique(np.asarray(vmapped))) == 4
+    assert not (jr.key_data(rng.value) == before).all()
+
+
 @pytest.mark.parametrize("batch_size", (None, 3))
 def test_map_under_jit_and_grad_matches_lax(getkey, batch_size):
     w = es.ParamState(jr.normal(getkey(), (3,)), name="w")

@@ -249,8 +249,11 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
     state) raises `ValueError`; a state the function only overwrites ends with the
     last element's write, as in the sequential map. Random states drawn from are
     split per element (every element draws different numbers), and advance once per
-    chunk; a random state the function only overwrites (a reseed) is like any other
-    overwritten state. One drawn from and then reseeded with a value that differs
+    chunk. As in [`eqstate.transform.vmap`][], that holds for a key the function only
+    reads (using `rng.value` itself, not drawing through `eqstate.random`): each
+    element gets its own key and `rng` advances, where the sequential map gives every
+    element the same key and leaves `rng` as it was. A random state the function
+    only overwrites (a reseed) is like any other overwritten state. One drawn from and then reseeded with a value that differs
     across elements (`rng.seed(x)`) advances once per chunk too: the last element's
     reseed is dropped, as in [`eqstate.transform.vmap`][].
 
