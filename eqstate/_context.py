@@ -130,10 +130,14 @@ def _write_hint(old: Any, new: Any) -> str:
         if is_key(new.dtype, jax.dtypes.prng_key):
             return " Keys of another PRNG implementation cannot replace this one."
         return " Write a key (`jax.random.key(3)`), or reseed it: `state.seed(3)`."
-    if new.ndim > old.ndim:
+    extra = new.shape[: max(new.ndim - old.ndim, 0)]
+    if extra and new.shape[len(extra) :] == old.shape:
+        # A batch axis, or axes the caller forgot to reduce: the hint names both.
         return (
-            " To give new states a batch axis, create them inside "
-            "`eqstate.transform.vmap_new_states`."
+            f" The value has extra leading axes {extra}: reduce or index them away "
+            "first (e.g. `value.sum(axis=0)`), or, if they are batch axes (one value "
+            "per member of an ensemble), create the state inside "
+            "`eqstate.transform.vmap_new_states` so that it has them too."
         )
     if new.shape != old.shape:
         return ""

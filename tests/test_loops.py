@@ -320,6 +320,21 @@ def test_a_loop_body_changing_a_python_number_in_a_module_carry_says_what_to_do(
     assert "_Static" not in message
 
 
+def test_a_write_with_extra_leading_axes_in_a_loop_hints_at_reducing_them():
+    total = es.State(jnp.array(0.0), name="total")
+
+    def step(c, x):
+        total.value = total.value + x  # `x` has shape (2,): a forgotten `.sum()`
+        return c, None
+
+    with pytest.raises(es.StateValueError) as error:
+        es.transform.scan(step, None, jnp.ones((3, 2)))
+    message = str(error.value)
+    assert "State 'total'" in message
+    assert "extra leading axes (2,): reduce or index them away" in message
+    assert "if they are batch axes" in message
+
+
 def test_failure_in_a_loop_keeps_values():
     s = es.State(jnp.array(0))
 
