@@ -253,9 +253,10 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
     reads (using `rng.value` itself, not drawing through `eqstate.random`): each
     element gets its own key and `rng` advances, where the sequential map gives every
     element the same key and leaves `rng` as it was. A random state the function
-    only overwrites (a reseed) is like any other overwritten state. One drawn from and then reseeded with a value that differs
-    across elements (`rng.seed(x)`) advances once per chunk too: the last element's
-    reseed is dropped, as in [`eqstate.transform.vmap`][].
+    only overwrites (a reseed) is like any other overwritten state. One drawn from
+    and then reseeded with a value that differs across elements (`rng.seed(x)`)
+    advances once per chunk too: the last element's reseed is dropped, as in
+    [`eqstate.transform.vmap`][].
 
     States cannot be created inside `f`.
 
