@@ -268,8 +268,9 @@ def _check_single_key(state: RandomState, key: Any) -> None:
             f"{state_label(state, key)} holds a batch of keys of shape "
             f"{jnp.shape(key)}, but a draw splits a single key. Inside "
             "`eqstate.transform.vmap`, declare it in `in_states` (`in_states={0: "
-            "state}`) to draw from its own key in each lane; elsewhere, draw from one "
-            "of its keys (`jax.random.split(state.value[i])`)."
+            "state}`) to draw from its own key in each lane (a declared state whose "
+            "lanes still hold several keys has more axes than the vmaps mapping it); "
+            "elsewhere, draw from one of its keys (`jax.random.split(state.value[i])`)."
         )
 
 
