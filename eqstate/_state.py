@@ -299,8 +299,9 @@ def expire(state: State, where: str) -> None:
     object.__setattr__(state, "_expired_in", where)
 
 
-def fresh_copy(state: State) -> State:
-    """A new, unregistered handle of the same kind, tag and name as `state`."""
+def fresh_copy(state: State, *, in_place: bool = True) -> State:
+    """A new, unregistered handle of the same kind, tag and name as `state`, placed
+    right after it in creation order (`in_place`), or as created now."""
     cls = type(state)
     fresh = object.__new__(cls)
     for klass in cls.__mro__:
@@ -310,10 +311,16 @@ def fresh_copy(state: State) -> State:
     if hasattr(state, "__dict__"):
         fresh.__dict__.update(state.__dict__)
     object.__setattr__(fresh, "_expired_in", None)
-    # Right after the handle it copies, so that a `StateDict` holding the copy in its
-    # place flattens like one holding the original (see `creation_order`).
-    object.__setattr__(fresh, "_order", (state._order[0], next(_CREATION_ORDER)))
+    # Right after the handle it copies (and its earlier copies), so that a `StateDict`
+    # holding the copy in its place flattens like one holding the original.
+    order = state._order if in_place else ()
+    object.__setattr__(fresh, "_order", (*order, next(_CREATION_ORDER)))
     return fresh
+
+
+def made_as_copy(state: State) -> bool:
+    """Whether `state` was made by `fresh_copy` in place of another handle."""
+    return len(state._order) > 1
 
 
 def _key_count(n: Any) -> int:
@@ -376,9 +383,9 @@ def lazy_world_state(
 
 
 def creation_order(state: State) -> tuple[int, ...]:
-    """The position of `state` among all handles, in creation order. A copy made by
-    `fresh_copy` (a clone, a member, a handle a jitted call returns) counts as made
-    when the handle it copies was, then after that handle and its earlier copies."""
+    """The position of `state` among all handles, in creation order. A copy made in
+    place by `fresh_copy` (a clone, a member) sorts right after the handle it
+    copies and that handle's earlier copies, before any handle made after that one."""
     return state._order
 
 

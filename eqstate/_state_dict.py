@@ -37,9 +37,9 @@ class StateDict(_MappingBase):
     its leaves (out of `jax.jit`, `jax.tree.map` or optax) iterates in the creation
     order of its states instead, as JAX sorts a `dict`'s keys, so that gradients and
     parameters share one tree structure. (A handle made as a copy of another, by
-    [`eqstate.clone`][], [`eqstate.member`][] or a jitted function returning a state
-    it created, counts as created right after the handle it copies.) Look values up
-    by handle, not by position. Every operation returns a new dictionary.
+    [`eqstate.clone`][] or [`eqstate.member`][], counts as created right after the
+    handle it copies.) Look values up by handle, not by position. Every operation
+    returns a new dictionary.
 
     Being immutable, it is its own `copy.copy`. `copy.deepcopy` of it (or of an
     optimiser's state holding it) returns a `StateDict` keyed by the same handles,

@@ -447,16 +447,29 @@ def test_a_clone_takes_its_originals_place_among_other_states(make_clone):
         assert [float(x[0]) for x in leaves] == [1.0, 2.0, 3.0]
 
 
-def test_states_a_jitted_function_creates_flatten_where_its_first_call_made_them():
-    make = es.transform.jit(lambda: es.State(jnp.zeros(2), name="made"))
-    before = make()
-    other = es.State(jnp.ones(2), name="other")
-    after = make()
-    names = [
-        [s.name for s in jax.tree.structure(es.values_of(pair)).node_data()[1]]
-        for pair in ([other, before], [other, after])
-    ]
-    assert names == [["made", "other"], ["made", "other"]]
+@pytest.mark.parametrize("jitted", (False, True))
+def test_states_a_function_creates_are_created_by_each_call_jitted_or_not(jitted):
+    # Built twice, a model of two states flattens call by call, as eager code does.
+    def make(i):
+        a = es.State(jnp.full(2, 10.0 * i + 1), name="a")
+        return a, es.State(jnp.full(2, 10.0 * i + 2), name="b")
+
+    make = es.transform.jit(make, static_argnums=0) if jitted else make
+    first, second = make(1), make(2)
+    other = es.State(jnp.zeros(2), name="other")
+    third = make(3)
+    leaves = jax.tree.leaves(es.values_of([third, other, second, first]))
+    assert [float(x[0]) for x in leaves] == [11, 12, 21, 22, 0, 31, 32]
+
+
+def test_a_clone_of_a_clone_sorts_before_another_clone_of_the_original():
+    base = es.State(jnp.zeros(2), name="base")
+    a, b = es.clone(base), es.clone(base)
+    a.value, b.value = jnp.full(2, 1.0), jnp.full(2, 2.0)
+    again = es.clone(a)
+    before = jax.tree.leaves(es.values_of([b, a]))
+    after = jax.tree.leaves(es.values_of([b, again]))
+    assert tree_bitwise_equal(before, after)
 
 
 def test_a_handle_is_not_array_like_to_equinox_or_jax(getkey):

@@ -13,7 +13,7 @@ from jax.core import Tracer
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import PyTreeDef
-from .._state import expire, fresh_copy, is_state, State
+from .._state import expire, fresh_copy, is_state, made_as_copy, State
 from .._state_dict import rekeyed
 from ._call_args import CallArgs
 from ._leaves import (
@@ -187,7 +187,9 @@ class Trace:
         states (the trace's own ones have no value outside it), in their place in
         the output and as the keys of the `StateDict`s held by the output and by the
         values (e.g. an optimiser's state built in the function)."""
-        fresh = [fresh_copy(s) for s in self.new_states]
+        # A state the function created is created by this call, as it would be
+        # eagerly; one it copied (a clone) keeps its place after its original.
+        fresh = [fresh_copy(s, in_place=made_as_copy(s)) for s in self.new_states]
         out = self.build_output(out_leaves, fresh, python_scalars)
         if fresh:
             handles = dict(zip(self.new_states, fresh))
