@@ -1,5 +1,6 @@
 """Copies of models holding handles: `clone` and `member`."""
 
+import itertools
 import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -122,10 +123,21 @@ def clone(tree: _T) -> _T:
 _ARRAY = "the array at "
 
 
+def _outermost_builds(states: tuple[State, ...]) -> "set[Build]":
+    """The outermost `vmap_new_states` call that built each of `states` (an inner
+    one, nested in its constructor, is not what the ensemble's axis comes from)."""
+    outermost = set()
+    for state in states:
+        builds = [b for b, built in state._builds if built]
+        if builds:
+            outermost.add(max(builds, key=lambda b: b.serial))
+    return outermost
+
+
 def _built_size(states: tuple[State, ...]) -> int | None:
     """The number of members of the builds that made `states` (for an ensemble whose
     states are all shared, so that no stacked value tells it), if one size."""
-    sizes = {b.size for s in states for b, built in s._builds if built}
+    sizes = {b.size for b in _outermost_builds(states)}
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -166,16 +178,21 @@ def mark_replicated(state: State, replicated: bool) -> None:
     object.__setattr__(state, "_replicated", replicated)
 
 
+_BUILDS = itertools.count()
+
+
 class Build:
     """One `vmap_new_states` call, as recorded on the states it returned (see
     `mark_build`): its number of members, and whether it stacked its output's arrays
     along their leading axis (`out_axes=0`), where `member` slices them."""
 
-    __slots__ = ("arrays_leading", "size")
+    __slots__ = ("arrays_leading", "serial", "size")
 
     def __init__(self, size: int, arrays_leading: bool):
         self.size = size
         self.arrays_leading = arrays_leading
+        # A build nested in another's constructor ends, and is recorded, first.
+        self.serial = next(_BUILDS)
 
 
 def mark_build(state: State, build: Build, *, built: bool) -> None:
@@ -311,7 +328,7 @@ def _is_state_dict(x: Any) -> bool:
 def _refuse_arrays_off_the_leading_axis(states: tuple[State, ...]) -> None:
     """Raises if a build of these states stacked its arrays along another axis than
     the leading one, where `member` would slice them."""
-    if any(not b.arrays_leading for s in states for b, built in s._builds if built):
+    if any(not b.arrays_leading for b in _outermost_builds(states)):
         raise ValueError(
             "This ensemble was built by `vmap_new_states` with `out_axes` other than "
             "0, so its arrays hold the members along another axis than the leading "

@@ -244,10 +244,7 @@ class RandomState(State[Any]):
     def seed(self, seed_or_key: int | ArrayLike) -> None:
         """Resets the key from an integer seed (making a key of the PRNG
         implementation the state holds) or a typed key."""
-        impl = None
-        if isinstance(seed_or_key, (int, np.integer)):
-            impl = jax.random.key_impl(self.value)
-        self.value = _as_key(seed_or_key, impl)
+        self.value = _as_key(seed_or_key, jax.random.key_impl(self.value))
 
     def split_key(self, n: int | None = None) -> Any:
         """Advances the key and returns a fresh one (or `n` fresh ones, stacked).
@@ -356,7 +353,7 @@ def _as_key(seed_or_key: Any, impl: Any = None) -> Any:
         and jnp.issubdtype(seed_or_key.dtype, jnp.integer)
         and jnp.ndim(seed_or_key) == 0
     ):
-        return jax.random.key(seed_or_key)
+        return jax.random.key(seed_or_key, impl=impl)
     if not jax.dtypes.issubdtype(jnp.result_type(seed_or_key), jax.dtypes.prng_key):
         raise TypeError(
             "A RandomState holds a typed PRNG key: pass an integer seed or a key from "

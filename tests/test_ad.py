@@ -902,3 +902,28 @@ def test_the_gradient_transforms_decorate_methods(make):
     got = jax.tree.leaves(Model().grad(jnp.array(1.0)))
     want = make(lambda w: Model.k * w**2)(jnp.array(2.0))
     assert tree_allclose(got, [want])
+
+
+def test_calls_in_an_enclosing_trace_and_in_traces_nested_in_it_keep_their_traces():
+    # One cache per trace: calls alternating between the jitted function's trace and
+    # a branch's do not evict each other's.
+    w = es.ParamState(jnp.ones(3), name="w")
+    traced = []
+
+    def loss(x):
+        traced.append(None)
+        return jnp.sum(w.value * x)
+
+    grad = es.transform.grad(loss, grad_states=w)
+
+    def in_branch(x):
+        return es.transform.cond(x[0] > 0, lambda: grad(x)[w].sum(), lambda: 0.0)
+
+    def count(body):
+        traced.clear()
+        es.transform.jit(lambda x: sum(body(x) for _ in range(5)))(jnp.ones(3))
+        return len(traced)
+
+    direct = count(lambda x: grad(x)[w].sum())
+    branches = count(in_branch)
+    assert count(lambda x: grad(x)[w].sum() + in_branch(x)) == direct + branches

@@ -564,3 +564,48 @@ def test_vmap2_new_states_leaves_the_default_key_as_it_was_when_the_build_fails(
     es.random.seed(7)
     w2, states2 = make(False)
     assert tree_bitwise_equal(states[w], states2[w2])
+
+
+def test_a_batch_of_keys_of_another_implementation_is_re_keyed_in_it():
+    def member():
+        keys = jr.split(jr.key(0, impl="rbg"), 2)
+        return es.RandomState(keys, name="rngs")
+
+    rngs = es.transform.vmap_new_states(member, axis_size=3)()
+    assert rngs.value.shape == (3, 2) and _impl(rngs.value) == _impl(
+        jr.key(0, impl="rbg")
+    )
+    data = jr.key_data(rngs.value).reshape(6, -1)
+    assert len({tuple(row) for row in data.tolist()}) == 6
+
+
+@pytest.mark.parametrize("out_axes", (0, eqx.if_array(0)), ids=("zero", "if_array"))
+def test_member_takes_an_ensemble_whose_arrays_are_stacked_first(out_axes):
+    def make(key):
+        return {"w": es.ParamState(jnp.zeros(3)), "lin": eqx.nn.Linear(3, 3, key=key)}
+
+    ensemble = es.transform.vmap_new_states(make, out_axes=out_axes)(
+        jr.split(jr.key(0), 2)
+    )
+    one = es.member(ensemble, 1)
+    assert tree_bitwise_equal(one["lin"].weight, ensemble["lin"].weight[1])
+
+
+def test_member_of_an_ensemble_of_ensembles_follows_the_outer_build():
+    class Leaf(eqx.Module):
+        w: jax.Array
+        s: es.ParamState
+
+        def __init__(self):
+            self.w = es.random.normal((2,))
+            self.s = es.ParamState(es.random.normal((2,)), name="s")
+
+    def inner():  # its members stacked along axis 1 of its arrays
+        return es.transform.vmap_new_states(Leaf, axis_size=3, out_axes=1)()
+
+    outer = es.transform.vmap_new_states(inner, axis_size=4)()
+    one = es.member(outer, 1)
+    assert tree_bitwise_equal(one.w, outer.w[1])
+    assert tree_bitwise_equal(one.s.value, outer.s.value[1])
+    with pytest.raises(IndexError, match="ensemble of 4"):
+        es.member(outer, 4)

@@ -300,3 +300,14 @@ def test_vmap_draws_from_mapped_keys_of_another_prng_implementation():
     want = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[1]))(keys)
     assert tree_bitwise_equal(out, want)
     assert jax.random.key_impl(rng.value) == jax.random.key_impl(keys)
+
+
+@pytest.mark.parametrize("traced", (False, True))
+def test_seeding_with_an_integer_array_keeps_the_prng_implementation(traced):
+    rng = es.RandomState(jax.random.key(0, impl="rbg"), name="rng")
+    seed = (lambda i: rng.seed(i)) if not traced else es.transform.jit(rng.seed)
+    seed(jnp.int32(5))
+    assert tree_bitwise_equal(
+        jax.random.key_data(rng.value),
+        jax.random.key_data(jax.random.key(5, impl="rbg")),
+    )

@@ -5,6 +5,7 @@ distinct shape is traced once."""
 import functools
 import sys
 import threading
+import time
 from collections import Counter
 
 import eqstate as es
@@ -181,3 +182,23 @@ def test_threads_drawing_eagerly_from_the_default_key_get_different_numbers():
     finally:
         sys.setswitchinterval(switch)
     assert len(set(draws)) == len(draws) == 800
+
+
+def test_threads_building_ensembles_with_vmap2_new_states_get_different_keys():
+    def member():
+        time.sleep(0.2)  # a slow trace, as a real constructor's
+        return es.ParamState(es.random.normal((3,)), name="w")
+
+    make = es.transform.vmap2_new_states(member, axis_size=2)
+    built = [None, None]
+
+    def build(i):
+        w, states = make()
+        built[i] = states[w]
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not (built[0] == built[1]).all()

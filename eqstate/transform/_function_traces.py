@@ -64,7 +64,9 @@ class FunctionTraces:
         self._lock = threading.Lock()
         self._last_key: Hashable = MISSING
         self.stats = CacheStats()
-        self._kept: tuple[weakref.ref, FunctionTraces] | None = None
+        self._kept: weakref.WeakKeyDictionary[Any, FunctionTraces] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def emptied(self) -> "FunctionTraces":
         """A new cache for the same function, holding no trace (and counting into
@@ -76,17 +78,17 @@ class FunctionTraces:
         return fresh
 
     def kept_for(self, enclosing: Any) -> "FunctionTraces":
-        """The cache for calls made inside the JAX trace `enclosing`: the one the
-        last call made in it used, or a new one if that call was in another."""
-        kept = self._kept
-        if kept is not None and kept[0]() is enclosing:
-            return kept[1]
-        fresh = self.emptied()
-        try:
-            self._kept = (weakref.ref(enclosing), fresh)
-        except TypeError:  # pragma: no cover - a trace that takes no weak reference
-            pass
-        return fresh
+        """The cache for calls made inside the JAX trace `enclosing`: the one earlier
+        calls made in it used, or a new one. Each lives as long as its trace."""
+        with self._lock:
+            kept = self._kept.get(enclosing)
+            if kept is None:
+                kept = self.emptied()
+                try:
+                    self._kept[enclosing] = kept
+                except TypeError:  # pragma: no cover - a trace without weak references
+                    pass
+        return kept
 
     def parse(self, args: tuple, kwargs: dict) -> CallArgs:
         return self.parser.parse(args, kwargs)

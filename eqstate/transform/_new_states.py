@@ -20,10 +20,10 @@ from .._pretty_print import state_label
 from .._run import run, states_of
 from .._state import (
     expire,
+    KEY_LOCK,
     NonBatchState,
     RandomState,
     retag,
-    split_and_advance,
     State,
 )
 from .._state_dict import StateDict
@@ -305,13 +305,23 @@ def _mark_build(out: Any, new: list[State], size: int, out_axes: AxisSpec) -> No
     """Records this build on its new states and on the states of `out` that existed
     before it (a table tied into every member): `member` of a tree holding the
     former copies the latter whole, as it copies replicated states."""
-    axes = jtu.tree_leaves(out_axes, is_leaf=lambda x: x is None)
-    leading = all(type(a) is int and a == 0 for a in axes)
-    build = Build(size, arrays_leading=leading)
+    build = Build(size, arrays_leading=_stacks_arrays_first(out_axes))
     for state in new:
         mark_build(state, build, built=True)
     for state in set(states_of((out,))).difference(new):  # `out` may be a StateDict
         mark_build(state, build, built=False)
+
+
+def _stacks_arrays_first(out_axes: AxisSpec) -> bool:
+    """Whether `out_axes` puts every output array's member axis first (`0`, or a
+    callable such as `eqx.if_array(0)` that gives `0` for an array)."""
+    array = jnp.zeros(1)
+    for axis in jtu.tree_leaves(out_axes, is_leaf=lambda x: x is None):
+        if callable(axis):
+            axis = axis(array)
+        if not (type(axis) is int and axis == 0):
+            return False
+    return True
 
 
 def _lane_function(
@@ -579,11 +589,19 @@ def vmap2_new_states(
 
     @ft.wraps(ctor)
     def make(*args: Any) -> tuple[_T, StateDict]:
-        # The default key advances only once the build succeeded, as in
-        # `vmap_new_states`: a failed build changes nothing.
-        successor, key = split_and_advance(DEFAULT.value, None)
-        states, module = run(build, StateDict({DEFAULT: key}), *args)
-        DEFAULT.value = successor
+        with KEY_LOCK:  # Threads building at once get different keys.
+            before = DEFAULT.value
+            key = DEFAULT.split_key()
+            successor = DEFAULT.value
+        try:
+            states, module = run(build, StateDict({DEFAULT: key}), *args)
+        except BaseException:
+            # A failed build changes nothing, as in `vmap_new_states`: the key goes
+            # back, unless another draw has advanced it since.
+            with KEY_LOCK:
+                if DEFAULT.value is successor:
+                    DEFAULT.value = before
+            raise
         return module, states.split(DEFAULT)[1]
 
     return make

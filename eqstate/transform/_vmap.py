@@ -249,7 +249,11 @@ def with_impl_of(keys: Any, key: Any) -> Any:
     impl, data_shape = key_impl_of(keys)
     if impl == jax.random.key_impl(key):
         return key
-    data = jax.random.bits(key, key.shape + data_shape, jnp.uint32)
+
+    def data_of(one: Any) -> Any:
+        return jax.random.bits(one, data_shape, jnp.uint32)
+
+    data = jax.vmap(data_of)(key.reshape(-1)).reshape(key.shape + data_shape)
     return jax.random.wrap_key_data(data, impl=impl)
 
 
