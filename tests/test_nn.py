@@ -766,6 +766,26 @@ def test_lstm_under_vmap_with_only_its_hidden_state_mapped_names_the_cell_state(
     assert both(jnp.zeros((8, 2))).shape == (8, 4)
 
 
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
+def test_real_cells_refuse_a_complex_input_instead_of_dropping_its_imaginary_part(cls):
+    cell = cls(3, 4)
+    x = jnp.array([1.0 + 2.0j, -0.5 + 1.0j, 0.3 - 0.7j], jnp.complex64)
+    name = cls.__name__
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}\(input_size=3, hidden_size=4\) got a complex64 input, "
+        r"but its ParamState 'weight_ih' is float32.*drop the imaginary part",
+    ):
+        cell(x)
+    assert tree_bitwise_equal(cell.hidden.value, jnp.zeros(4))
+
+
+def test_complex_cells_take_a_complex_input(getkey):
+    x = jnp.array([1.0 + 2.0j, -0.5 + 1.0j, 0.3 - 0.7j], jnp.complex64)
+    cell = enn.GRUCell(3, 4, dtype=jnp.complex64, key=getkey())
+    assert cell(x).dtype == jnp.complex64
+
+
 def test_cells_refuse_non_positive_sizes():
     with pytest.raises(ValueError, match="GRUCell needs a positive `hidden_size`"):
         enn.GRUCell(3, 0)

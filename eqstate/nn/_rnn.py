@@ -7,15 +7,16 @@ shape of a call follows the input and the hidden state, never a static field.
 
 import math
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Inexact, PRNGKeyArray
 
 from .. import _context, random
+from .._pretty_print import state_label
 from .._state import ParamState, ShortTermState
 
 
@@ -73,6 +74,8 @@ class _RecurrentCell(eqx.Module):
     hidden: eqx.AbstractVar[ShortTermState]
     input_size: eqx.AbstractVar[int]
     hidden_size: eqx.AbstractVar[int]
+    # Whether the cell can be created with a complex `dtype`.
+    _takes_complex: ClassVar[bool] = True
 
     def _carry_states(self) -> tuple[ShortTermState, ...]:
         """The states carried from step to step (the hidden state first)."""
@@ -171,14 +174,40 @@ class _RecurrentCell(eqx.Module):
         # A new value of another shape, as when the state was created: not a write.
         frame.commit(zeros)
 
+    def _check_dtype(self, x: Array) -> None:
+        """`ValueError` for a complex input to a real cell, whose update would drop its
+        imaginary part."""
+        param_dtype = self.weight_ih.value.dtype
+        if not jnp.iscomplexobj(x) or jnp.issubdtype(param_dtype, jnp.complexfloating):
+            return
+        if not self._takes_complex:
+            fix = (
+                f"{type(self).__name__} has no complex parameters: give it a real "
+                "input, such as the real and imaginary parts side by side, "
+                "`jnp.concatenate([x.real, x.imag], -1)`, with twice the `input_size`."
+            )
+        else:
+            fix = (
+                "Create the cell with a complex dtype, as in `"
+                f"{type(self).__name__}({self.input_size}, {self.hidden_size}, "
+                "dtype=jnp.complex64)`."
+            )
+        raise ValueError(
+            f"{self._name()} got a {x.dtype} input, but its "
+            f"{state_label(self.weight_ih)} is {param_dtype}, and its real update "
+            f"would drop the imaginary part of the input. {fix}"
+        )
+
     def __call__(
-        self, x: Float[ArrayLike, "..."], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, "..."]:
+        self, x: Inexact[ArrayLike, "..."], *, key: PRNGKeyArray | None = None
+    ) -> Inexact[Array, "..."]:
         """**Arguments:**
 
         - `x`: one time step, of shape `(*batch, input_size)`. The batch shape must
             be that of the hidden state: `()` for a cell built without `batch_size`;
-            see `reset` to change it.
+            see `reset` to change it. A complex input needs a cell created with a
+            complex `dtype`; a real cell refuses it rather than drop its imaginary
+            part.
         - `key`: ignored; accepted so that the cell can be called as an Equinox layer
             (`eqx.nn.Sequential` passes one). (Keyword only argument.)
 
@@ -191,6 +220,7 @@ class _RecurrentCell(eqx.Module):
         x = jnp.asarray(x)
         states = self._carry_states()
         carry = tuple(state.value for state in states)
+        self._check_dtype(x)
         batch_shape = self._check_input(x, states, carry)
         new = _map_over_batch(self._step, self._params(), x, carry, batch_shape)
         new = tuple(value.astype(old.dtype) for old, value in zip(carry, new))
@@ -437,6 +467,7 @@ class RNNCell(_RecurrentCell):
     input_size: int = eqx.field(static=True)
     hidden_size: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
+    _takes_complex: ClassVar[bool] = False
 
     def __init__(
         self,
