@@ -786,6 +786,27 @@ def test_complex_cells_take_a_complex_input(getkey):
     assert cell(x).dtype == jnp.complex64
 
 
+@pytest.mark.parametrize(
+    "batch_size, shape",
+    [
+        (np.int64(8), (8,)),
+        (np.prod((2, 4)), (8,)),
+        (jnp.array(8), (8,)),
+        ((np.int32(2), jnp.array(3)), (2, 3)),
+        (np.array([2, 3]), (2, 3)),
+    ],
+)
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
+def test_batch_size_may_be_any_integer(cls, batch_size, shape):
+    cell = cls(3, 4, batch_size=batch_size)
+    assert cell.hidden.value.shape == (*shape, 4)
+    assert all(type(n) is int for n in cell.hidden.value.shape)
+    cell = cls(3, 4)
+    cell.reset(batch_size=batch_size)
+    assert cell.hidden.value.shape == (*shape, 4)
+    assert cell(jnp.zeros((*shape, 3))).shape == (*shape, 4)
+
+
 def test_cells_refuse_non_positive_sizes():
     with pytest.raises(ValueError, match="GRUCell needs a positive `hidden_size`"):
         enn.GRUCell(3, 0)

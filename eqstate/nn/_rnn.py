@@ -6,8 +6,9 @@ shape of a call follows the input and the hidden state, never a static field.
 """
 
 import math
-from collections.abc import Callable
-from typing import Any, ClassVar, NoReturn
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NoReturn, SupportsIndex
 
 import equinox as eqx
 import jax
@@ -24,10 +25,25 @@ _Carry = tuple[Array, ...]
 _Params = tuple[Array | None, ...]
 
 
-def _batch_shape(batch_size: int | tuple[int, ...] | None) -> tuple[int, ...]:
+# An integer for one batch axis, a sequence for several: Python ints, or NumPy and JAX
+# integer scalars (as `np.prod` gives).
+_BatchSize = SupportsIndex | Sequence[SupportsIndex] | None
+
+
+def _batch_shape(layer: str, batch_size: _BatchSize) -> tuple[int, ...]:
     if batch_size is None:
         return ()
-    return (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+    try:
+        return (operator.index(batch_size),)  # pyright: ignore[reportArgumentType]
+    except TypeError:
+        pass
+    try:
+        return tuple(operator.index(size) for size in batch_size)  # pyright: ignore
+    except TypeError:
+        raise TypeError(
+            f"{layer} takes `batch_size` as an integer or a tuple of integers, got "
+            f"{batch_size!r}."
+        ) from None
 
 
 def _check_sizes(
@@ -131,13 +147,14 @@ class _RecurrentCell(eqx.Module):
             "their members axis first: `cell.reset(batch_size=(members, *batch))`."
         )
 
-    def reset(self, batch_size: int | tuple[int, ...] | None = None) -> None:
+    def reset(self, batch_size: _BatchSize = None) -> None:
         """Sets the hidden state to zeros, e.g. before a new sequence.
 
         **Arguments:**
 
-        - `batch_size`: if given, the hidden state takes this batch shape (an int for
-            one batch axis, a tuple for several, `()` for none), so that the next
+        - `batch_size`: if given, the hidden state takes this batch shape (an integer
+            for one batch axis, a Python int or a NumPy or JAX integer scalar; a
+            tuple of them for several; `()` for none), so that the next
             calls take inputs of shape `(*batch, input_size)`. Changing the batch
             shape gives the state a value of a new shape, which only a context
             holding values can do: call it in eager code, or inside
@@ -154,7 +171,7 @@ class _RecurrentCell(eqx.Module):
             for state, value in zip(states, current):
                 state.value = jnp.zeros_like(value)
             return
-        shape = (*_batch_shape(batch_size), self.hidden_size)
+        shape = (*_batch_shape(type(self).__name__, batch_size), self.hidden_size)
         _check_sizes(type(self).__name__, self.input_size, self.hidden_size, shape[:-1])
         zeros = {s: jnp.zeros(shape, v.dtype) for s, v in zip(states, current)}
         if all(v.shape == shape for v in current):
@@ -233,12 +250,12 @@ def _batch_and_key(
     layer: str,
     input_size: int,
     hidden_size: int,
-    batch_size: int | tuple[int, ...] | None,
+    batch_size: _BatchSize,
     key: PRNGKeyArray | None,
 ) -> tuple[tuple[int, ...], PRNGKeyArray]:
     """The checked batch shape of a new cell, and the key to initialise it from (split
     from the default random state if `key` is None)."""
-    batch = _batch_shape(batch_size)
+    batch = _batch_shape(layer, batch_size)
     _check_sizes(layer, input_size, hidden_size, batch)
     return batch, random.split_key() if key is None else key
 
@@ -315,7 +332,7 @@ class GRUCell(_RecurrentCell):
         hidden_size: int,
         *,
         use_bias: bool = True,
-        batch_size: int | tuple[int, ...] | None = None,
+        batch_size: _BatchSize = None,
         dtype: Any = jnp.float32,
         key: PRNGKeyArray | None = None,
     ):
@@ -325,8 +342,9 @@ class GRUCell(_RecurrentCell):
         - `hidden_size`: the size of the hidden state.
         - `use_bias`: whether to add the biases `bias` and `bias_n`. (Keyword only
             argument.)
-        - `batch_size`: the initial batch shape of the hidden state (an int, or a
-            tuple for several batch axes); by default none, for one example at a
+        - `batch_size`: the initial batch shape of the hidden state (an integer,
+            Python's or a NumPy or JAX integer scalar, or a tuple of them for several
+            batch axes); by default none, for one example at a
             time. `reset(batch_size=...)` changes it. (Keyword only argument.)
         - `dtype`: the dtype of the parameters and of the hidden state. (Keyword only
             argument.)
@@ -402,7 +420,7 @@ class LSTMCell(_RecurrentCell):
         hidden_size: int,
         *,
         use_bias: bool = True,
-        batch_size: int | tuple[int, ...] | None = None,
+        batch_size: _BatchSize = None,
         dtype: Any = jnp.float32,
         key: PRNGKeyArray | None = None,
     ):
@@ -475,7 +493,7 @@ class RNNCell(_RecurrentCell):
         hidden_size: int,
         *,
         use_bias: bool = True,
-        batch_size: int | tuple[int, ...] | None = None,
+        batch_size: _BatchSize = None,
         dtype: Any = jnp.float32,
         key: PRNGKeyArray | None = None,
     ):
