@@ -735,6 +735,21 @@ def test_an_ensemble_cell_takes_a_batch_after_its_members_axis(getkey):
     assert run(xs).shape == (3, 6, 5, 4)
 
 
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
+def test_an_ensemble_cell_called_outside_vmap_says_to_map_it(cls):
+    ensemble = es.transform.vmap_new_states(lambda: cls(2, 4), axis_size=3)()
+    rows = ensemble.weight_ih.value.shape[1]
+    with pytest.raises(
+        ValueError,
+        match=rf"{cls.__name__}\(input_size=2, hidden_size=4\) is an ensemble of 3 "
+        rf"members: its ParamState 'weight_ih' has shape \(3, {rows}, 2\), a "
+        rf"single cell's \({rows}, 2\).*eqstate.transform.vmap.*in_states"
+        r".*eqstate.member",
+    ):
+        ensemble(jnp.ones((3, 2)))
+    assert tree_bitwise_equal(ensemble.hidden.value, jnp.zeros((3, 4)))
+
+
 def test_cell_input_of_the_wrong_shape_names_the_cell_and_both_shapes():
     cell = enn.GRUCell(3, 5)
     with pytest.raises(

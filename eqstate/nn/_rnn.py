@@ -119,6 +119,9 @@ class _RecurrentCell(eqx.Module):
     ) -> tuple[int, ...]:
         """The batch shape of the call, or `ValueError` naming the input's shape and
         that of the first carried state whose batch shape differs."""
+        weight = self.weight_ih.value
+        if weight.ndim > 2:
+            self._refuse_ensemble(weight)
         if x.ndim == 0 or x.shape[-1] != self.input_size:
             raise ValueError(
                 f"{self._name()} takes one time step of shape (*batch, "
@@ -130,6 +133,20 @@ class _RecurrentCell(eqx.Module):
             if value.shape[:-1] != batch:
                 self._refuse_batch(x, batch, state, value)
         return batch
+
+    def _refuse_ensemble(self, weight: Array) -> NoReturn:
+        members = weight.shape[: weight.ndim - 2]
+        count = members[0] if len(members) == 1 else members
+        raise ValueError(
+            f"{self._name()} is an ensemble of {count} members: its "
+            f"{state_label(self.weight_ih)} has shape {weight.shape}, a single cell's "
+            f"{weight.shape[-2:]}, so its parameters are stacked (as "
+            "`eqstate.transform.vmap_new_states` builds them) and it cannot be called "
+            "directly. Call it inside `eqstate.transform.vmap`, mapping its states: "
+            "`vmap(ensemble, in_states={0: eqstate.states_of(ensemble)}, "
+            "in_axes=None)(x)` gives every member the same `x`. Or take one member, "
+            "`eqstate.member(ensemble, i)`, and call it."
+        )
 
     def _refuse_batch(
         self, x: Array, batch: tuple[int, ...], state: ShortTermState, value: Array
