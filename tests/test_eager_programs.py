@@ -1,6 +1,7 @@
 """Loops and conditionals called at top level compile their program once, and never
 reuse a program for a call that computes something else."""
 
+import functools as ft
 import threading
 
 import eqstate as es
@@ -135,6 +136,55 @@ def test_a_numpy_array_changed_in_place_reaches_a_nested_jit():
         )
         assert np.array_equal(expected, value * xs)  # what JAX does
         assert np.array_equal(ys, expected), value
+
+
+# Programs reading a NumPy array `a`: as a literal (a 0-d array) or as a constant of a
+# nested jaxpr (an array closed over by a nested `jax.jit`).
+_READS_NUMPY = {
+    "scan": lambda a, x: es.transform.scan(
+        lambda c, _: (c * a, None), x, None, length=1
+    )[0],
+    "cond": lambda a, x: es.transform.cond(True, lambda y: y * a, lambda y: y, x),
+    "while_loop": lambda a, x: es.transform.while_loop(
+        lambda c: c[0] < 1, lambda c: (c[0] + 1, c[1] * a), (0, x)
+    )[1],
+    "nested jit": lambda a, x: es.transform.scan(
+        lambda c, _: (jax.jit(lambda y: y * a)(c), None), x, None, length=1
+    )[0],
+}
+
+
+@pytest.mark.parametrize("again", ["committed input", "caches cleared"])
+@pytest.mark.parametrize(
+    "name, shape", [(name, ()) for name in _READS_NUMPY] + [("nested jit", (3,))]
+)
+def test_a_numpy_array_changed_in_place_leaves_its_program_as_it_was(
+    name, shape, again
+):
+    """A program kept for a NumPy array's values computes with those values, also
+    when the array it was made from has changed since and `jax.jit` traces or lowers
+    the program again."""
+    run = _READS_NUMPY[name]
+    first = np.full(shape, 2.0, np.float32)
+    assert np.array_equal(run(first, jnp.ones(3)), jnp.full(3, 2.0))
+    first[...] = 100.0
+    x = jnp.ones(3)
+    if again == "committed input":
+        x = jax.device_put(x, jax.devices()[0])
+    else:
+        jax.clear_caches()
+    again_two = np.full(shape, 2.0, np.float32)  # the first array's old values
+    assert np.array_equal(run(again_two, x), jnp.full(3, 2.0))
+
+
+@pytest.mark.counts_compilations
+@pytest.mark.parametrize("name", list(_READS_NUMPY))
+def test_an_equal_numpy_value_compiles_nothing(name):
+    run = _READS_NUMPY[name]
+    for make in (np.float32, lambda v: np.array(v, np.float32)):
+        call = ft.partial(lambda make: run(make(0.5), jnp.ones(3)), make)
+        compilations(call)
+        assert compilations(call) == 0  # a new object, with the same value
 
 
 def test_a_deleted_array_in_a_nested_jit_is_refused_as_jax_refuses_it():

@@ -11,18 +11,20 @@ calls a compiled function kept for jaxprs of the same *structure* (`jaxpr_key`),
 with the jaxpr's constants (arrays closed over, the states' values) passed as
 arguments.
 
-Two jaxprs with one key compute the same function of their inputs and constants:
-the key holds every equation's primitive, the wiring of its variables, their types,
-its literal values, its parameters and its context (e.g.
-`jax.threefry_partitionable`). Nested jaxprs count by their keys, and their
-constants by value, or by identity for JAX arrays, which cannot change. A parameter
-that is not a jaxpr or a plain value (a number, a string, a dtype, an enum, a
-sharding, a tuple of those) counts by identity (e.g. the function of a
-`jax.pure_callback`), so that an unknown object can only make a key differ. The key
-leaves out the differentiation rules of `jax.custom_jvp` and `jax.custom_vjp`
-functions: the compiled function only evaluates, and at top level nothing
-differentiates it. A jaxpr with effects (`jax.debug.print`, `io_callback`) is
-evaluated as JAX would, compiling each call.
+Two jaxprs with one key compute the same function of their inputs and constants: the
+key holds every equation's primitive, the wiring of its variables, their types, its
+literal values, its parameters and its context (e.g. `jax.threefry_partitionable`).
+Nested jaxprs count by their keys, and their constants by value, or by identity for
+JAX arrays, which cannot change. A NumPy array (a literal or a nested constant)
+counts by its value at the call, and the kept jaxpr holds a copy of it, so that no
+later change in place of the array reaches a kept program when `jax.jit` traces or
+lowers it again. A parameter that is not a jaxpr or a plain value (a number, a
+string, a dtype, an enum, a sharding, a tuple of those) counts by identity (e.g. the
+function of a `jax.pure_callback`), so that an unknown object can only make a key
+differ. The key leaves out the differentiation rules of `jax.custom_jvp` and
+`jax.custom_vjp` functions: the compiled function only evaluates, and at top level
+nothing differentiates it. A jaxpr with effects (`jax.debug.print`, `io_callback`)
+is evaluated as JAX would, compiling each call.
 """
 
 import enum
@@ -61,6 +63,8 @@ _CUSTOM_CALLS = frozenset(
     {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 )
 _PLAIN = (bool, int, str, bytes, type(None), np.dtype, enum.Enum)
+# Values that cannot change in place.
+_UNCHANGING = (bool, int, float, complex, np.generic, jax.Array)
 
 
 def staged(fn: Callable, *args: Any) -> Any:
@@ -90,7 +94,8 @@ def _compiled(jaxpr: jex_core.Jaxpr) -> Callable:
         if len(_programs) >= PROGRAMS_KEPT:
             old, _ = _programs.popitem(last=False)
             _held.pop(old, None)
-        fn = _programs[key] = jax.jit(ft.partial(eqstate_program, jaxpr))
+        program = ft.partial(eqstate_program, own_copies(jaxpr))
+        fn = _programs[key] = jax.jit(program)
         _held[key] = held
     return fn
 
@@ -157,7 +162,11 @@ def _literal(value: Any, held: list) -> tuple:
         return (_held_id(value, held),)
     if array.dtype == object:
         return (_held_id(value, held),)
-    return (type(value), array.dtype.str, array.shape, array.tobytes())
+    key = (type(value), array.dtype.str, array.shape, array.tobytes())
+    if isinstance(value, (np.ndarray, *_UNCHANGING)):
+        return key  # a NumPy array: the kept jaxpr holds a copy (`own_copies`)
+    # Another object JAX reads as an array, which could change in place.
+    return (_held_id(value, held), *key)
 
 
 def _constant(value: Any, held: list) -> tuple:
@@ -167,6 +176,67 @@ def _constant(value: Any, held: list) -> tuple:
         # A deleted one: a key of its own, so that JAX, compiling, says it is gone.
         return _held_id(object() if value.is_deleted() else value, held)
     return _literal(value, held)
+
+
+def own_copies(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
+    """`jaxpr`, with a read-only copy of each NumPy array among its literals and its
+    nested jaxprs' constants. A key counts these by value, as they are when it is
+    made; the kept jaxpr must hold those values, not arrays that can change in place
+    (`jax.jit` traces or lowers it again, e.g. for an input on another device)."""
+    eqns = [_eqn_copies(eqn) for eqn in jaxpr.eqns]
+    outvars = [_atom_copy(var) for var in jaxpr.outvars]
+    changes = {}
+    if _changed(eqns, jaxpr.eqns):
+        changes["eqns"] = eqns
+    if _changed(outvars, jaxpr.outvars):
+        changes["outvars"] = outvars
+    return jaxpr.replace(**changes) if changes else jaxpr
+
+
+def _changed(new: Any, old: Any) -> bool:
+    return any(a is not b for a, b in zip(new, old))
+
+
+def _eqn_copies(eqn: jex_core.JaxprEqn) -> jex_core.JaxprEqn:
+    invars = [_atom_copy(var) for var in eqn.invars]
+    params = {name: _param_copies(value) for name, value in eqn.params.items()}
+    if not _changed(invars, eqn.invars) and not _changed(
+        params.values(), eqn.params.values()
+    ):
+        return eqn
+    return eqn.replace(invars=invars, params=params)
+
+
+def _atom_copy(var: Any) -> Any:
+    if isinstance(var, jex_core.Literal) and isinstance(var.val, np.ndarray):
+        return jex_core.Literal(_array_copy(var.val), var.aval)
+    return var
+
+
+def _array_copy(value: Any) -> Any:
+    if not isinstance(value, np.ndarray):
+        return value
+    copy = value.copy()  # of the same class (JAX's literals subclass `np.ndarray`)
+    copy.flags.writeable = False
+    return copy
+
+
+def _param_copies(value: Any) -> Any:
+    """A parameter with `own_copies` of the jaxprs in it (where `_param` looks)."""
+    if isinstance(value, jex_core.ClosedJaxpr):
+        jaxpr = own_copies(value.jaxpr)
+        consts = [_array_copy(c) for c in value.consts]
+        if jaxpr is value.jaxpr and not _changed(consts, value.consts):
+            return value
+        return value.replace(jaxpr=jaxpr, consts=consts)
+    if isinstance(value, jex_core.Jaxpr):
+        return own_copies(value)
+    if isinstance(value, (tuple, list)):
+        items = [_param_copies(v) for v in value]
+        if not _changed(items, value):
+            return value
+        return getattr(value, "_make", type(value))(items)  # a named tuple: `_make`
+    return value
 
 
 def _param(value: Any, held: list) -> Any:
