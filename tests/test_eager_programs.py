@@ -5,6 +5,7 @@ import functools as ft
 import threading
 
 import eqstate as es
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,6 +226,19 @@ def test_a_callback_in_the_body_is_the_current_one():
     es.transform.for_loop(printed, xs)
     es.transform.for_loop(printed, 2 * xs)
     assert [float(x) for x in seen] == [0, 1, 2, 0, 2, 4]
+
+
+@pytest.mark.counts_compilations
+def test_an_error_check_compiles_once_per_message_and_raises_its_own():
+    def run(start, message):
+        check = lambda c, _: (eqx.error_if(c, c > 0, message), None)  # noqa: E731
+        return es.transform.scan(check, start, None, length=1)[0]
+
+    compilations(ft.partial(run, -1.0, "first message"))
+    assert compilations(ft.partial(run, -2.0, "first message")) == 0
+    for message in ("first message", "second message"):  # a new one: a new program
+        with pytest.raises(Exception, match=message):
+            run(1.0, message)
 
 
 def _twice_rule(rule_factor: float):
