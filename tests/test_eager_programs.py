@@ -2,7 +2,9 @@
 reuse a program for a call that computes something else."""
 
 import functools as ft
+import gc
 import threading
+import weakref
 
 import eqstate as es
 import equinox as eqx
@@ -186,6 +188,22 @@ def test_an_equal_numpy_value_compiles_nothing(name):
         call = ft.partial(lambda make: run(make(0.5), jnp.ones(3)), make)
         compilations(call)
         assert compilations(call) == 0  # a new object, with the same value
+
+
+@pytest.mark.counts_compilations
+def test_a_new_jax_array_in_a_nested_jit_makes_a_program_that_keeps_it():
+    """As the docs say: a JAX array closed over by a nested `jax.jit` counts as that
+    very array, and the program kept for it keeps it alive."""
+    run = _READS_NUMPY["nested jit"]
+    a, x = jnp.full(3, 2.0), jnp.ones(3)
+    compilations(ft.partial(run, a, x))
+    assert compilations(ft.partial(run, a, x)) == 0
+    assert compilations(ft.partial(run, jnp.full(3, 2.0), x)) == 1
+    kept = weakref.ref(a)
+    del a
+    jax.clear_caches()
+    gc.collect()
+    assert kept() is not None  # until newer programs push its program out
 
 
 def test_a_deleted_array_in_a_nested_jit_is_refused_as_jax_refuses_it():
