@@ -162,11 +162,9 @@ def _literal(value: Any, held: list) -> tuple:
         return (_held_id(value, held),)
     if array.dtype == object:
         return (_held_id(value, held),)
-    key = (type(value), array.dtype.str, array.shape, array.tobytes())
-    if isinstance(value, (np.ndarray, *_UNCHANGING)):
-        return key  # a NumPy array: the kept jaxpr holds a copy (`own_copies`)
-    # Another object JAX reads as an array, which could change in place.
-    return (_held_id(value, held), *key)
+    # By value: the kept jaxpr holds a copy of an array that could change in place
+    # (`own_copies`).
+    return (type(value), array.dtype.str, array.shape, array.tobytes())
 
 
 def _constant(value: Any, held: list) -> tuple:
@@ -208,15 +206,18 @@ def _eqn_copies(eqn: jex_core.JaxprEqn) -> jex_core.JaxprEqn:
 
 
 def _atom_copy(var: Any) -> Any:
-    if isinstance(var, jex_core.Literal) and isinstance(var.val, np.ndarray):
+    if isinstance(var, jex_core.Literal) and not isinstance(var.val, _UNCHANGING):
         return jex_core.Literal(_array_copy(var.val), var.aval)
     return var
 
 
 def _array_copy(value: Any) -> Any:
-    if not isinstance(value, np.ndarray):
+    if isinstance(value, _UNCHANGING):
         return value
-    copy = value.copy()  # of the same class (JAX's literals subclass `np.ndarray`)
+    if isinstance(value, np.ndarray):
+        copy = value.copy()  # of the same class (JAX's literals subclass it)
+    else:
+        copy = np.array(value)  # JAX's own wrapper of one, in older releases
     copy.flags.writeable = False
     return copy
 
