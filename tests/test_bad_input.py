@@ -1049,6 +1049,17 @@ def jvp_integer_tangent():
 
 
 @case(
+    "`apply_updates` with an update to a state the model does not hold",
+    es.StateValueError,
+    r"ParamState 'teacher', which `model` does not hold.*states_of",
+)
+def apply_updates_foreign_state():
+    w, teacher = _w((2,)), _w((2,), name="teacher")
+    updates = es.StateDict({w: jnp.ones(2), teacher: jnp.ones(2)})
+    return lambda: es.apply_updates({"w": w}, (updates, None)), [w, teacher]
+
+
+@case(
     "`apply_updates` with an update of another shape than its state",
     es.StateValueError,
     r"shape \(3,\) .* ParamState 'w' .*\(1, 3\)",
