@@ -41,6 +41,11 @@ class OfType(StateFilter):
     parameters too. `OfType(eqstate.LongTermState, exact=True)` selects the running
     statistics alone.
 
+    `kind` may be subscripted (`eqstate.ParamState[Array]` is the kind
+    `eqstate.ParamState`) or a union of kinds, which selects states of any of them
+    (with `exact=True`, states whose kind is exactly one of them). Anything else is
+    refused with a `TypeError` when the filter is made.
+
     !!! Example
 
         ```python
@@ -58,12 +63,18 @@ class OfType(StateFilter):
         ```
     """
 
-    kind: type[State]
+    # Checked and normalised in `__post_init__`, to a kind or a tuple of kinds.
+    kind: Any
     exact: bool = False
+
+    def __post_init__(self):
+        kinds = _state_kinds(self.kind)
+        object.__setattr__(self, "kind", kinds[0] if len(kinds) == 1 else kinds)
 
     def __call__(self, path, state):
         if self.exact:
-            return type(state) is self.kind
+            kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
+            return type(state) in kinds
         return isinstance(state, self.kind)
 
 
@@ -166,6 +177,38 @@ class _Predicate(StateFilter):
         return bool(self.fn(path, state))
 
 
+def _is_union(kind: Any) -> bool:
+    origin = typing.get_origin(kind)
+    return origin is types.UnionType or origin is typing.Union
+
+
+def _state_kind(kind: Any) -> type[State]:
+    origin = typing.get_origin(kind)
+    if isinstance(origin, type):
+        kind = origin  # `ParamState[Any]` is the kind `ParamState`
+    if not isinstance(kind, type):
+        raise TypeError(
+            f"{kind!r} (of type {type(kind).__name__}) is not a State kind. `OfType` "
+            "takes `eqstate.State` or a subclass of it, such as `eqstate.ParamState`, "
+            "or a union of them; to select by tag, handle or predicate, pass that "
+            "filter itself instead of `OfType(...)`."
+        )
+    if not issubclass(kind, State):
+        raise TypeError(
+            f"{kind.__name__} is not a State kind, so it cannot be used as a filter. "
+            "A type filter must be `eqstate.State` or a subclass of it, such as "
+            "`eqstate.ParamState`."
+        )
+    return kind
+
+
+def _state_kinds(kind: Any) -> tuple[type[State], ...]:
+    """The State kinds that `kind` names: its origin if subscripted, each member if a
+    union. Raises `TypeError` for anything that is not a State kind."""
+    members = typing.get_args(kind) if _is_union(kind) else (kind,)
+    return tuple(dict.fromkeys(map(_state_kind, members)))
+
+
 def _check_takes_path_and_state(fn: Callable) -> None:
     try:
         signature = inspect.signature(fn)
@@ -200,19 +243,10 @@ def to_predicate(filter: Any) -> StateFilter:
         return Is(filter)
     if isinstance(filter, str):
         return WithTag(filter)
-    origin = typing.get_origin(filter)
-    if origin is types.UnionType or origin is typing.Union:
+    if _is_union(filter):
         return AnyOf(*typing.get_args(filter))  # `ParamState | LongTermState`
-    if isinstance(origin, type):
-        filter = origin  # `ParamState[Any]` is the kind `ParamState`
-    if isinstance(filter, type):
-        if issubclass(filter, State):
-            return OfType(filter)
-        raise TypeError(
-            f"{filter.__name__} is not a State kind, so it cannot be used as a filter. "
-            "A type filter must be `eqstate.State` or a subclass of it, such as "
-            "`eqstate.ParamState`."
-        )
+    if isinstance(filter, type) or isinstance(typing.get_origin(filter), type):
+        return OfType(filter)  # `ParamState[Any]` is the kind `ParamState`
     if isinstance(filter, (tuple, list)):
         return AnyOf(*filter)
     if callable(filter):

@@ -147,3 +147,23 @@ def test_a_type_error_inside_a_predicate_is_not_hidden(states):
 
     with pytest.raises(TypeError, match=r"^my own mistake$"):
         _selected(predicate, states)
+
+
+def test_of_type_takes_a_subscripted_kind_or_a_union(states):
+    assert OfType(es.ParamState[Any]) == OfType(es.ParamState)
+    assert _selected(OfType(es.ParamState[Any]), states) == {"param"}
+    exact_long = OfType(es.LongTermState[Any], exact=True)
+    assert _selected(exact_long, states) == {"long"}
+    union = OfType(es.LongTermState | es.ShortTermState[Any], exact=True)
+    assert _selected(union, states) == {"long", "short"}
+    assert _selected(OfType(es.LongTermState | es.ShortTermState), states) == {
+        "param",
+        "long",
+        "short",
+    }
+
+
+@pytest.mark.parametrize("bad", [int, "p", 3, list[int], es.ParamState | int])
+def test_of_type_refuses_what_is_not_a_state_kind_when_made(bad):
+    with pytest.raises(TypeError, match="is not a State kind"):
+        OfType(bad)
