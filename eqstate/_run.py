@@ -160,6 +160,10 @@ class scope:
     created inside are added to it. The world is never touched. When the block exits
     normally, `scope.states` holds the result; if it raises, nothing is kept.
 
+    A scope is entered once: entering it again, inside its block or after it has
+    exited, raises `RuntimeError` and leaves `scope.states` as it was. To go on from
+    the result, enter a new scope: `eqstate.scope(s.states)`.
+
     The scope is a context of its thread or task, so code that copies the context
     inside the block (an asyncio task created there, `asyncio.to_thread`,
     `contextvars.copy_context()`) runs in the scope too. Once the block has exited,
@@ -191,13 +195,19 @@ class scope:
                 "one with `eqstate.StateDict({state: value, ...})`."
             )
         self._initial = states
+        self._entered = False
         self._frame: _context.DictFrame | None = None
         self._token: Any = None
         self._states: StateDict | None = None
 
     def __enter__(self) -> "scope":
-        if self._frame is not None:
-            raise RuntimeError("An `eqstate.scope` cannot be entered twice.")
+        if self._entered:
+            raise RuntimeError(
+                "An `eqstate.scope` cannot be entered twice, even after its block has "
+                "exited. To go on from its result, enter a new scope: "
+                "`eqstate.scope(s.states)`."
+            )
+        self._entered = True
         # A StateDict made by `jax.tree.map` or `jax.device_get` may hold Python
         # scalars or NumPy arrays: values are JAX arrays here, as everywhere.
         values = ((s, _context.to_value(v)) for s, v in self._initial.items())

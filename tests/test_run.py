@@ -573,3 +573,17 @@ def test_a_kept_trace_iterating_the_world_keeps_the_states_it_was_traced_with(
     kept.clear_cache()
     assert kept() == 11
     assert first in es.world() and later in es.world()
+
+
+def test_a_scope_cannot_be_entered_again_after_it_exits():
+    n = es.State(jnp.array(0))
+    sc = es.scope(es.StateDict({n: jnp.array(0)}))
+    with sc:
+        n.value = n.value + 1
+    with pytest.raises(RuntimeError, match="entered twice"):
+        with sc:
+            n.value = n.value + 10
+    assert sc.states[n] == 1
+    with es.scope(sc.states) as again:
+        n.value = n.value + 1
+    assert again.states[n] == 2 and n.value == 0
