@@ -95,14 +95,11 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     _refuse_deleted(state, new)
     if isinstance(new, Tracer) and compat.is_dead_tracer(new):
         raise TraceContextError(LEAKED_TRACER_WRITE.format(label=state_label(state)))
-    try:
-        new = _to_array(new)
-    except TypeError:
-        raise StateValueError(
-            f"Cannot write {new!r} (a {type(new).__name__}) to {state_label(state)}: "
-            "a state's value is a PyTree of arrays, and JAX cannot make an array of "
-            "it. Write an array, or a Python or NumPy number."
-        ) from None
+    new = _array_to_write(state, new)
+    if not isinstance(old, jax.Array):
+        # A StateDict made by `jax.tree.map` or `jax.device_get` may hold Python
+        # scalars or NumPy arrays: check against the array that `old` stands for.
+        old = _to_array(old)
     weak = is_weak(new)
     if new.shape == old.shape and new.dtype == old.dtype:
         # A Python scalar written to a strongly typed state leaves it strong: the
@@ -115,7 +112,22 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
         # `1.0` keeps it promoting as a Python float does, as `x.value = 3.0` would.
         converted = new.astype(old.dtype)
         return compat.weakly_typed(converted) if is_weak(old) else converted
-    raise StateValueError(
+    raise _mismatch(state, old, new)
+
+
+def _array_to_write(state: Any, new: Any) -> Any:
+    try:
+        return _to_array(new)
+    except TypeError:
+        raise StateValueError(
+            f"Cannot write {new!r} (a {type(new).__name__}) to {state_label(state)}: "
+            "a state's value is a PyTree of arrays, and JAX cannot make an array of "
+            "it. Write an array, or a Python or NumPy number."
+        ) from None
+
+
+def _mismatch(state: Any, old: Any, new: Any) -> StateValueError:
+    return StateValueError(
         f"Cannot write a value of shape {tuple(new.shape)} and dtype {new.dtype} to "
         f"{state_label(state)} (shape {tuple(old.shape)}, dtype {old.dtype}). A write "
         f"must keep the structure, shape and dtype of the current value."

@@ -263,3 +263,19 @@ def test_structures_keyed_by_different_handles_of_one_name_print_apart():
     assert treedef == jax.tree.structure(
         es.StateDict({b: jnp.zeros(2), a: jnp.ones(2)})
     )
+
+
+def test_a_dict_of_python_scalars_takes_set_and_update():
+    w = es.ParamState(jnp.ones(2), name="w")
+    b = es.ParamState(jnp.zeros(2), name="b")
+    params = es.values_of([w, b])
+    rates = jax.tree.map(lambda x: 0.1, params)
+    for changed in (rates.set(b, 0.0), rates.update({b: 0.0}), rates | {b: 0.0}):
+        assert changed[b] == 0.0 and changed[w] == pytest.approx(0.1)
+        assert all(isinstance(v, jax.Array) for v in changed.values())
+    mask = jax.tree.map(lambda x: True, params).set(b, False)
+    assert mask[w].dtype == jnp.bool_ and not mask[b]
+    with pytest.raises(es.StateValueError, match="ParamState 'b'"):
+        rates.set(b, jnp.zeros(3))
+    on_host = jax.device_get(params).set(w, jnp.zeros(2))
+    assert (on_host[w] == 0).all() and isinstance(on_host[b], jax.Array)
