@@ -47,10 +47,21 @@ def to_value(value: Any) -> Any:
     return jtu.tree_map(_to_array, value)
 
 
+def to_dict_value(value: Any) -> Any:
+    """As `to_value`, for a `StateDict`'s value: `jax.ShapeDtypeStruct` leaves (those
+    of an abstract dictionary, as `eqstate.transform.eval_shape` returns) pass
+    unchanged."""
+    return jtu.tree_map(_to_array_or_abstract, value)
+
+
 def _to_array(x: Any) -> Any:
     # A copy: on some JAX releases `jnp.asarray` of a NumPy array shares its buffer,
     # which the caller may change afterwards.
     return x if isinstance(x, jax.Array) else jnp.array(x)
+
+
+def _to_array_or_abstract(x: Any) -> Any:
+    return x if isinstance(x, jax.ShapeDtypeStruct) else _to_array(x)
 
 
 def has_tracer(value: Any) -> bool:
@@ -95,6 +106,8 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     _refuse_deleted(state, new)
     if isinstance(new, Tracer) and compat.is_dead_tracer(new):
         raise TraceContextError(LEAKED_TRACER_WRITE.format(label=state_label(state)))
+    if isinstance(old, jax.ShapeDtypeStruct):
+        return _check_abstract_leaf(state, old, new)
     new = _array_to_write(state, new)
     if not isinstance(old, jax.Array):
         # A StateDict made by `jax.tree.map` or `jax.device_get` may hold Python
@@ -126,6 +139,16 @@ def _array_to_write(state: Any, new: Any) -> Any:
         ) from None
 
 
+def _check_abstract_leaf(state: Any, old: jax.ShapeDtypeStruct, new: Any) -> Any:
+    """`new` for a leaf of an abstract StateDict (a `jax.ShapeDtypeStruct`), which
+    it must match in shape and dtype."""
+    if not isinstance(new, jax.ShapeDtypeStruct):
+        new = _array_to_write(state, new)
+    if new.shape == old.shape and new.dtype == old.dtype:
+        return new
+    raise _mismatch(state, old, new)
+
+
 def _mismatch(state: Any, old: Any, new: Any) -> StateValueError:
     return StateValueError(
         f"Cannot write a value of shape {tuple(new.shape)} and dtype {new.dtype} to "
@@ -142,7 +165,7 @@ def _write_hint(old: Any, new: Any) -> str:
         if is_key(new.dtype, jax.dtypes.prng_key):
             return " Keys of another PRNG implementation cannot replace this one."
         return " Write a key (`jax.random.key(3)`), or reseed it: `state.seed(3)`."
-    extra = new.shape[: max(new.ndim - old.ndim, 0)]
+    extra = new.shape[: max(len(new.shape) - len(old.shape), 0)]
     if extra and new.shape[len(extra) :] == old.shape:
         # A batch axis, or axes the caller forgot to reduce: the hint names both.
         return (

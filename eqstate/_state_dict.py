@@ -9,7 +9,7 @@ import jax.tree_util as jtu
 import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
-from ._context import check_write, to_value
+from ._context import check_write, to_dict_value
 from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError
 from ._filters import to_predicate
@@ -71,7 +71,9 @@ class StateDict(_MappingBase):
 
         - `values`: the contents, a mapping (or iterable of pairs) from handles to
             PyTrees of arrays. Each leaf is converted with `jnp.array` (NumPy arrays
-            are copied). (Typed to also accept what optax returns, e.g.
+            are copied), except `jax.ShapeDtypeStruct`s, kept as they are: an
+            abstract dictionary (as `eqstate.transform.eval_shape` returns) can be
+            split, merged and rebuilt like any other. (Typed to also accept what optax returns, e.g.
             `optax.apply_updates(params, updates)`: a `StateDict` at run time,
             declared as a PyTree of arrays.)
         """
@@ -87,7 +89,7 @@ class StateDict(_MappingBase):
         contents = {}
         for state, value in items:
             _check_key(state)
-            contents[state] = to_value(value)
+            contents[state] = to_dict_value(value)
         object.__setattr__(self, "_values", contents)
         object.__setattr__(self, "_canonical", None)
 
@@ -157,7 +159,7 @@ class StateDict(_MappingBase):
             _check_key(state)
             old = values.get(state, MISSING)
             if old is MISSING:
-                values[state] = to_value(value)
+                values[state] = to_dict_value(value)
             else:
                 values[state] = check_write(state, old, value)
         return state_dict_of(values)
@@ -285,8 +287,9 @@ def _as_values(values: Mapping) -> dict:
     """A copy of `values` whose leaves are JAX arrays, as `StateDict(values)` makes
     them: one made by `jax.tree.map` or `jax.device_get` may hold Python scalars or
     NumPy arrays."""
+    kept = (jax.Array, jax.ShapeDtypeStruct)
     return {
-        s: v if isinstance(v, jax.Array) else to_value(v) for s, v in values.items()
+        s: v if isinstance(v, kept) else to_dict_value(v) for s, v in values.items()
     }
 
 

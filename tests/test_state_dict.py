@@ -279,3 +279,27 @@ def test_a_dict_of_python_scalars_takes_set_and_update():
         rates.set(b, jnp.zeros(3))
     on_host = jax.device_get(params).set(w, jnp.zeros(2))
     assert (on_host[w] == 0).all() and isinstance(on_host[b], jax.Array)
+
+
+def test_an_abstract_dict_can_be_split_merged_and_rebuilt():
+    w = es.ParamState(jnp.ones(2), name="w")
+    n = es.ShortTermState(jnp.array(0), name="n")
+
+    def f():
+        n.value = n.value + 1
+        return w.value.sum()
+
+    shapes, _ = es.transform.eval_shape(f, return_state_shapes=True)
+    params, rest = shapes.split(es.ParamState)
+    for merged in (
+        params | rest,
+        es.StateDict.merge(params, rest),
+        es.StateDict(shapes),
+    ):
+        assert set(merged) == {w, n}
+        assert merged[w] == jax.ShapeDtypeStruct((2,), jnp.float32)
+        assert merged[n].shape == () and merged[n].dtype == n.value.dtype
+    assert es.StateDict.merge(shapes, shapes)[w] == shapes[w]
+    assert (shapes.set(w, jnp.zeros(2))[w] == 0).all()
+    with pytest.raises(es.StateValueError, match=r"shape \(3,\).*ParamState 'w'"):
+        shapes.set(w, jnp.zeros(3))
