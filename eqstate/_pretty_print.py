@@ -46,9 +46,12 @@ def value_summary(value: Any) -> str:
     leaves, treedef = jtu.tree_flatten(value)
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:
         return array_summary(leaves[0])
-    return str(
-        jtu.tree_unflatten(treedef, [_Summary(array_summary(x)) for x in leaves])
-    )
+    summaries = [array_summary(x) for x in leaves]
+    try:
+        return str(jtu.tree_unflatten(treedef, list(map(_Summary, summaries))))
+    except Exception:  # A user's node that checks its fields, or prints them, may
+        # refuse the summaries: list them flat, after the name of its type.
+        return f"{type(value).__name__}({', '.join(summaries)})"
 
 
 class _Summary:

@@ -1,7 +1,10 @@
+import dataclasses
+
 import eqstate as es
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import pytest
 
 
 def test_handle_repr_shows_kind_name_tag_and_value_summary():
@@ -114,3 +117,22 @@ def test_describe_of_a_function_without_states():
     text = es.transform.StatefulFunction(lambda x: x * 2, name="double").describe(1.0)
     assert text.splitlines()[0] == "double: reads 0, writes 0, creates 0 state(s)"
     assert jax.numpy.shape(1.0) == ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Gaussian:
+    mean: jax.Array
+    std: jax.Array
+
+    def __post_init__(self):  # A check that summaries of the leaves do not pass.
+        if not hasattr(self.std, "shape"):
+            raise TypeError("std must be an array")
+
+
+def test_a_value_whose_node_refuses_summaries_prints_its_leaves_flat():
+    g = es.State(_Gaussian(jnp.zeros(2), jnp.ones(2)), name="posterior")
+    assert repr(g) == "State(name='posterior', value=_Gaussian(f32[2], f32[2]))"
+    assert "_Gaussian(f32[2], f32[2])" in repr(es.values_of(g))
+    with pytest.raises(AttributeError, match="Cannot set `foo` on State 'posterior'"):
+        g.foo = 1  # pyright: ignore[reportAttributeAccessIssue]
