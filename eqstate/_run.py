@@ -55,7 +55,9 @@ def world() -> StateDict:
 
     **Returns:**
 
-    A [`eqstate.StateDict`][]. Later writes to the world do not change it.
+    A [`eqstate.StateDict`][]. Later writes do not change it, whether to the world
+    or, when it is taken inside a transform (a lane of
+    [`eqstate.transform.vmap_new_states`][] included), to the transform's values.
     """
     frame = _context.current_frame()
     if isinstance(frame, _context.DictFrame) and frame.ended:
@@ -68,11 +70,14 @@ def world() -> StateDict:
     if frame is _context.WORLD:
         return state_dict_of(dict(_context.WORLD.snapshot()))
     states = [state for state, _ in _context.WORLD.snapshot()]
-    if isinstance(frame, _context.TraceFrame):
-        # The values the trace holds now are taken now; the others are its inputs,
-        # read (imported) when looked up, as they were before any later write.
-        known = {s: frame.values[s] for s in states if s in frame.values}
-        return state_dict_of(_ReadThrough(frame, states, known, frame.original))
+    original = getattr(frame, "original", None)
+    held: dict | None = getattr(frame, "values", None)
+    if original is not None and held is not None:
+        # A trace, or a lane of `vmap_new_states`: the values it holds now are taken
+        # now; the others are read when looked up, as they were before any later
+        # write (a trace's inputs; a lane's keys as first read).
+        known = {s: held[s] for s in states if s in held}
+        return state_dict_of(_ReadThrough(frame, states, known, original))
     # Outside any trace (a scope, eager control flow) the values are taken now, so
     # that later writes leave the snapshot as it was; a world state outside a scope
     # raises when it is looked up. Under a trace, values taken now would be baked in.

@@ -609,3 +609,20 @@ def test_member_of_an_ensemble_of_ensembles_follows_the_outer_build():
     assert tree_bitwise_equal(one.s.value, outer.s.value[1])
     with pytest.raises(IndexError, match="ensemble of 4"):
         es.member(outer, 4)
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_snapshot_of_the_world_in_a_lane_keeps_a_random_state_as_it_was(read_first):
+    r = es.RandomState(7, name="r")
+
+    def build():
+        if read_first:
+            r.value
+        snapshot = es.world()
+        before = jr.key_data(r.value)
+        r.split_key()
+        return es.ParamState(jnp.zeros(1)), before, jr.key_data(snapshot[r])
+
+    _, before, seen = es.transform.vmap_new_states(build, axis_size=2)()
+    assert tree_bitwise_equal(seen, before)
+    assert not (before[0] == before[1]).all()

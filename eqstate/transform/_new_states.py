@@ -96,6 +96,7 @@ class _LaneFrame(_context.Frame):
     __slots__ = (
         "default_key",
         "excluded",
+        "first_keys",
         "new_states",
         "others_key",
         "parent",
@@ -121,6 +122,9 @@ class _LaneFrame(_context.Frame):
         self.new_states: list[State] = []
         self.replicated: dict[State, str] = {}
         self.randoms: list[State] = []
+        # The lane key each pre-existing random state got at its first read, which
+        # a snapshot (`eqstate.world()`) taken before a write to it still shows.
+        self.first_keys: dict[State, Any] = {}
 
     def _lane_key_for(self, state: State, like: Any) -> Any:
         """The lane's key for `state`, whose value is `like`: one key, or a batch of
@@ -144,11 +148,18 @@ class _LaneFrame(_context.Frame):
             if isinstance(state, RandomState):
                 like = self.parent.fetch(state)
                 value = self.values[state] = self._lane_key_for(state, like)
+                self.first_keys[state] = value
             else:
                 value = self.parent.fetch(state)
         return value
 
     fetch = read
+
+    def original(self, state: State) -> Any:
+        """The state's value in the lane before any write to it there, as a snapshot
+        of the world taken then (`eqstate.world()`) shows it."""
+        value = self.first_keys.get(state, MISSING)
+        return self.read(state) if value is MISSING else value
 
     def _checked(self, state: State, value: Any) -> Any:
         """`value` as a write to `state` stores it; raises if the lane refuses it."""
@@ -201,6 +212,7 @@ class _LaneFrame(_context.Frame):
         # then, were for a trace thrown away: hand them out again, in order.
         for state in self.randoms[mark:]:
             self.values.pop(state, None)
+            self.first_keys.pop(state, None)
         del self.randoms[mark:]
 
     def add_new(self, state, value):
