@@ -11,7 +11,7 @@ from jaxtyping import ArrayLike, PyTree
 
 from ._context import check_write, to_dict_value
 from ._custom_types import Filter, MISSING
-from ._errors import StateNotFoundError
+from ._errors import StateNotFoundError, StateValueError
 from ._filters import to_predicate
 from ._placement import device_put_apart
 from ._pretty_print import first_and_more, state_dict_doc, state_label
@@ -77,19 +77,10 @@ class StateDict(_MappingBase):
             `optax.apply_updates(params, updates)`: a `StateDict` at run time,
             declared as a PyTree of arrays.)
         """
-        if isinstance(values, Mapping):
-            items = values.items()
-        elif isinstance(values, Iterable):
-            items = values
-        else:
-            raise TypeError(
-                "A StateDict is built from a mapping (or an iterable of pairs) from "
-                f"handles to values, got {type(values).__name__}."
-            )
         contents = {}
-        for state, value in items:
+        for state, value in _pairs(values):
             _check_key(state)
-            contents[state] = to_dict_value(value)
+            contents[state] = _dict_value(state, value)
         object.__setattr__(self, "_values", contents)
         object.__setattr__(self, "_canonical", None)
 
@@ -159,7 +150,7 @@ class StateDict(_MappingBase):
             _check_key(state)
             old = values.get(state, MISSING)
             if old is MISSING:
-                values[state] = to_dict_value(value)
+                values[state] = _dict_value(state, value)
             else:
                 values[state] = check_write(state, old, value)
         return state_dict_of(values)
@@ -208,7 +199,7 @@ class StateDict(_MappingBase):
         several takes its value from the last one (checked like a write)."""
         merged = StateDict()
         for sd in state_dicts:
-            merged = merged.update(sd)
+            merged = merged.update(_as_mapping(sd, "StateDict.merge"))
         return merged
 
     def with_sharding(self, shardings: Any) -> "StateDict":
@@ -289,8 +280,55 @@ def _as_values(values: Mapping) -> dict:
     NumPy arrays."""
     kept = (jax.Array, jax.ShapeDtypeStruct)
     return {
-        s: v if isinstance(v, kept) else to_dict_value(v) for s, v in values.items()
+        s: v if isinstance(v, kept) else _dict_value(s, v) for s, v in values.items()
     }
+
+
+def _dict_value(state: State, value: Any) -> Any:
+    """`value` with its leaves as JAX arrays, or `StateValueError` naming `state`."""
+    try:
+        return to_dict_value(value)
+    except TypeError as error:
+        raise StateValueError(
+            f"Cannot hold {value!r} (a {type(value).__name__}) for "
+            f"{state_label(state)} in a StateDict: its values are PyTrees of arrays, "
+            f"and JAX cannot make an array of every leaf ({error}). To keep other "
+            "leaves by state (labels for `optax.multi_transform`, say), build the "
+            "whole dictionary with `jax.tree.map` over one of arrays, e.g. "
+            "`jax.tree.map(lambda v: 'adam', params)`: `StateDict(...)`, `set`, "
+            "`update` and `|` take arrays only."
+        ) from None
+
+
+def _pairs(values: Any) -> Iterable[tuple[Any, Any]]:
+    """The `(handle, value)` pairs that `StateDict(values)` holds."""
+    if isinstance(values, Mapping):
+        return values.items()
+    if isinstance(values, Iterable) and not isinstance(values, (jax.Array, str)):
+        return map(_pair, values)
+    raise TypeError(
+        f"A StateDict is built from a mapping from handles to values, or an iterable "
+        f"of `(handle, value)` pairs; got {type(values).__name__}. To take the "
+        "current values of some states, use `eqstate.values_of(states)`."
+    )
+
+
+def _pair(item: Any) -> tuple[Any, Any]:
+    try:
+        state, value = item
+    except (TypeError, ValueError):
+        hint = (
+            " To take the current values of some states, use "
+            "`eqstate.values_of(states)`."
+            if isinstance(item, State)
+            else ""
+        )
+        raise TypeError(
+            "A StateDict is built from a mapping from handles to values, or an "
+            f"iterable of `(handle, value)` pairs; got an item {item!r} (a "
+            f"{type(item).__name__}), which is not a pair.{hint}"
+        ) from None
+    return state, value
 
 
 def _placed(state: State, value: Any, sharding: jax.sharding.Sharding) -> Any:

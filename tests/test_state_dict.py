@@ -303,3 +303,18 @@ def test_an_abstract_dict_can_be_split_merged_and_rebuilt():
     assert (shapes.set(w, jnp.zeros(2))[w] == 0).all()
     with pytest.raises(es.StateValueError, match=r"shape \(3,\).*ParamState 'w'"):
         shapes.set(w, jnp.zeros(3))
+
+
+def test_building_from_what_is_not_pairs_says_what_a_state_dict_takes():
+    w = es.ParamState(jnp.ones(2), name="w")
+    n = es.ShortTermState(jnp.array(0), name="n")
+    with pytest.raises(TypeError, match=r"not a pair\. .*`eqstate.values_of"):
+        es.StateDict([w, n])  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"`\(handle, value\)` pairs; got ArrayImpl"):
+        es.StateDict(jnp.ones(3))
+    with pytest.raises(
+        es.StateValueError, match="'adam' \\(a str\\) for ParamState 'w'"
+    ):
+        es.StateDict({w: "adam"})
+    with pytest.raises(TypeError, match=r"`StateDict\.merge` takes a StateDict"):
+        es.StateDict.merge(es.values_of(w), [(n, 1)])
