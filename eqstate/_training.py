@@ -51,9 +51,9 @@ def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
     returns, and one optax optimiser serves both, when the loss reads no
     `ParamState` outside `model`. A loss that also reads another model's (a frozen
     teacher it closes over) gets gradients for those too: pass
-    `grad_states=es.states_of(model, es.ParamState)` to differentiate this model's
-    alone ([`eqstate.apply_updates`][] refuses updates to states `model` does not
-    hold).
+    `grad_states=es.trainable(model)[0], check_states=False` to differentiate this
+    model's alone ([`eqstate.apply_updates`][] refuses updates to states `model`
+    does not hold).
 
     **Arguments:**
 
@@ -194,8 +194,8 @@ def _refuse_foreign(states: tuple[State, ...], model: PyTree) -> None:
             "`model` does not hold: `apply_updates` updates the model's own states "
             "only. `grad_states=es.ParamState` differentiates every ParamState the "
             "loss reads, also those of a model it closes over (a frozen teacher); "
-            "to train this model's alone, pass "
-            "`grad_states=es.states_of(model, es.ParamState)`."
+            "to train this model's alone, name them: "
+            "`grad_states=es.trainable(model)[0], check_states=False`."
         )
 
 

@@ -1051,7 +1051,7 @@ def jvp_integer_tangent():
 @case(
     "`apply_updates` with an update to a state the model does not hold",
     es.StateValueError,
-    r"ParamState 'teacher', which `model` does not hold.*states_of",
+    r"ParamState 'teacher', which `model` does not hold.*trainable",
 )
 def apply_updates_foreign_state():
     w, teacher = _w((2,)), _w((2,), name="teacher")

@@ -412,3 +412,10 @@ def test_in_states_never_maps_a_non_batch_state_it_selects():
     lanes = es.transform.vmap(predict, in_states={0: es.states_of(ensemble)})(ensemble)
     want = ensemble["w"].value * ensemble["scale"].value
     assert tree_bitwise_equal(lanes, want)
+
+
+def test_in_states_naming_a_non_batch_state_alone_is_an_error():
+    shared = es.NonBatchState(jnp.arange(3.0), name="shared")
+    for in_states in (shared, {0: shared}):
+        with pytest.raises(ValueError, match="names NonBatchState 'shared'"):
+            es.transform.vmap(lambda x: x + shared.value, in_states=in_states)

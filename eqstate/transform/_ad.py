@@ -471,7 +471,11 @@ def grad(
     The function is traced to find its states; its pure form is differentiated by
     `jax.grad` with respect to the values of `grad_states` and the arguments in
     `argnums`. States the function writes (running statistics, counters) are written
-    back with their new values.
+    back with their new values. The trace sees abstract values, as `jax.jit` does,
+    where `jax.grad` called eagerly runs the function on concrete ones: Python
+    control flow on an array's value (`if x > 0:`) raises JAX's
+    `TracerBoolConversionError`; use `jnp.where` or [`eqstate.transform.cond`][]
+    (Python scalars outside `argnums` stay concrete).
 
     **Arguments:**
 

@@ -177,6 +177,21 @@ def parse_state_axes(spec: Any, what: str) -> list[tuple[int, Callable]]:
     return [(0, to_predicate(spec))]
 
 
+def _refuse_named_non_batch(in_states: Any) -> None:
+    """Raises `ValueError` for a `NonBatchState` given alone as a filter of
+    `in_states`: it is never mapped, so asking for it is a mistake (one selected
+    among others, by a filter or with the states of an ensemble, is left unmapped)."""
+    specs = in_states.values() if isinstance(in_states, dict) else [in_states]
+    for spec in specs:
+        if isinstance(spec, NonBatchState):
+            raise ValueError(
+                f"`in_states` names {state_label(spec)}, but a NonBatchState is "
+                "never given a batch axis: every lane sees its whole value. Leave it "
+                "out of `in_states`, or make it another kind of state if it holds "
+                "one value per lane."
+            )
+
+
 def axis_of(state: State, pairs: list[tuple[int, Callable]]) -> int | None:
     if isinstance(state, NonBatchState):
         return None  # Never given a batch axis, even where a filter selects it.
@@ -314,7 +329,8 @@ def vmap(
         axis size): with no mapped argument and none of them used, pass `axis_size`.
         [`eqstate.NonBatchState`][]s are never mapped, even where a filter selects
         them (`es.states_of(ensemble)`): every lane sees their whole value, as every
-        member of an ensemble built by `vmap_new_states` shares it.
+        member of an ensemble built by `vmap_new_states` shares it. One named alone
+        (`in_states={0: shared}`) raises `ValueError`.
     - `out_states`: the axis of mapped states in the output, as `{axis: filter}`;
         by default their input axis. A state must keep its shape.
 
@@ -339,6 +355,7 @@ def vmap(
         ```
     """
     check_axis_size(axis_size)
+    _refuse_named_non_batch(in_states)
     mapped_axis = ft.partial(axis_of, pairs=parse_state_axes(in_states, "in_states"))
     out_pairs = parse_state_axes(out_states, "out_states")
     traces_of = _traces_by_size(fun, axis_name)
