@@ -173,25 +173,14 @@ class BatchNorm(eqx.Module):
                 f"of shape (batch, {n}) or (batch, {n}, *spatial): the batch on axis 0 "
                 f"and the features on axis 1; {got}.{hint}"
             )
-        if x.shape[0] == n and self._per_example(x):
-            # In training the write of the batch statistics would fail too, but with
-            # advice (give the statistics a batch axis) that fits only an ensemble.
-            ensemble = ""
-            if not inference:
-                ensemble = (
-                    " If each lane is a batch with running statistics of its own, "
-                    "build an ensemble of layers with "
-                    "`eqstate.transform.vmap_new_states` and map its states too: "
-                    "`eqstate.transform.vmap(f, in_states={0: "
-                    "eqstate.states_of(ensemble)})`."
-                )
+        if inference and x.shape[0] == n and self._per_example(x):
             raise ValueError(
                 f"BatchNorm(num_features={n}) got an input of shape {x.shape} inside "
                 "a `vmap` that maps the input but not the layer's running statistics: "
                 f"one example of {n} channels, which would be normalised along axis "
                 f"1 (of size {n} too) as if it were a batch.{_PER_EXAMPLE_HINT} If "
                 f"each lane really is a batch of {n} examples, call the layer on all "
-                f"of them at once: `bn(xs.reshape(-1, *xs.shape[2:]))`.{ensemble}"
+                "of them at once: `bn(xs.reshape(-1, *xs.shape[2:]))`."
             )
         if not inference and x.size // self.num_features < 2:
             raise ValueError(
@@ -232,10 +221,10 @@ class BatchNorm(eqx.Module):
 
         `ValueError` if the feature axis of `x` does not have size `num_features`,
         if `x` is complex and the layer's states are real, in training if there is
-        only one value per feature, or if `x` looks like one example of a square
-        shape `(num_features, num_features, ...)` called per example inside
-        `jax.vmap` or `eqx.filter_vmap` (mapped there, while the running statistics
-        are not), which would be normalised along the wrong axis.
+        only one value per feature, or in inference if `x` looks like one example
+        of a square shape `(num_features, num_features, ...)` called per example
+        inside `jax.vmap` or `eqx.filter_vmap` (mapped there, while the running
+        statistics are not), which would be normalised along the wrong axis.
         """
         x = jnp.asarray(x)
         if inference is None:
