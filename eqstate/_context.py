@@ -143,9 +143,13 @@ def _check_abstract_leaf(state: Any, old: jax.ShapeDtypeStruct, new: Any) -> Any
     """`new` for a leaf of an abstract StateDict (a `jax.ShapeDtypeStruct`), which
     it must match in shape and dtype."""
     if not isinstance(new, jax.ShapeDtypeStruct):
-        new = _array_to_write(state, new)
+        # As a write to a value of that type: a Python scalar takes its dtype.
+        stand_in = jnp.zeros(old.shape, old.dtype)
+        if old.weak_type:
+            stand_in = compat.weakly_typed(stand_in)
+        return _cast_leaf(state, stand_in, new)
     if new.shape == old.shape and new.dtype == old.dtype:
-        return new
+        return old  # the type it had, weak or strong
     raise _mismatch(state, old, new)
 
 

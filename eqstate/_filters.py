@@ -202,11 +202,27 @@ def _state_kind(kind: Any) -> type[State]:
     return kind
 
 
-def _state_kinds(kind: Any) -> tuple[type[State], ...]:
-    """The State kinds that `kind` names: its origin if subscripted, each member if a
-    union. Raises `TypeError` for anything that is not a State kind."""
-    members = typing.get_args(kind) if _is_union(kind) else (kind,)
-    return tuple(dict.fromkeys(map(_state_kind, members)))
+def _state_kinds(kind: Any) -> tuple[type, ...]:
+    """The classes that `kind` names for `OfType`: its origin if subscripted, each
+    member if a union or a tuple. A State kind, or a class some kinds derive from (a
+    mixin); raises `TypeError` for what is not a class, or a builtin one (`int`)."""
+    if _is_union(kind) or isinstance(kind, tuple):
+        members = typing.get_args(kind) if _is_union(kind) else kind
+        return tuple(dict.fromkeys(k for m in members for k in _state_kinds(m)))
+    origin = typing.get_origin(kind)
+    if isinstance(origin, type):
+        kind = origin  # `ParamState[Any]` is the kind `ParamState`
+    if not isinstance(kind, type) or (
+        kind.__module__ == "builtins" and kind is not object
+    ):
+        raise TypeError(
+            f"{kind!r} (of type {type(kind).__name__}) is not a State kind. `OfType` "
+            "takes `eqstate.State` or a subclass of it, such as `eqstate.ParamState` "
+            "(or a class some kinds derive from), or a union or tuple of them; to "
+            "select by tag, handle or predicate, pass that filter itself instead of "
+            "`OfType(...)`."
+        )
+    return (kind,)
 
 
 def _check_takes_path_and_state(fn: Callable) -> None:
@@ -246,7 +262,7 @@ def to_predicate(filter: Any) -> StateFilter:
     if _is_union(filter):
         return AnyOf(*typing.get_args(filter))  # `ParamState | LongTermState`
     if isinstance(filter, type) or isinstance(typing.get_origin(filter), type):
-        return OfType(filter)  # `ParamState[Any]` is the kind `ParamState`
+        return OfType(_state_kind(filter))  # `ParamState[Any]` is `ParamState`
     if isinstance(filter, (tuple, list)):
         return AnyOf(*filter)
     if callable(filter):

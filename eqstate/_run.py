@@ -5,14 +5,20 @@ import functools as ft
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, overload, ParamSpec, TypeVar
 
+import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _context, _jax_compat as compat
 from ._custom_types import Filter, MISSING
-from ._errors import RAW_TRANSFORM_READ, StateNotFoundError, TraceContextError
+from ._errors import (
+    RAW_TRANSFORM_READ,
+    StateNotFoundError,
+    StateValueError,
+    TraceContextError,
+)
 from ._filters import to_predicate
-from ._pretty_print import state_label
+from ._pretty_print import state_label, value_summary
 from ._state import is_state, State
 from ._state_dict import state_dict_of, StateDict
 
@@ -156,6 +162,19 @@ class _ReadThrough(Mapping):
         return state in self._states
 
 
+def _scope_value(state: State, value: Any) -> Any:
+    """`value` as a scope holds it (JAX arrays), or `StateValueError` for an abstract
+    one (a `jax.ShapeDtypeStruct`, as `eqstate.transform.eval_shape` gives)."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(value)):
+        raise StateValueError(
+            f"{state_label(state)} has an abstract value ({value_summary(value)}: "
+            "shapes and dtypes only, as `eqstate.transform.eval_shape` gives), but a "
+            "scope or `eqstate.run` needs values to compute with. Pass arrays, e.g. "
+            "`jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)`."
+        )
+    return _context.to_value(value)
+
+
 class scope:
     """Runs eager code against an explicit [`eqstate.StateDict`][] instead of the
     world.
@@ -212,10 +231,10 @@ class scope:
                 "exited. To go on from its result, enter a new scope: "
                 "`eqstate.scope(s.states)`."
             )
-        self._entered = True
         # A StateDict made by `jax.tree.map` or `jax.device_get` may hold Python
         # scalars or NumPy arrays: values are JAX arrays here, as everywhere.
-        values = ((s, _context.to_value(v)) for s, v in self._initial.items())
+        values = [(s, _scope_value(s, v)) for s, v in self._initial.items()]
+        self._entered = True
         self._frame = _context.DictFrame(values)
         self._token = _context.enter(self._frame)
         return self

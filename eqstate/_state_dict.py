@@ -136,7 +136,7 @@ class StateDict(_MappingBase):
         [`eqstate.StateDict.update`][] to add states.
         """
         checked = check_write(state, self[state], value)
-        return state_dict_of({**_as_values(self._values), state: checked})
+        return state_dict_of({**self._values, state: checked})
 
     def update(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
         """Returns a copy with the entries of `other` added. Values of states already
@@ -145,7 +145,7 @@ class StateDict(_MappingBase):
         `other` is a mapping from handles to values, typically another `StateDict`.
         It is typed as any PyTree so that what optax returns (a `StateDict` at run
         time, declared as a PyTree of arrays) type-checks without a cast."""
-        values = _as_values(self._values)
+        values = dict(self._values)
         for state, value in _as_mapping(other, "StateDict.update").items():
             _check_key(state)
             old = values.get(state, MISSING)
@@ -272,16 +272,6 @@ def state_dict_of(values: Mapping) -> StateDict:
     object.__setattr__(sd, "_values", values)
     object.__setattr__(sd, "_canonical", None)
     return sd
-
-
-def _as_values(values: Mapping) -> dict:
-    """A copy of `values` whose leaves are JAX arrays, as `StateDict(values)` makes
-    them: one made by `jax.tree.map` or `jax.device_get` may hold Python scalars or
-    NumPy arrays."""
-    kept = (jax.Array, jax.ShapeDtypeStruct)
-    return {
-        s: v if isinstance(v, kept) else _dict_value(s, v) for s, v in values.items()
-    }
 
 
 def _dict_value(state: State, value: Any) -> Any:

@@ -167,3 +167,22 @@ def test_of_type_takes_a_subscripted_kind_or_a_union(states):
 def test_of_type_refuses_what_is_not_a_state_kind_when_made(bad):
     with pytest.raises(TypeError, match="is not a State kind"):
         OfType(bad)
+
+
+def test_of_type_takes_a_tuple_of_kinds_and_a_mixin_and_its_own_kind_back():
+    class Trainable:
+        pass
+
+    class Special(es.ParamState, Trainable):
+        pass
+
+    states = {
+        "param": es.ParamState(jnp.zeros(1)),
+        "long": es.LongTermState(jnp.zeros(1)),
+        "short": es.ShortTermState(jnp.zeros(1)),
+        "special": Special(jnp.zeros(1)),
+    }
+    pair = OfType((es.ParamState, es.ShortTermState))
+    assert _selected(pair, states) == {"param", "short", "special"}
+    assert _selected(OfType(pair.kind, exact=True), states) == {"param", "short"}
+    assert _selected(OfType(Trainable), states) == {"special"}
