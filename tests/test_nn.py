@@ -889,3 +889,16 @@ def test_layers_pass_strict_dtype_and_rank_promotion(getkey, state_dtype):
             assert cell(x).shape == (5, 4)
     assert y.dtype == jnp.float32  # as with standard promotion
     assert bn.running_mean.value.dtype == state_dtype
+
+
+@pytest.mark.parametrize("per_lane", (4, 3))
+def test_batch_norm_trains_per_lane_under_jax_vmap_over_run(per_lane):
+    # Each lane a batch of its own (per-task statistics): a square batch of 3
+    # examples of 3 features is a batch, not one example.
+    bn = enn.BatchNorm(3)
+    values = es.values_of(bn)
+    xs = jr.normal(jr.key(0), (2, per_lane, 3))
+    new, ys = jax.vmap(lambda x: es.run(bn, values, x))(xs)
+    for lane in range(2):
+        want = (1 - bn.momentum) * xs[lane].mean(axis=0)  # from zeros
+        assert tree_allclose(new[bn.running_mean][lane], want, rtol=1e-5, atol=1e-6)
