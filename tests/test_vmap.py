@@ -410,7 +410,7 @@ def test_in_states_never_maps_a_non_batch_state_it_selects():
         return member["w"].value * member["scale"].value
 
     lanes = es.transform.vmap(predict, in_states={0: es.states_of(ensemble)})(ensemble)
-    want = ensemble["w"].value * ensemble["scale"].value
+    want = ensemble["w"].value * ensemble["scale"].value[None, :]
     assert tree_bitwise_equal(lanes, want)
 
 
