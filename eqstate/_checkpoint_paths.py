@@ -16,6 +16,7 @@ from ._errors import CheckpointError
 from ._jax_compat import weakly_typed
 from ._pretty_print import first_and_more, state_label
 from ._run import states_of
+from ._shapes import is_key
 from ._state import is_state, State
 from ._state_dict import state_dict_of, StateDict
 
@@ -87,10 +88,6 @@ def _labels(states: Iterable[State]) -> str:
     return first_and_more(map(state_label, states))
 
 
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def state_paths(
     states: tuple[State, ...], model: PyTree | None, verb: str
 ) -> dict[State, str]:
@@ -158,7 +155,7 @@ def stored_leaves(
                     "PyTree keys with dots, so e.g. a dict key 'a.b' and a nested "
                     "key 'a' -> 'b' collide: rename one of them."
                 )
-            if _is_key(leaf):
+            if is_key(leaf):
                 impl = str(jax.random.key_impl(leaf))
                 data = jax.eval_shape(jax.random.key_data, leaf)
                 spec = Leaf(path, state, np.dtype(data.dtype), data.shape, impl, False)

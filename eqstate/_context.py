@@ -40,6 +40,7 @@ from ._errors import (
     TraceContextError,
 )
 from ._pretty_print import state_label
+from ._shapes import is_key
 
 
 def to_value(value: Any) -> Any:
@@ -164,9 +165,8 @@ def _mismatch(state: Any, old: Any, new: Any) -> StateValueError:
 
 def _write_hint(old: Any, new: Any) -> str:
     """What to do about a write of `new` that does not fit `old`."""
-    is_key = jax.dtypes.issubdtype
-    if is_key(old.dtype, jax.dtypes.prng_key):
-        if is_key(new.dtype, jax.dtypes.prng_key):
+    if is_key(old):
+        if is_key(new):
             return " Keys of another PRNG implementation cannot replace this one."
         return " Write a key (`jax.random.key(3)`), or reseed it: `state.seed(3)`."
     extra = new.shape[: max(len(new.shape) - len(old.shape), 0)]

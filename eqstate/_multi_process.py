@@ -8,6 +8,7 @@ from typing import Any, Literal, TypeAlias
 import jax
 
 from ._errors import CheckpointError
+from ._shapes import is_key
 
 
 Backend: TypeAlias = Literal["single-file", "orbax"]
@@ -73,7 +74,7 @@ def require_fully_addressable(value: Any, what: str, verb: str, fix: str) -> Non
 
 
 def _put_leaf(x: Any, sharding: Any) -> Any:
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if isinstance(x, jax.Array) and is_key(x):
         # JAX 0.10 cannot `device_put` a PRNG key array onto devices of other
         # processes; its key data (plain integers) it can.
         data = jax.device_put(jax.random.key_data(x), sharding)

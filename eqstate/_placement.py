@@ -8,11 +8,12 @@ from jax.core import Tracer
 from jaxtyping import PyTree
 
 from ._multi_process import device_put
+from ._shapes import is_key
 
 
 def _buffers(x: jax.Array) -> set[int]:
     """The addresses of the device buffers of `x` on this process."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if is_key(x):
         x = jax.random.key_data(x)
     return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
 

@@ -8,6 +8,7 @@ import jax.tree_util as jtu
 import wadler_lindig as wl
 
 from ._custom_types import MISSING
+from ._shapes import is_key
 
 
 _LIST_LIMIT = 5
@@ -36,7 +37,7 @@ def array_summary(x: Any) -> str:
     dtype = getattr(x, "dtype", None)
     if shape is None or dtype is None:
         return repr(x)
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if isinstance(x, jax.Array) and is_key(x):
         return f"key<{jax.random.key_impl(x)}>[{','.join(map(str, shape))}]"
     return f"{dtype_summary(dtype)}[{','.join(map(str, shape))}]"
 

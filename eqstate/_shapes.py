@@ -1,4 +1,5 @@
-"""The one way eqstate builds `jax.ShapeDtypeStruct`s."""
+"""The one way eqstate builds `jax.ShapeDtypeStruct`s, and tells typed PRNG keys
+apart."""
 
 from typing import Any
 
@@ -35,3 +36,9 @@ def shape_dtype(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeS
         beyond = (NamedSharding(beyond[0].mesh, PartitionSpec()), beyond[1])
     new_shape = aval.shape if shape is None else shape
     return compat.struct(new_shape, aval.dtype, aval.weak_type, beyond)
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x` (an array, tracer or `jax.ShapeDtypeStruct`) holds typed PRNG
+    keys."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)

@@ -26,6 +26,7 @@ from .._context import current_frame as _current_frame, has_tracer, WORLD
 from .._custom_types import MISSING
 from .._jax_compat import is_top_level
 from .._pretty_print import state_label
+from .._shapes import is_key
 from .._state import State
 from .._state_dict import sharding_rule
 from ._call_args import CallArgs
@@ -344,16 +345,10 @@ def _key_data_held(leaves: list) -> bool:
     the key: `jax.random.key_data(key)` is the key's own buffer, which donating the
     key deletes, and a key wrapping it (`jax.random.wrap_key_data`) shares it."""
     for x in leaves:
-        if type(x) is not ArrayImpl and _is_key(x):
+        if type(x) is not ArrayImpl and isinstance(x, jax.Array) and is_key(x):
             if sys.getrefcount(jax.random.key_data(x)) > _key_data_held_once():
                 return True
     return False
-
-
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
-        x.dtype, jax.dtypes.prng_key
-    )
 
 
 @ft.cache
