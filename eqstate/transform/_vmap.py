@@ -15,7 +15,7 @@ from .._custom_types import AxisSpec, Filter, MISSING
 from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
-from .._shapes import shape_dtype
+from .._shapes import is_key, shape_dtype
 from .._state import NonBatchState, RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._decorator import decorator_form
@@ -261,6 +261,10 @@ def key_impl_of(keys: Any) -> tuple[Any, tuple[int, ...]]:
 def with_impl_of(keys: Any, key: Any) -> Any:
     """`key` (of any shape), or keys of the same shape drawn from it in the PRNG
     implementation of `keys` if that is another."""
+    if not isinstance(keys, jax.ShapeDtypeStruct):
+        # Most states keep the default implementation: no need to trace `key_impl_of`.
+        if jax.random.key_impl(keys) == jax.random.key_impl(key):
+            return key
     impl, data_shape = key_impl_of(keys)
     if impl == jax.random.key_impl(key):
         return key
@@ -275,7 +279,7 @@ def with_impl_of(keys: Any, key: Any) -> Any:
 def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
     """An array of type `struct`, weak type included (zeros, or keys made from
     zeros)."""
-    if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
+    if is_key(struct):
         impl, data_shape = key_impl_of(struct)
         return jax.random.wrap_key_data(
             jnp.zeros(struct.shape + data_shape, jnp.uint32), impl=impl
