@@ -73,9 +73,9 @@ class StateDict(_MappingBase):
             PyTrees of arrays. Each leaf is converted with `jnp.array` (NumPy arrays
             are copied), except `jax.ShapeDtypeStruct`s, kept as they are: an
             abstract dictionary (as `eqstate.transform.eval_shape` returns) can be
-            split, merged and rebuilt like any other. (Typed to also accept what optax returns, e.g.
-            `optax.apply_updates(params, updates)`: a `StateDict` at run time,
-            declared as a PyTree of arrays.)
+            split, merged and rebuilt like any other. (Typed to also accept what
+            optax returns, e.g. `optax.apply_updates(params, updates)`: a
+            `StateDict` at run time, declared as a PyTree of arrays.)
         """
         contents = {}
         for state, value in _pairs(values):
@@ -286,7 +286,7 @@ def _dict_value(state: State, value: Any) -> Any:
             "leaves by state (labels for `optax.multi_transform`, say), build the "
             "whole dictionary with `jax.tree.map` over one of arrays, e.g. "
             "`jax.tree.map(lambda v: 'adam', params)`: `StateDict(...)`, `set`, "
-            "`update` and `|` take arrays only."
+            "`update` and `|` take only values JAX can make arrays of."
         ) from None
 
 
