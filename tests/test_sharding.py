@@ -714,3 +714,47 @@ def test_a_state_and_an_argument_on_different_devices_name_the_state():
         notes = "\n".join(getattr(error.value, "__notes__", []))
         assert "State 'w' on devices [3]" in notes
     assert (w.value == 2).all()
+
+
+def test_shard_map_spec_for_every_state_leaves_a_non_batch_state_whole(getkey):
+    # An ensemble stacked on axis 0 split over the mesh with one spec: each device
+    # sees its members' parameters and the whole shared value, as `vmap` would.
+    members = es.ParamState(jr.normal(getkey(), (N, 3)), name="members")
+    shared = es.NonBatchState(jnp.arange(float(N)), name="shared")
+
+    @es.transform.shard_map(
+        mesh=_mesh("ens"), in_specs=(), out_specs=P("ens"), state_specs=P("ens")
+    )
+    def step():
+        return members.value.sum(1) + shared.value.sum()
+
+    assert tree_allclose(step(), members.value.sum(1) + shared.value.sum())
+
+
+def test_shard_map_filter_leaves_a_non_batch_state_whole_and_a_function_decides():
+    shared = es.NonBatchState(jnp.arange(float(N)), name="shared")
+
+    def total_on_each_device():
+        return jnp.reshape(shared.value.sum(), (1,))
+
+    options = dict(mesh=_mesh("data"), in_specs=(), out_specs=P("data"))
+    by_kind = es.transform.shard_map(
+        total_on_each_device, state_specs={es.State: P("data")}, **options
+    )
+    assert tree_allclose(by_kind(), jnp.full(N, jnp.arange(float(N)).sum()))
+    by_function = es.transform.shard_map(
+        total_on_each_device, state_specs=lambda s, v: P("data"), **options
+    )
+    assert tree_allclose(by_function(), jnp.arange(float(N)))
+
+
+def test_shard_map_refuses_a_spec_that_splits_a_non_batch_state_it_names():
+    shared = es.NonBatchState(jnp.zeros(N), name="shared")
+    with pytest.raises(ValueError, match=r"'shared'.*NonBatchState.*never split"):
+        es.transform.shard_map(
+            lambda: shared.value,
+            mesh=_mesh("data"),
+            in_specs=(),
+            out_specs=P(),
+            state_specs={shared: P("data")},
+        )

@@ -15,7 +15,7 @@ from .._pretty_print import state_label
 from .._run import run
 from .._shapes import shape_dtype
 from .._sharding import check_divisible, spec_rule
-from .._state import State
+from .._state import NonBatchState, State
 from .._state_dict import state_dict_of
 from ._common import hide_static, show_static
 from ._decorator import decorator_form
@@ -84,11 +84,17 @@ class _ShardView(View):
 
 
 def _state_spec_rule(state_specs: Any) -> Callable[[State, Any], PartitionSpec]:
-    """`state_specs` as a function of `(state, value)`; unmatched states are
-    replicated."""
+    """`state_specs` as a function of `(state, value)`; unmatched states, and
+    `NonBatchState`s unless a function splits them, are replicated."""
+    _refuse_named_non_batch(state_specs)
     rule = spec_rule(PartitionSpec() if state_specs is None else state_specs)
+    a_function_decides = callable(state_specs)
 
     def spec_of(state: State, value: Any) -> PartitionSpec:
+        if isinstance(state, NonBatchState) and not a_function_decides:
+            # Shared by every lane of an ensemble, so one spec for all (`P("ens")`
+            # for members stacked on axis 0) must not split it.
+            return PartitionSpec()
         spec = rule(state, value)
         if spec is None:
             return PartitionSpec()
@@ -102,6 +108,21 @@ def _state_spec_rule(state_specs: Any) -> Callable[[State, Any], PartitionSpec]:
         return spec
 
     return spec_of
+
+
+def _refuse_named_non_batch(state_specs: Any) -> None:
+    """Raises `ValueError` for a `NonBatchState` named as a key of `state_specs`: it
+    is never split by a `PartitionSpec` or a filter."""
+    if not isinstance(state_specs, Mapping):
+        return
+    for key, spec in state_specs.items():
+        if isinstance(key, NonBatchState) and spec != PartitionSpec():
+            raise ValueError(
+                f"`state_specs` gives {state_label(key)} {spec!r}, but a NonBatchState "
+                "is shared whole by every lane and never split by a spec. Make it "
+                "another kind of state if it holds one value per shard, or decide "
+                "per state with a function `(state, value) -> PartitionSpec`."
+            )
 
 
 def _per_argument_specs(in_specs: Any, args: tuple, name: str) -> tuple:
@@ -248,7 +269,9 @@ def shard_map(
         all. The function takes positional arguments only.
     - `state_specs`: how each state is split across the mesh: a `PartitionSpec` for
         all, `{filter: PartitionSpec}` (first match), or `(state, value) ->
-        PartitionSpec | None`. Unmatched states are replicated (`PartitionSpec()`).
+        PartitionSpec | None`. Unmatched states are replicated (`PartitionSpec()`),
+        and so are [`eqstate.NonBatchState`][]s, which a `PartitionSpec` or a filter
+        never splits (as `vmap` never maps them); only a function can split one.
         State values are moved to their sharding before the call, and written
         states come back with it.
 
@@ -264,6 +287,8 @@ def shard_map(
         Only with `check_vma=True` (the default): with `check_vma=False` JAX does
         not record which values differ across devices, so nothing is checked, and
         such a state keeps one device's value.
+    - `ValueError` if `state_specs` maps a `NonBatchState` handle to a spec that
+        splits it.
     - `ValueError` if `in_specs` has not one entry per positional argument, or if a
         `PartitionSpec` (of `in_specs` or `state_specs`) names an axis not in `mesh`.
     - `TypeError` if called with keyword arguments.
