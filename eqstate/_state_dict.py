@@ -19,6 +19,10 @@ from ._state import creation_order, State
 from ._state_rule import per_state_rule
 
 
+# A leaf of a value: an array, or its type alone in an abstract dictionary.
+_Leaf = ArrayLike | jax.ShapeDtypeStruct
+
+
 if TYPE_CHECKING:
     _MappingBase = Mapping[State, PyTree]
 else:
@@ -65,7 +69,7 @@ class StateDict(_MappingBase):
 
     def __init__(
         self,
-        values: Mapping[State, PyTree[ArrayLike]] | Iterable[tuple] | PyTree = (),
+        values: Mapping[State, PyTree[_Leaf]] | Iterable[tuple] | PyTree = (),
     ):
         """**Arguments:**
 
@@ -127,7 +131,7 @@ class StateDict(_MappingBase):
         """The handles, in insertion order."""
         return tuple(self._values)
 
-    def set(self, state: State, value: PyTree[ArrayLike]) -> "StateDict":
+    def set(self, state: State, value: PyTree[_Leaf]) -> "StateDict":
         """Returns a copy with `state` holding `value`.
 
         The value is checked like a write: it must keep the PyTree structure, shapes
@@ -138,7 +142,7 @@ class StateDict(_MappingBase):
         checked = check_write(state, self[state], value)
         return state_dict_of({**self._values, state: checked})
 
-    def update(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
+    def update(self, other: Mapping[State, PyTree[_Leaf]] | PyTree) -> "StateDict":
         """Returns a copy with the entries of `other` added. Values of states already
         present are checked like writes; new states are added at the end.
 
@@ -155,12 +159,12 @@ class StateDict(_MappingBase):
                 values[state] = check_write(state, old, value)
         return state_dict_of(values)
 
-    def __or__(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
+    def __or__(self, other: Mapping[State, PyTree[_Leaf]] | PyTree) -> "StateDict":
         if not isinstance(other, Mapping):
             return NotImplemented
         return self.update(other)
 
-    def __ror__(self, other: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
+    def __ror__(self, other: Mapping[State, PyTree[_Leaf]] | PyTree) -> "StateDict":
         # `params | rest` where `params` came from optax (typed as a PyTree), or a dict.
         if not isinstance(other, Mapping):
             return NotImplemented
@@ -194,7 +198,7 @@ class StateDict(_MappingBase):
         return tuple(state_dict_of(part) for part in parts)
 
     @staticmethod
-    def merge(*state_dicts: Mapping[State, PyTree[ArrayLike]] | PyTree) -> "StateDict":
+    def merge(*state_dicts: Mapping[State, PyTree[_Leaf]] | PyTree) -> "StateDict":
         """Joins dictionaries (or mappings from handles to values); a state present in
         several takes its value from the last one (checked like a write)."""
         merged = StateDict()

@@ -69,3 +69,11 @@ def test_scope_states_and_jaxpr_call_return_state_dicts():
     sf = es.transform.StatefulFunction(lambda: w.value.sum())
     states, out = sf.jaxpr_call(sc.states)
     assert states[w].shape == (2,) and out == 4
+
+
+def test_an_abstract_state_dict_takes_a_shape_dtype_struct_as_a_value():
+    w = es.ParamState(jnp.ones(2), name="w")
+    abstract = es.transform.eval_shape(lambda: es.values_of(w))
+    struct = jax.ShapeDtypeStruct((2,), jnp.float32)
+    for written in (abstract.set(w, struct), abstract.update({w: struct})):
+        assert written[w] == struct
