@@ -3,6 +3,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 from .helpers import traces_per_key, tree_allclose, tree_bitwise_equal
@@ -221,7 +222,7 @@ def test_axis_size_inference_errors():
         es.transform.vmap(lambda: 1.0)()
     with pytest.raises(ValueError, match="inconsistent sizes"):
         es.transform.vmap(lambda x, y: x + y)(jnp.ones(2), jnp.ones(3))
-    for size in (0, True):
+    for size in (0, True, np.int64(-1)):
         with pytest.raises(ValueError, match="positive integer"):
             es.transform.vmap(lambda: 1.0, axis_size=size)
         with pytest.raises(ValueError, match="positive integer"):
@@ -419,3 +420,12 @@ def test_in_states_naming_a_non_batch_state_alone_is_an_error():
     for in_states in (shared, {0: shared}):
         with pytest.raises(ValueError, match="names NonBatchState 'shared'"):
             es.transform.vmap(lambda x: x + shared.value, in_states=in_states)
+
+
+@pytest.mark.parametrize("size", [np.int64(3), np.int32(3), jnp.int32(3)])
+def test_axis_size_takes_numpy_and_jax_integers_as_jax_vmap(size):
+    assert es.transform.vmap(lambda: jnp.float32(1.0), axis_size=size)().shape == (3,)
+    ensemble = es.transform.vmap_new_states(
+        lambda: es.ParamState(jnp.zeros(2)), axis_size=size
+    )()
+    assert ensemble.value.shape == (3, 2)

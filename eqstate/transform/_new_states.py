@@ -3,7 +3,7 @@ a function creates."""
 
 import functools as ft
 from collections.abc import Callable, Hashable
-from typing import Any, overload, ParamSpec, TypeVar
+from typing import Any, overload, ParamSpec, SupportsIndex, TypeVar
 
 import equinox as eqx
 import jax
@@ -32,7 +32,7 @@ from ._decorator import decorator_form
 from ._vmap import (
     arrays_only,
     axis_size_of,
-    check_axis_size,
+    checked_axis_size,
     per_argument_axes,
     with_impl_of,
 )
@@ -404,7 +404,7 @@ def vmap_new_states(
     in_axes: AxisSpec = 0,
     out_axes: AxisSpec = 0,
     axis_name: Hashable | None = None,
-    axis_size: int | None = None,
+    axis_size: SupportsIndex | None = None,
     spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
     state_tag: str | None = None,
     state_to_exclude: Filter = None,
@@ -420,7 +420,7 @@ def vmap_new_states(
     in_axes: AxisSpec = 0,
     out_axes: AxisSpec = 0,
     axis_name: Hashable | None = None,
-    axis_size: int | None = None,
+    axis_size: SupportsIndex | None = None,
     spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
     state_tag: str | None = None,
     state_to_exclude: Filter = None,
@@ -436,7 +436,7 @@ def vmap_new_states(
     in_axes: AxisSpec = 0,
     out_axes: AxisSpec = 0,
     axis_name: Hashable | None = None,
-    axis_size: int | None = None,
+    axis_size: SupportsIndex | None = None,
     spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
     state_tag: str | None = None,
     state_to_exclude: Filter = None,
@@ -527,7 +527,7 @@ def vmap_new_states(
             "pre-existing states to declare: `in_states` and `out_states` are not "
             "supported. Use `eqstate.transform.vmap` to map over existing states."
         )
-    check_axis_size(axis_size)
+    axis_size = checked_axis_size(axis_size)
     excluded = to_predicate(state_to_exclude)
     options = dict(
         in_axes=in_axes,

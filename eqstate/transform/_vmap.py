@@ -2,8 +2,9 @@
 
 import dataclasses
 import functools as ft
+import operator
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import equinox as eqx
 import jax
@@ -77,13 +78,19 @@ def _check_axis_leaves(in_axes: AxisSpec) -> None:
             )
 
 
-def check_axis_size(axis_size: int | None) -> None:
-    """Raises `ValueError` unless `axis_size` is `None` or a positive integer (not a
-    `bool`, which JAX refuses later, as a shape)."""
-    if axis_size is not None and (
-        not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size <= 0
-    ):
+def checked_axis_size(axis_size: Any) -> int | None:
+    """`axis_size` as a Python int (any integer `operator.index` takes, as
+    `jax.vmap` does), or `None`. Raises `ValueError` unless it is `None` or a
+    positive integer (not a `bool`, which JAX refuses later, as a shape)."""
+    if axis_size is None:
+        return None
+    try:
+        size = operator.index(axis_size)
+    except TypeError:
+        size = None
+    if size is None or isinstance(axis_size, bool) or size <= 0:
         raise ValueError(f"`axis_size` must be a positive integer, got {axis_size!r}.")
+    return size
 
 
 def axis_size_of(
@@ -300,7 +307,7 @@ def vmap(
     in_axes: AxisSpec = 0,
     out_axes: AxisSpec = 0,
     axis_name: Hashable | None = None,
-    axis_size: int | None = None,
+    axis_size: SupportsIndex | None = None,
     spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
     in_states: Filter | dict[int, Filter] | None = None,
     out_states: Filter | dict[int, Filter] | None = None,
@@ -358,7 +365,7 @@ def vmap(
         assert predict(jnp.ones((3, 2))).shape == (3,)
         ```
     """
-    check_axis_size(axis_size)
+    axis_size = checked_axis_size(axis_size)
     _refuse_named_non_batch(in_states)
     mapped_axis = ft.partial(axis_of, pairs=parse_state_axes(in_states, "in_states"))
     out_pairs = parse_state_axes(out_states, "out_states")
