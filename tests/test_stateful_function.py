@@ -42,6 +42,28 @@ def test_reports_states_in_first_access_order(model):
     assert sf.get_read_states() == (w, b)
     assert sf.get_write_states() == (count,)
     assert sf.get_new_states() == ()
+    assert sf.states == sf.get_states()
+
+
+def test_states_before_the_first_trace_raise():
+    with pytest.raises(es.UnknownCacheKeyError):
+        StatefulFunction(lambda: None).states
+
+
+def test_out_treedef_describes_what_jaxpr_call_returns():
+    s = es.State(jnp.zeros(2), name="s")
+
+    def f(x):
+        s.value = s.value + x
+        made = es.State(x * 2, name="made")
+        return "label", x.sum(), made
+
+    sf = StatefulFunction(f).make_jaxpr(jnp.ones(2))
+    # `(out, state_vals)`: the three leaves of `out` (the string and the new
+    # state's handle included), then `s`. The jaxpr outputs the sum, `s`, and the
+    # new state's value.
+    assert sf.get_out_treedef().num_leaves == 3 + 1
+    assert len(sf.get_jaxpr().jaxpr.outvars) == 1 + 1 + 1
 
 
 def test_read_before_write_counts_as_written_and_write_only_is_an_input():
@@ -83,10 +105,35 @@ def test_state_returns_selects_the_returned_states(model, returns, expected):
     assert len(state_shapes) == len(expected)
 
 
-def test_writes_to_states_not_returned_are_dropped(model):
+@pytest.mark.parametrize("cache_type", [None, "jit"])
+def test_a_call_that_would_drop_writes_raises_and_changes_nothing(model, cache_type):
     f, w, b, count = model
-    StatefulFunction(f, state_returns="read")(jnp.ones(3))
+    sf = StatefulFunction(f, state_returns="read", cache_type=cache_type)
+    x = jnp.ones(3)
+    values = es.values_of((count, w, b))
+    calls = [
+        lambda: sf(x),
+        lambda: sf.jaxpr_call(values, x),
+        lambda: sf.jaxpr_call([count.value, w.value, b.value], x),
+        lambda: sf.debug_call(values, x),
+        lambda: sf.debug_call([count.value, w.value, b.value], x),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"f writes ShortTermState 'count'.*read"):
+            call()
     assert count.value == 0
+    # The pure form it describes returns the read states only.
+    assert sf.get_write_states() == (count,)
+    assert len(sf.get_jaxpr().jaxpr.outvars) == 1 + 2
+
+
+def test_state_returns_read_calls_a_function_that_only_reads(model):
+    _, w, b, _ = model
+    sf = StatefulFunction(lambda x: w.value @ x + b.value, state_returns="read")
+    x = jnp.ones(3)
+    assert sf(x) == 4.0
+    new, out = sf.jaxpr_call(es.values_of((w, b)), x)
+    assert out == 4.0 and (new[w] == w.value).all()
 
 
 def test_out_shapes_and_treedef():

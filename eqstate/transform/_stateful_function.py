@@ -11,6 +11,7 @@ from jaxtyping import PyTree
 from .. import _context, _jax_compat as compat
 from .._custom_types import PyTreeDef
 from .._errors import StateValueError
+from .._pretty_print import first_and_more, state_label
 from .._run import run
 from .._state import State
 from .._state_dict import state_dict_of, StateDict
@@ -99,7 +100,9 @@ class StatefulFunction:
             anything but `None` raises `NotImplementedError`.
         - `state_returns`: which states the pure form returns: `'write'` (those
             written), `'read'` (those only read), or both (every state touched).
-            Writes to states that are not returned are dropped.
+            With `'read'` alone, the pure form drops the writes, so calling a
+            function that writes a state (other than one it creates) raises
+            `ValueError`; its `get_*` methods describe that pure form.
         - `cache_type`: `None` caches the jaxpr, which an eager call evaluates op by
             op; `'jit'` also compiles it with `jax.jit`, so that an eager call is a
             single dispatch. Either way, the arrays it returns and writes to states
@@ -199,12 +202,29 @@ class StatefulFunction:
         return out_shapes(self._traces.by_key(cache_key))
 
     def get_out_treedef(self, cache_key: Hashable = ()) -> PyTreeDef:
-        """The tree structure of `(out, state_vals)` (see `get_out_shapes`)."""
+        """The tree structure of `(out, state_vals)` (see `get_out_shapes`).
+
+        It describes what `jaxpr_call` returns, not the jaxpr's flat outputs: the
+        jaxpr outputs only the traced leaves of `out` (no strings, no handles of new
+        states), and then the new states' values, which the treedef leaves out. To
+        evaluate the jaxpr yourself and get `(state_vals, out)`, call `jaxpr_call`.
+        """
         return jtu.tree_structure(self.get_out_shapes(cache_key))
 
     def get_states(self, cache_key: Hashable = ()) -> tuple[State, ...]:
         """Every pre-existing state the function touches, in first-access order."""
         return self._traces.by_key(cache_key).states
+
+    @property
+    def states(self) -> tuple[State, ...]:
+        """The states of the most recent compilation: `get_states()`, the read and
+        written states of the reference API's `states`.
+
+        **Raises:**
+
+        `KeyError` (an [`eqstate.UnknownCacheKeyError`][]) before the first trace.
+        """
+        return self.get_states()
 
     def get_read_states(self, cache_key: Hashable = ()) -> tuple[State, ...]:
         """The states the function only reads."""
@@ -433,10 +453,14 @@ class StatefulFunction:
                 f"{type(state_vals).__name__}. Wrap it: `eqstate.StateDict(values)`."
             )
         if isinstance(state_vals, StateDict):
+            if "write" not in self.state_returns:
+                # Found as `jaxpr_call` finds it, so that both refuse alike.
+                self.jaxpr_call(state_vals, *args, **kwargs)
             with jax.disable_jit():
                 return run(self.fun, state_vals, *args, **kwargs)
         values = tuple(state_vals)
         trace = self._trace_for_sequence(self._traces.parse(args, kwargs), values)
+        self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="debug_call"))
         check_sequence(self.name, trace, values)
         with jax.disable_jit():
@@ -518,6 +542,7 @@ class StatefulFunction:
         trace, out, updated, new_values = self._traces.call_against(
             call, strict_frame, values_of, self._jit_options()
         )
+        self._refuse_lost_writes(trace)
         out, updated, fresh, new_values = trace.under_fresh_handles(
             out, list(updated), list(new_values)
         )
@@ -528,6 +553,7 @@ class StatefulFunction:
 
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
         trace = self._trace_for_sequence(call, values)
+        self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="jaxpr_call"))
         if not check_sequence(self.name, trace, values):
             trace = self._retrace_for_weak_types(call, trace, values)
@@ -549,12 +575,27 @@ class StatefulFunction:
 
         The function's output.
         """
+        if "write" not in self.state_returns:
+            self._refuse_lost_writes(self._trace_for(args, kwargs))
         if self._dispatch is not None:
             return self._dispatch(*args, **kwargs)
         call = self._traces.parse(args, kwargs)
         return self._traces.call_in(_context.current_frame(), call)
 
     __call__ = jaxpr_call_auto
+
+    def _refuse_lost_writes(self, trace: Trace) -> None:
+        """Raises `ValueError` if a call would drop writes: the function writes
+        states that `state_returns` (without `'write'`) leaves out of the pure form."""
+        if "write" in self.state_returns or not trace.write_states:
+            return
+        raise ValueError(
+            f"{self.name} writes {first_and_more(map(state_label, trace.write_states))}"
+            ", but its pure form returns only the states it reads "
+            "(`state_returns='read'`), so a call would lose the writes. Make it "
+            "with `state_returns=('read', 'write')` (the default) to call it; "
+            "`get_jaxpr` and the other `get_*` methods work as it is."
+        )
 
     def _trace_for(self, args: tuple, kwargs: dict) -> Trace:
         """The trace of a call against the innermost context (made on a miss)."""
