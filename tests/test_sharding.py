@@ -758,3 +758,27 @@ def test_shard_map_refuses_a_spec_that_splits_a_non_batch_state_it_names():
             out_specs=P(),
             state_specs={shared: P("data")},
         )
+
+
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit))
+@pytest.mark.parametrize("in_axes", (0, 1))
+def test_vmap_new_states_over_an_argument_split_along_the_mapped_axis(
+    axis_type, in_axes
+):
+    mesh = _mesh("x", axis_type)
+    x = jnp.arange(2.0 * N * 3).reshape(2 * N, 3)
+    x = x if in_axes == 0 else x.T
+    spec = P("x") if in_axes == 0 else P(None, "x")
+    x = jax.device_put(x, NamedSharding(mesh, spec))
+
+    def member(row):
+        return es.ParamState(row * 2 + es.random.normal(()))
+
+    es.random.seed(0)  # A key last split under another mesh carries that mesh.
+    with jax.set_mesh(mesh):
+        ensemble = es.transform.vmap_new_states(member, in_axes=in_axes)(x)
+    rows = x if in_axes == 0 else x.T
+    noise = ensemble.value - rows * 2
+    assert ensemble.value.shape == (2 * N, 3)
+    # One draw per member, broadcast along its row.
+    assert tree_allclose(noise, jnp.broadcast_to(noise[:, :1], noise.shape))

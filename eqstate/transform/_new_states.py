@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.sharding import PartitionSpec
 
 from .. import _context, _jax_compat as compat
 from .._clone import Build, mark_build, mark_replicated
@@ -268,6 +269,30 @@ def _split_for_lanes(key: Any, size: int) -> tuple[Any, tuple[Any, Any]]:
     return outer, (per_lane[:, 0], per_lane[:, 1])
 
 
+def _split_like_mapped(lane_keys: Any, axes: tuple, args: tuple) -> Any:
+    """`lane_keys` (mapped on axis 0), split over the mesh axes that the mapped axis
+    of the first mapped array is split over in its type (explicit mesh axes), since
+    `jax.vmap` needs every mapped axis split alike; as they are otherwise."""
+    mapped: list[tuple[int, Any]] = []
+
+    def collect(axis: int | None, subtree: Any) -> None:
+        if axis is not None:
+            leaves = jtu.tree_leaves(subtree)
+            mapped.extend((axis, x) for x in leaves if hasattr(x, "shape"))
+
+    for axis, arg in zip(axes, args):
+        jtu.tree_map(collect, axis, arg, is_leaf=lambda x: x is None)
+    if not mapped:
+        return lane_keys
+    axis, leaf = mapped[0]
+    spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", ())
+    axis %= len(leaf.shape)
+    if axis >= len(spec) or spec[axis] is None:
+        return lane_keys
+    split = PartitionSpec(spec[axis])
+    return jtu.tree_map(lambda k: jax.sharding.reshard(k, split), lane_keys)
+
+
 def _batched(value: Any) -> bool:
     return any(compat.is_batched_here(x) for x in jtu.tree_leaves(value))
 
@@ -290,6 +315,7 @@ def _build(
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
     outer_key, lane_keys = _split_for_lanes(frame.read(DEFAULT), size)
+    lane_keys = _split_like_mapped(lane_keys, axes, args)
     made: dict[str, list] = {"new": []}
     try:
         out, batched, shared = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
