@@ -17,6 +17,7 @@ writes, with two items:
 `orbax-checkpoint` is imported only when one of these functions runs.
 """
 
+import contextlib
 import functools as ft
 import gc
 import importlib
@@ -25,7 +26,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -296,6 +297,30 @@ def _refuse_to_replace(
         )
 
 
+# Orbax numbers each save from one counter shared by the whole process, and the
+# save's later steps read the number back: two saves started at once from two
+# threads write into each other's temporary directories, fail, and leave the paths
+# they replaced empty. Every Orbax save eqstate starts holds this lock until Orbax's
+# call returns. A save in the background goes on in Orbax's threads without it
+# (they took the save's number when it started), so waiting for one while holding
+# the lock, as a manager's next save does, cannot deadlock.
+_SAVING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _saving(where: str) -> Iterator[None]:
+    """Holds `_SAVING`, and turns an `OSError` of Orbax's into `CheckpointError`."""
+    try:
+        with _SAVING:
+            yield
+    except OSError as e:
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {where!r}: Orbax failed to write it "
+            f"({type(e).__name__}: {e}). Check that the directory is writable and "
+            "the disk has space."
+        ) from e
+
+
 def save_orbax(
     path: str, states: Mapping[State, PyTree], *, model: PyTree | None = None
 ) -> None:
@@ -303,8 +328,9 @@ def save_orbax(
     ocp = orbax("Saving a checkpoint with the Orbax backend")
     _refuse_to_replace(path)
     args, _ = _save_args(ocp, states, model)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(os.path.abspath(path), args=args, force=True)
+    with _saving(path):
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            checkpointer.save(os.path.abspath(path), args=args, force=True)
 
 
 # Loading -----------------------------------------------------------------------------
@@ -740,7 +766,8 @@ class CheckpointManager:
         fix = _STEP_FIX.format(directory=self.directory)
         _refuse_to_replace(step_path, f"checkpoint {step}", (fix, fix))
         args, _ = _save_args(self._ocp, states, model)
-        self._manager.save(step, args=args, force=True)
+        with _saving(step_path):
+            self._manager.save(step, args=args, force=True)
 
     def load(
         self,

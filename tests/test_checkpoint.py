@@ -1539,3 +1539,57 @@ def test_checkpoint_manager_refuses_a_path_that_is_not_a_directory(tmp_path, kin
     ):
         es.CheckpointManager(path, async_save=False)
     assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_orbax_saves_from_several_threads_keep_every_checkpoint(tmp_path):
+    # Orbax numbers saves from one process-wide counter: saves started at once from
+    # threads used to write into each other's temporary directories, fail, and
+    # leave the paths they replaced empty.
+    count = 4
+    models = [{"a": es.State(jnp.full(100, i, jnp.float32))} for i in range(count)]
+    paths = [tmp_path / f"c{i}" for i in range(count)]
+    for model, path in zip(models, paths):
+        es.save(path, es.values_of(model), model=model, backend="orbax")
+    w = es.State(jnp.arange(10.0), name="w")
+    errors = []
+
+    def save(i):
+        try:
+            for _ in range(3):
+                values = es.values_of(models[i])
+                es.save(paths[i], values, model=models[i], backend="orbax")
+        except Exception as e:
+            errors.append(e)
+
+    def manage():
+        try:
+            with es.CheckpointManager(tmp_path / "run") as manager:
+                for step in range(1, 4):
+                    manager.save(step, es.values_of(w))
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(count)]
+    threads.append(threading.Thread(target=manage))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    assert sorted(os.listdir(tmp_path)) == [*(f"c{i}" for i in range(count)), "run"]
+    for i, path in enumerate(paths):
+        target = {"a": es.State(jnp.zeros(100, jnp.float32))}
+        loaded = es.load(path, target, backend="orbax")
+        assert (loaded[target["a"]] == i).all()
+    with es.CheckpointManager(tmp_path / "run") as manager:
+        assert manager.steps() == (1, 2, 3)
+        assert (manager.load(es.values_of(w))[w] == jnp.arange(10.0)).all()
+
+
+def test_orbax_save_turns_an_os_error_into_a_checkpoint_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    w = es.State(jnp.arange(3.0), name="w")
+    with pytest.raises(es.CheckpointError, match=r"file/ckpt'.*Orbax failed"):
+        es.save(tmp_path / "file" / "ckpt", es.values_of(w), backend="orbax")
+    assert (tmp_path / "file").read_text() == "not a directory"
