@@ -88,7 +88,7 @@ def save(
     [`eqstate.CheckpointError`][] if a state is not in `model`, if states lack unique
     names when there is no `model`, if two arrays would get the same path, if a
     value is None or holds something JAX cannot make an array of (text, an
-    arbitrary object), if a value is a leaked tracer, an array that has been
+    arbitrary object, a Python int too large for JAX's integers), if a value is a leaked tracer, an array that has been
     deleted (donated to a jitted call) or a `float0` array (the gradient of an
     integer, which holds no data), if the Orbax backend finds a file or a
     directory that is not an Orbax checkpoint at `path`, if the file cannot be

@@ -54,22 +54,30 @@ def refuse_under_transforms(verb: str, fix: str) -> None:
         )
 
 
-def _first_non_array(value: PyTree) -> str:
+# What JAX raises for a leaf it cannot make an array of: text or an arbitrary object
+# (TypeError), a Python int too large for its integer dtype (OverflowError), ...
+_NOT_AN_ARRAY = (TypeError, OverflowError, ValueError)
+
+
+def _first_non_array(value: PyTree) -> tuple[str, BaseException | None]:
+    """The first leaf of `value` that JAX cannot make an array of, described, and
+    the error JAX raised for it."""
     for path, leaf in jtu.tree_leaves_with_path(value):
         try:
             to_value(leaf)
-        except TypeError:
+        except _NOT_AN_ARRAY as e:
             text = repr(leaf)
             text = text if len(text) <= 60 else text[:57] + "..."
             where = f" at `{jtu.keystr(path)}`" if path else ""
-            return f"{text} (a {type(leaf).__name__}){where}"
-    return "a leaf that is not an array"
+            return f"{text} (a {type(leaf).__name__}){where}", e
+    return "a leaf that is not an array", None
 
 
 def values_to_save(states: Mapping[State, PyTree]) -> dict[State, PyTree]:
     """The values of `states` with every leaf a JAX array; `CheckpointError` naming
     the state for a value that is None (the checkpoint would have no entry for it)
-    or that has a leaf JAX cannot make an array of (text, an arbitrary object)."""
+    or that has a leaf JAX cannot make an array of (text, an arbitrary object, a
+    Python int too large for JAX's integers)."""
     values = {}
     for state, value in states.items():
         what = f"Cannot save {state_label(state)}: its value"
@@ -82,11 +90,19 @@ def values_to_save(states: Mapping[State, PyTree]) -> dict[State, PyTree]:
             )
         try:
             values[state] = to_value(value)
-        except TypeError as e:
+        except _NOT_AN_ARRAY as e:
+            leaf, error = _first_non_array(value)
+            if isinstance(error or e, OverflowError):
+                raise CheckpointError(
+                    f"{what} holds {leaf}, which JAX cannot make an array of: "
+                    f"{error or e}. Nothing was written. Pass an array of a dtype "
+                    "that holds it, e.g. `jnp.array(n, jnp.float32)`, or enable "
+                    "64-bit types (`jax.config.update('jax_enable_x64', True)`)."
+                ) from e
             raise CheckpointError(
-                f"{what} holds {_first_non_array(value)}, which JAX cannot make an "
-                "array of. Nothing was written. A checkpoint stores arrays: pass the "
-                "state's value, e.g. `eqstate.values_of(model)`."
+                f"{what} holds {leaf}, which JAX cannot make an array of. Nothing "
+                "was written. A checkpoint stores arrays: pass the state's value, "
+                "e.g. `eqstate.values_of(model)`."
             ) from e
     return values
 

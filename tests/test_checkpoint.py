@@ -1593,3 +1593,20 @@ def test_orbax_save_turns_an_os_error_into_a_checkpoint_error(tmp_path):
     with pytest.raises(es.CheckpointError, match=r"file/ckpt'.*Orbax failed"):
         es.save(tmp_path / "file" / "ckpt", es.values_of(w), backend="orbax")
     assert (tmp_path / "file").read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_save_refuses_a_python_int_too_large_and_keeps_the_old_checkpoint(
+    backend, tmp_path
+):
+    n = es.State(jnp.array(0), name="tokens_seen")
+    path = _ckpt_path(tmp_path, backend)
+    es.save(path, {n: 3}, backend=backend)
+    before = _files(path)
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"State 'tokens_seen'.* holds 1099511627776 .* at `\['a'\]`.*int32",
+    ):
+        es.save(path, {n: {"a": 2**40}}, backend=backend)
+    assert _files(path) == before
+    assert es.load(path, es.values_of(n), backend=backend)[n] == 3
