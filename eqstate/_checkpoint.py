@@ -10,13 +10,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-from jax.core import Tracer
 from jaxtyping import PyTree
 
 from ._checkpoint_checks import refuse_under_transforms, values_to_save
 from ._checkpoint_file import read_array, read_checkpoint, write_checkpoint
 from ._checkpoint_match import check_entries, is_state_mapping, load_target
-from ._checkpoint_paths import state_paths, stored_leaves, values_from_arrays
+from ._checkpoint_paths import (
+    state_paths,
+    stored_leaves,
+    target_sharding,
+    values_from_arrays,
+)
 from ._multi_process import device_put, resolve_backend
 from ._state import State
 from ._state_dict import StateDict
@@ -33,12 +37,10 @@ def _short_repr(x: Any, limit: int = 60) -> str:
 
 
 def _placed_like(leaf: Any, value: jax.Array) -> jax.Array:
-    """`value` on the device or sharding of `leaf`, the target's current value."""
-    if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.committed:
-        # Only values tied to devices are placed: placing the others would tie them to
-        # a device, and jitted functions would compile again.
-        return device_put(value, leaf.sharding)
-    return value
+    """`value` on the device or sharding of `leaf`, the target's current value (see
+    `target_sharding`)."""
+    sharding = target_sharding(leaf)
+    return value if sharding is None else device_put(value, sharding)
 
 
 def save(
@@ -169,7 +171,9 @@ def load(
     **Returns:**
 
     A `StateDict` from the target's handles to the loaded values, each placed like the
-    target's current value (same device or sharding).
+    target's current value (same device or sharding). The target may hold abstract
+    values (`jax.ShapeDtypeStruct`, as [`eqstate.transform.eval_shape`][] returns),
+    typed PRNG keys included: each is loaded onto its `sharding` if it has one.
 
     **Raises:**
 

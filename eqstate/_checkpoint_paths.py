@@ -10,6 +10,8 @@ from typing import Any, cast, NamedTuple
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax.core import Tracer
+from jax.sharding import Sharding
 from jaxtyping import PyTree
 
 from ._errors import CheckpointError
@@ -135,6 +137,32 @@ def state_paths(
     return named
 
 
+def _key_impl_and_data(keys: Any) -> tuple[str, jax.ShapeDtypeStruct]:
+    """The PRNG implementation of `keys`, typed keys (an array, or a
+    `jax.ShapeDtypeStruct` of an abstract target), and the shape of their data."""
+    found = []
+
+    def probe(x: Any) -> Any:
+        found.append(str(jax.random.key_impl(x)))
+        return jax.random.key_data(x)
+
+    data = jax.eval_shape(probe, keys)
+    return found[0], data
+
+
+def target_sharding(leaf: Any) -> Sharding | None:
+    """Where a value loaded for `leaf`, the target's current value, is placed: on the
+    sharding of a committed array, or of a `jax.ShapeDtypeStruct` that has one. Other
+    values give None and are not placed: placing them would tie them to a device,
+    and jitted functions would compile again."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+        return sharding if isinstance(sharding, Sharding) else None
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.committed:
+        return leaf.sharding
+    return None
+
+
 def stored_leaves(
     paths: Mapping[State, str], values: Mapping[State, PyTree]
 ) -> list[tuple[Leaf, Any]]:
@@ -156,8 +184,7 @@ def stored_leaves(
                     "key 'a' -> 'b' collide: rename one of them."
                 )
             if is_key(leaf):
-                impl = str(jax.random.key_impl(leaf))
-                data = jax.eval_shape(jax.random.key_data, leaf)
+                impl, data = _key_impl_and_data(leaf)
                 spec = Leaf(path, state, np.dtype(data.dtype), data.shape, impl, False)
             else:
                 weak = bool(getattr(leaf, "weak_type", False))

@@ -41,10 +41,17 @@ from ._checkpoint_checks import (
     values_to_save,
 )
 from ._checkpoint_match import check_entries, load_target
-from ._checkpoint_paths import Leaf, state_paths, stored_leaves, values_from_arrays
+from ._checkpoint_paths import (
+    Leaf,
+    state_paths,
+    stored_leaves,
+    target_sharding,
+    values_from_arrays,
+)
 from ._errors import CheckpointError
 from ._multi_process import device_put
 from ._pretty_print import first_and_more, state_label
+from ._shapes import is_key
 from ._state import State
 from ._state_dict import StateDict
 
@@ -368,7 +375,14 @@ def _check_meta(where: str, meta: Any) -> list[dict[str, Any]]:
 
 def _place_directly(leaf: Any) -> bool:
     """Whether a target value's sharding can be handed to Orbax: each process then
-    reads only its own shards. Other values are read whole, as NumPy arrays."""
+    reads only its own shards. Other values are read whole, as NumPy arrays, and
+    placed afterwards (see `target_sharding`)."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = target_sharding(leaf)
+        # Abstract keys: the sharding of their key data is not at hand.
+        if sharding is None or is_key(leaf):
+            return False
+        return not sharding.is_fully_addressable or jax.process_count() == 1
     if not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
         return False
     if not leaf.is_fully_addressable:
@@ -380,9 +394,14 @@ def _restore_args(ocp: Any, specs: list[tuple[Leaf, Any]]) -> dict[str, Any]:
     args = {}
     for spec, leaf in specs:
         if _place_directly(leaf):
-            data = jax.random.key_data(leaf) if spec.key_impl is not None else leaf
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                sharding = leaf.sharding
+            elif spec.key_impl is not None:
+                sharding = jax.random.key_data(leaf).sharding
+            else:
+                sharding = leaf.sharding
             args[spec.path] = ocp.ArrayRestoreArgs(
-                sharding=data.sharding, global_shape=spec.shape, dtype=spec.dtype
+                sharding=sharding, global_shape=spec.shape, dtype=spec.dtype
             )
         else:
             args[spec.path] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=spec.dtype)
@@ -393,14 +412,9 @@ def _value(spec: Leaf, leaf: Any, stored: Any) -> Any:
     value = jnp.asarray(stored)
     if spec.key_impl is not None:
         value = jax.random.wrap_key_data(value, impl=spec.key_impl)
-    if (
-        isinstance(stored, np.ndarray)
-        and isinstance(leaf, jax.Array)
-        and not isinstance(leaf, Tracer)
-        and leaf.committed
-    ):
+    if isinstance(stored, np.ndarray) and (sharding := target_sharding(leaf)):
         # As in the single-file format: only values tied to devices are placed.
-        value = device_put(value, leaf.sharding)
+        value = device_put(value, sharding)
     return value
 
 

@@ -1610,3 +1610,28 @@ def test_save_refuses_a_python_int_too_large_and_keeps_the_old_checkpoint(
         es.save(path, {n: {"a": 2**40}}, backend=backend)
     assert _files(path) == before
     assert es.load(path, es.values_of(n), backend=backend)[n] == 3
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_load_into_abstract_values_places_them_on_their_shardings(
+    backend, getkey, tmp_path
+):
+    # Abstract values, as `eqstate.transform.eval_shape` returns, give the shape and
+    # dtype; one with a sharding is loaded onto it, keys as other arrays.
+    sharding = NamedSharding(jax.make_mesh((8,), ("x",)), PartitionSpec("x"))
+    w = es.ParamState(jnp.arange(16.0), name="w")
+    keys = es.State(jr.split(getkey(), 8), name="keys")
+    key = es.RandomState(getkey(), name="key")
+    path = _ckpt_path(tmp_path, backend)
+    es.save(path, es.values_of([w, keys, key]), backend=backend)
+    abstract = {
+        w: jax.ShapeDtypeStruct((16,), jnp.float32, sharding=sharding),
+        keys: jax.ShapeDtypeStruct((8,), keys.value.dtype, sharding=sharding),
+        key: jax.eval_shape(lambda k: k, key.value),
+    }
+    loaded = es.load(path, es.StateDict(abstract), backend=backend)
+    for state in (w, keys):
+        assert loaded[state].sharding == sharding and loaded[state].committed
+    assert not loaded[key].committed
+    for state in (w, keys, key):
+        assert _same_bits(loaded[state], state.value)
