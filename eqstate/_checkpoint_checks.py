@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax.core import Tracer
 from jaxtyping import PyTree
 
@@ -73,11 +74,40 @@ def _first_non_array(value: PyTree) -> tuple[str, BaseException | None]:
     return "a leaf that is not an array", None
 
 
+def _narrowed(state: State, value: PyTree, arrays: PyTree) -> None:
+    """Raises `CheckpointError` if JAX changed a NumPy leaf of `value` when making
+    `arrays` of it: with 64-bit types off, it narrows `int64` to `int32` (wrapping
+    `2**33 + 5` to `5`) and `float64` to `float32` (`1e40` to `inf`, `0.1` to the
+    nearest `float32`). The checkpoint would store the changed value."""
+    flat = zip(jtu.tree_leaves_with_path(value), jtu.tree_leaves(arrays))
+    for (path, leaf), array in flat:
+        if not isinstance(leaf, np.ndarray | np.generic) or leaf.dtype == array.dtype:
+            continue
+        back = np.asarray(array).astype(leaf.dtype)
+        changed = back != leaf
+        if leaf.dtype.kind in "fc":
+            changed &= ~(np.isnan(back) & np.isnan(leaf))
+        if not changed.any():
+            continue
+        first = tuple(np.argwhere(changed)[0]) if np.ndim(leaf) else ()
+        where = f" at `{jtu.keystr(path)}`" if path else ""
+        raise CheckpointError(
+            f"Cannot save {state_label(state)}: its value holds a NumPy array of "
+            f"dtype {leaf.dtype}{where}, which JAX converts to {array.dtype} (64-bit "
+            f"types are off), and that changes it: {np.asarray(leaf)[first]} becomes "
+            f"{back[first]}. Nothing was written. Enable 64-bit types "
+            "(`jax.config.update('jax_enable_x64', True)`), or convert the value "
+            "yourself if the change is meant, e.g. "
+            f"`jnp.asarray(x, jnp.{array.dtype})`."
+        )
+
+
 def values_to_save(states: Mapping[State, PyTree]) -> dict[State, PyTree]:
     """The values of `states` with every leaf a JAX array; `CheckpointError` naming
     the state for a value that is None (the checkpoint would have no entry for it)
     or that has a leaf JAX cannot make an array of (text, an arbitrary object, a
-    Python int too large for JAX's integers)."""
+    Python int too large for JAX's integers), or a NumPy leaf that JAX would change
+    when making an array of it."""
     values = {}
     for state, value in states.items():
         what = f"Cannot save {state_label(state)}: its value"
@@ -104,6 +134,7 @@ def values_to_save(states: Mapping[State, PyTree]) -> dict[State, PyTree]:
                 "was written. A checkpoint stores arrays: pass the state's value, "
                 "e.g. `eqstate.values_of(model)`."
             ) from e
+        _narrowed(state, value, values[state])
     return values
 
 

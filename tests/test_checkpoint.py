@@ -1635,3 +1635,35 @@ def test_load_into_abstract_values_places_them_on_their_shardings(
     assert not loaded[key].committed
     for state in (w, keys, key):
         assert _same_bits(loaded[state], state.value)
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (np.array([1, 2**33 + 5]), "8589934597 becomes 5"),
+        (np.array([[0.5], [1e40]]), "1e+40 becomes inf"),
+        (np.uint64(2**40), "1099511627776 becomes 0"),
+    ],
+)
+def test_save_refuses_a_numpy_value_that_narrowing_would_change(
+    backend, value, shown, tmp_path
+):
+    # With 64-bit types off, JAX narrows NumPy's 64-bit values to 32 bits, silently
+    # changing those that do not fit: the checkpoint would store another value.
+    assert not jax.config.jax_enable_x64
+    n = es.State(jnp.zeros(2), name="n")
+    path = _ckpt_path(tmp_path, backend)
+    es.save(path, {n: jnp.ones(2)}, backend=backend)
+    before = _files(path)
+    with pytest.raises(
+        es.CheckpointError,
+        match=rf"State 'n': .*NumPy array of dtype {value.dtype} at `\['a'\]`.*"
+        rf"{re.escape(shown)}.*jax_enable_x64",
+    ):
+        es.save(path, {n: {"a": value}}, backend=backend)
+    assert _files(path) == before
+    # A 64-bit NumPy value that narrowing keeps is saved.
+    es.save(path, {n: np.array([0.5, np.nan])}, backend=backend)
+    loaded = es.load(path, {n: jnp.zeros(2)}, backend=backend)[n]
+    assert loaded[0] == 0.5 and jnp.isnan(loaded[1])
