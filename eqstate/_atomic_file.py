@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import secrets
+import stat
 import threading
 from collections.abc import Iterable
 
@@ -78,10 +79,21 @@ def _remove_stale_temporaries(target: str) -> None:
                 os.unlink(full)
 
 
+def _keep_mode(target: str, tmp: str) -> None:
+    """Gives `tmp` the permissions of the file `target` it replaces, if there is one:
+    a checkpoint made private (`0o600`) or read-only stays so when saved again."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return
+    os.chmod(tmp, mode)
+
+
 def write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
     """Writes to a temporary file next to the target and renames it onto the target,
     so a reader sees either the previous file or the whole new one, never a partial
-    one. The target is `path`, or the file a symlink at `path` leads to."""
+    one. The target is `path`, or the file a symlink at `path` leads to; the new file
+    keeps the permissions of the one it replaces."""
     target = _target_file(path)
     directory = os.path.dirname(target)
     if not os.path.isdir(directory):
@@ -106,6 +118,7 @@ def write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
+            _keep_mode(target, tmp)
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -64,7 +64,8 @@ def save(
 
     The write is atomic: the file is written next to `path` under a temporary name,
     flushed to disk and renamed onto `path`. If anything fails, the temporary file is
-    removed and a checkpoint already at `path` is left as it was. If `path` is a
+    removed and a checkpoint already at `path` is left as it was; if it succeeds, the
+    new file keeps the permissions of the one it replaced. If `path` is a
     symlink, the link stays and the file it leads to is replaced (atomically, the same
     way). A save that was killed cannot remove its temporary file; the next save to
     the same path does. The format (one file, no pickle) is described in the how-to

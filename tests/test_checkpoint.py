@@ -423,6 +423,17 @@ def test_save_overwrites_and_keeps_permissions(checkpoint):
     assert os.listdir(path.parent) == [path.name]
 
 
+@pytest.mark.parametrize("mode", [0o600, 0o444, 0o640])
+def test_save_keeps_the_permissions_of_the_file_it_replaces(checkpoint, mode):
+    path, w, n = checkpoint
+    path.chmod(mode)
+    w.value = jnp.array([4.0, 5.0, 6.0])
+    save(path, es.values_of([w, n]))
+    assert os.stat(path).st_mode & 0o777 == mode
+    assert (load(path, es.values_of([w, n]))[w] == w.value).all()
+    assert os.listdir(path.parent) == [path.name]
+
+
 def test_load_from_state_dict_matches_names(checkpoint):
     path, w, n = checkpoint
     fresh_w = es.ParamState(jnp.zeros(3), name="w")
