@@ -3,6 +3,8 @@ whole new one. Temporary files that killed saves left behind are removed by the 
 save to the same path."""
 
 import contextlib
+import errno
+import hashlib
 import os
 import re
 import secrets
@@ -27,9 +29,16 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-# Temporary files are `.{name}.{pid}.{16 hex digits}.tmp`, next to the target `name`
-# (`.{name}.{16 hex digits}.tmp` before the pid was added).
+# Temporary files are `.{stem}.{pid}.{16 hex digits}.tmp`, next to the target `name`
+# (`.{name}.{16 hex digits}.tmp` before the pid was added). The stem is `name`, or,
+# for a name too long to leave room for the rest within the file system's limit on
+# names, its first bytes and a hash of it (see `_temporary_stem`).
 _TEMPORARY_ID = re.compile(r"(?:(?P<pid>\d+)\.)?[0-9a-f]{16}")
+# The longest file name most file systems allow, in bytes (NAME_MAX on Linux).
+_NAME_MAX = 255
+# What a temporary name adds to its stem: `.`, `.{pid}.` (up to 10 digits), 16 hex
+# digits and `.tmp`.
+_TEMPORARY_EXTRA = 1 + 12 + 16 + 4
 # Temporaries of saves in progress in this process (another thread may be writing).
 _WRITING: set[str] = set()
 _WRITING_LOCK = threading.Lock()
@@ -39,6 +48,19 @@ def _target_file(path: str) -> str:
     """Where the bytes of a checkpoint saved to `path` go: `path`, or the file its
     symlinks lead to, so that saving keeps the link and replaces what it points to."""
     return os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
+
+
+def _temporary_stem(name: str) -> str:
+    """The start of the names of `name`'s temporary files: `name` itself, or, if
+    that would make them longer than file systems allow, its first bytes followed
+    by `~` and a hash of the whole name (which keeps the stems of two long names
+    apart)."""
+    raw = os.fsencode(name)
+    if len(raw) + _TEMPORARY_EXTRA <= _NAME_MAX:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    keep = _NAME_MAX - _TEMPORARY_EXTRA - 1 - len(digest)
+    return raw[:keep].decode("utf-8", "ignore") + "~" + digest
 
 
 def _process_is_gone(pid: int) -> bool:
@@ -63,7 +85,7 @@ def _remove_stale_temporaries(target: str) -> None:
         candidates = os.listdir(directory)
     except OSError:
         return
-    prefix, suffix = f".{name}.", ".tmp"
+    prefix, suffix = f".{_temporary_stem(name)}.", ".tmp"
     for candidate in candidates:
         if not (candidate.startswith(prefix) and candidate.endswith(suffix)):
             continue
@@ -105,7 +127,8 @@ def write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
     _remove_stale_temporaries(target)
     tmp = os.path.join(
         directory,
-        f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(8)}.tmp",
+        f".{_temporary_stem(os.path.basename(target))}.{os.getpid()}."
+        f"{secrets.token_hex(8)}.tmp",
     )
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     with _WRITING_LOCK:
@@ -128,10 +151,14 @@ def write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
         where = repr(path)
         if target != os.path.abspath(path):
             where += f" (a link to {target!r})"
+        fix = (
+            "Use a shorter file name: the file system limits each name's length."
+            if e.errno == errno.ENAMETOOLONG
+            else "Check that the directory is writable and the disk has space."
+        )
         raise CheckpointError(
             f"Cannot save a checkpoint to {where}: {e.strerror or e}. Nothing was "
-            "written there: a checkpoint already at that path is unchanged. Check "
-            "that the directory is writable and the disk has space."
+            f"written there: a checkpoint already at that path is unchanged. {fix}"
         ) from e
     finally:
         with _WRITING_LOCK:

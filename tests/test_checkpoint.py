@@ -1678,3 +1678,36 @@ def test_save_refuses_a_numpy_value_that_narrowing_would_change(
     es.save(path, {n: np.array([0.5, np.nan])}, backend=backend)
     loaded = es.load(path, {n: jnp.zeros(2)}, backend=backend)[n]
     assert loaded[0] == 0.5 and jnp.isnan(loaded[1])
+
+
+def test_save_to_a_long_file_name(tmp_path, monkeypatch):
+    # Temporary names add ~30 bytes to the target's: for a long name, they use its
+    # first bytes and a hash of it, and stay within the file system's limit.
+    from eqstate._atomic_file import _temporary_stem
+
+    w = es.ParamState(jnp.ones(3), name="w")
+    path = tmp_path / ("é" + "m" * 238)  # 240 bytes, within NAME_MAX (255)
+    other = tmp_path / ("é" + "m" * 237 + "n")  # the same first 200 bytes
+    stem = _temporary_stem(path.name)
+    assert stem != _temporary_stem(other.name)
+    stale = f".{stem}.{_dead_pid()}.{'a' * 16}.tmp"
+    kept = f".{_temporary_stem(other.name)}.{_dead_pid()}.{'b' * 16}.tmp"
+    for name in (stale, kept):
+        (tmp_path / name).write_bytes(b"partial")
+    temporaries = []
+    replace = os.replace
+
+    def recording_replace(src, dst):
+        temporaries.append(os.path.basename(src))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    save(path, es.values_of(w))
+    assert len(temporaries) == 1 and temporaries[0].startswith(f".{stem}.")
+    assert len(os.fsencode(temporaries[0])) <= 255
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, kept])
+    assert (load(path, es.values_of(w))[w] == 1.0).all()
+    # A name the file system refuses says so, not that the disk is full.
+    with pytest.raises(es.CheckpointError, match=r"too long.*Use a shorter file name"):
+        save(tmp_path / ("m" * 300), es.values_of(w))
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, kept])
