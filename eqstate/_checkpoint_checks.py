@@ -119,7 +119,10 @@ def values_to_save(states: Mapping[State, PyTree]) -> dict[State, PyTree]:
                 "the state out of the mapping."
             )
         try:
-            values[state] = to_value(value)
+            # NumPy warns of a 64-bit value that JAX's narrowing overflows, which
+            # `_narrowed` refuses just below with the state's name.
+            with np.errstate(over="ignore", invalid="ignore"):
+                values[state] = to_value(value)
         except _NOT_AN_ARRAY as e:
             leaf, error = _first_non_array(value)
             if isinstance(error or e, OverflowError):
