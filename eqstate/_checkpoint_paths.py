@@ -18,7 +18,7 @@ from ._errors import CheckpointError
 from ._jax_compat import weakly_typed
 from ._pretty_print import first_and_more, state_label
 from ._run import states_of
-from ._shapes import is_key
+from ._shapes import is_key, key_impl_of
 from ._state import is_state, State
 from ._state_dict import state_dict_of, StateDict
 
@@ -137,19 +137,6 @@ def state_paths(
     return named
 
 
-def _key_impl_and_data(keys: Any) -> tuple[str, jax.ShapeDtypeStruct]:
-    """The PRNG implementation of `keys`, typed keys (an array, or a
-    `jax.ShapeDtypeStruct` of an abstract target), and the shape of their data."""
-    found = []
-
-    def probe(x: Any) -> Any:
-        found.append(str(jax.random.key_impl(x)))
-        return jax.random.key_data(x)
-
-    data = jax.eval_shape(probe, keys)
-    return found[0], data
-
-
 def target_sharding(leaf: Any) -> Sharding | None:
     """Where a value loaded for `leaf`, the target's current value, is placed: on the
     sharding of a committed array, or of a `jax.ShapeDtypeStruct` that has one. Other
@@ -184,8 +171,9 @@ def stored_leaves(
                     "key 'a' -> 'b' collide: rename one of them."
                 )
             if is_key(leaf):
-                impl, data = _key_impl_and_data(leaf)
-                spec = Leaf(path, state, np.dtype(data.dtype), data.shape, impl, False)
+                impl, data = key_impl_of(leaf)
+                dtype = np.dtype(data.dtype)
+                spec = Leaf(path, state, dtype, data.shape, str(impl), False)
             else:
                 weak = bool(getattr(leaf, "weak_type", False))
                 spec = Leaf(

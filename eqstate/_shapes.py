@@ -42,3 +42,17 @@ def is_key(x: Any) -> bool:
     """Whether `x` (an array, tracer or `jax.ShapeDtypeStruct`) holds typed PRNG
     keys."""
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def key_impl_of(keys: Any) -> tuple[Any, jax.ShapeDtypeStruct]:
+    """The PRNG implementation of `keys` (typed keys: an array, a tracer or a
+    `jax.ShapeDtypeStruct`, which has no data to ask), and the type of their data
+    (`jax.random.key_data(keys)`)."""
+    found = []
+
+    def probe(x: Any) -> Any:
+        found.append(jax.random.key_impl(x))
+        return jax.random.key_data(x)
+
+    data = jax.eval_shape(probe, shape_dtype(keys))
+    return found[0], data

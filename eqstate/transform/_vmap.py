@@ -16,7 +16,7 @@ from .._custom_types import AxisSpec, Filter, MISSING
 from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
-from .._shapes import is_key, shape_dtype
+from .._shapes import is_key, key_impl_of, shape_dtype
 from .._state import NonBatchState, RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._decorator import decorator_form
@@ -252,19 +252,6 @@ def _lane_of(state: State, x: Any, axis: int) -> Any:
     return lane if compat.single_pass_enabled() else placeholder(lane)
 
 
-def key_impl_of(keys: Any) -> tuple[Any, tuple[int, ...]]:
-    """The PRNG implementation of `keys` (typed keys: an array, a tracer or a
-    `jax.ShapeDtypeStruct`), and the shape of one key's data."""
-    found = []
-
-    def probe(x: Any) -> Any:
-        found.append(jax.random.key_impl(x))
-        return jax.random.key_data(x)
-
-    data = jax.eval_shape(probe, shape_dtype(keys))
-    return found[0], data.shape[len(jnp.shape(keys)) :]
-
-
 def with_impl_of(keys: Any, key: Any) -> Any:
     """`key` (of any shape), or keys of the same shape drawn from it in the PRNG
     implementation of `keys` if that is another."""
@@ -272,25 +259,24 @@ def with_impl_of(keys: Any, key: Any) -> Any:
         # Most states keep the default implementation: no need to trace `key_impl_of`.
         if jax.random.key_impl(keys) == jax.random.key_impl(key):
             return key
-    impl, data_shape = key_impl_of(keys)
+    impl, data = key_impl_of(keys)
     if impl == jax.random.key_impl(key):
         return key
+    data_shape = data.shape[len(keys.shape) :]
 
     def data_of(one: Any) -> Any:
         return jax.random.bits(one, data_shape, jnp.uint32)
 
-    data = jax.vmap(data_of)(key.reshape(-1)).reshape(key.shape + data_shape)
-    return jax.random.wrap_key_data(data, impl=impl)
+    bits = jax.vmap(data_of)(key.reshape(-1)).reshape(key.shape + data_shape)
+    return jax.random.wrap_key_data(bits, impl=impl)
 
 
 def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
     """An array of type `struct`, weak type included (zeros, or keys made from
     zeros)."""
     if is_key(struct):
-        impl, data_shape = key_impl_of(struct)
-        return jax.random.wrap_key_data(
-            jnp.zeros(struct.shape + data_shape, jnp.uint32), impl=impl
-        )
+        impl, data = key_impl_of(struct)
+        return jax.random.wrap_key_data(jnp.zeros(data.shape, data.dtype), impl=impl)
     if struct.weak_type:
         # A weak type comes only from a Python scalar: broadcasting one keeps it.
         for zero in (0.0, 0, 0j):
