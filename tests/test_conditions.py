@@ -65,6 +65,41 @@ def test_switch_threads_the_union_of_states():
     assert sf(7, 2) == 4 and [int(s.value) for s in states] == [0, 7, 7]
 
 
+@pytest.mark.parametrize("writer_first", (True, False))
+@pytest.mark.parametrize("kind", ("cond", "switch"))
+@pytest.mark.parametrize("jitted", (False, True))
+def test_every_branch_reads_a_weakly_typed_state_as_on_entry(
+    writer_first, kind, jitted
+):
+    # A branch traced after one that writes a weak state strongly still sees it weak,
+    # as `jax.lax.cond` does: bfloat16 * it stays in bfloat16, whatever the order.
+    x = jnp.array([3.0], jnp.bfloat16)
+    s = es.State(1.3, name="s")  # weakly typed
+
+    def writer(x):
+        s.value = jnp.float32(3.0)
+        return x
+
+    def reader(x):
+        with jax.numpy_dtype_promotion("standard"):
+            return (x * s.value).astype(jnp.bfloat16)
+
+    branches = [writer, reader] if writer_first else [reader, writer]
+    index = 1 if writer_first else 0  # the reader runs
+
+    def run(index, x):
+        if kind == "cond":
+            return es.transform.cond(index == 1, *reversed(branches), x)
+        return es.transform.switch(index, branches, x)
+
+    out = es.transform.jit(run)(index, x) if jitted else run(index, x)
+    with jax.numpy_dtype_promotion("standard"):
+        expected = (x * jnp.asarray(1.3)).astype(jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16 and (out == expected).all()
+    # After it, as after `jax.lax.cond`, the state is strong: a branch writes it so.
+    assert not s.value.weak_type and s.value == jnp.float32(1.3)
+
+
 def test_ifelse_runs_the_first_true_branch():
     def sign(x):
         return es.transform.ifelse(

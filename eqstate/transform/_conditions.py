@@ -88,11 +88,17 @@ def switch(
         values.update(zip(t.states, t.values))
     written = tuple(dict.fromkeys(s for t in traced for s in t.written))
     entry = [values[s] for s in written]
+    # Every branch reads the states as they are on entry (`at_entry` is never updated);
+    # `weak` gathers the writes of all branches, for the values after the switch. One
+    # `WeakCarry` for both would let a branch see the writes of the branches traced
+    # before it: a weak state written strongly in branch 0 would read as strong in
+    # branch 1.
+    at_entry = WeakCarry(entry)
     weak = WeakCarry(entry)
 
     def make_branch(t: Discovery) -> Callable:
         def branch(written_values, *ops):
-            current = dict(zip(written, weak.restored(written_values)))
+            current = dict(zip(written, at_entry.restored(written_values)))
             state_values = [current.get(s, values[s]) for s in t.states]
             out, updates, _ = t.evaluate(state_values, show_static(ops))
             for i, s in enumerate(written):
