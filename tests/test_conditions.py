@@ -164,6 +164,22 @@ def test_branches_with_different_outputs_fail_and_keep_values():
     assert s.value == 0
 
 
+def test_branches_with_different_outputs_fail_naming_the_branch_functions():
+    # As `jax.lax.cond`'s error: the user's functions, not eqstate's wrapper.
+    def small():
+        return jnp.zeros(2)
+
+    def big():
+        return jnp.zeros(3)
+
+    with pytest.raises(TypeError, match=r"is big at .*test_conditions") as info:
+        es.transform.cond(True, small, big)
+    message = str(info.value)
+    assert "is small at" in message and "transform/_conditions" not in message
+    with pytest.raises(TypeError, match=r"is small at .*test_conditions"):
+        es.transform.switch(0, [small, big])
+
+
 class _Out(eqx.Module):
     flag: object  # a Python value: static, as for `eqx.filter_jit`
 

@@ -5,6 +5,7 @@ threaded through `jax.lax.switch` (a branch that does not write one passes its v
 through); the others are closed over. States cannot be created inside a branch.
 """
 
+import functools as ft
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,7 +97,8 @@ def switch(
     at_entry = WeakCarry(entry)
     weak = WeakCarry(entry)
 
-    def make_branch(t: Discovery) -> Callable:
+    def make_branch(t: Discovery, fun: Callable) -> Callable:
+        @ft.wraps(fun)  # JAX's errors (outputs that differ) name the user's function.
         def branch(written_values, *ops):
             current = dict(zip(written, at_entry.restored(written_values)))
             state_values = [current.get(s, values[s]) for s in t.states]
@@ -112,7 +114,10 @@ def switch(
 
     out, new_values = staged(
         lambda index, entry, operands: jax.lax.switch(
-            index, [make_branch(t) for t in traced], entry, *operands
+            index,
+            [make_branch(t, b) for t, b in zip(traced, branches)],
+            entry,
+            *operands,
         ),
         index,
         strong(entry),
