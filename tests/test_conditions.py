@@ -121,6 +121,22 @@ def test_ifelse_checks_that_exactly_one_condition_holds():
         f(2.0)
 
 
+@pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
+def test_ifelse_with_an_else_branch_and_check_cond_says_to_pass_check_cond_false():
+    f = es.transform.jit(
+        lambda x: es.transform.ifelse([x > 0, True], [lambda: 1, lambda: 0])
+    )
+    runtime_error = (jax.errors.JaxRuntimeError, ValueError)
+    with pytest.raises(runtime_error, match=r"pass `check_cond=False`"):
+        f(3.0)
+    else_branch = es.transform.jit(
+        lambda x: es.transform.ifelse(
+            [x > 0, True], [lambda: 1, lambda: 0], check_cond=False
+        )
+    )
+    assert else_branch(3.0) == 1 and else_branch(-3.0) == 0
+
+
 @pytest.mark.parametrize("check_cond", (True, False))
 def test_ifelse_refuses_conditions_that_are_not_scalars(check_cond):
     hits = es.State(jnp.array(0))

@@ -215,14 +215,23 @@ def cond(
     return switch(_branch_index(pred), [false_fun, true_fun], *operands)
 
 
+_NOT_EXACTLY_ONE = (
+    "`ifelse`: exactly one condition must hold (checked as `check_cond=True`, the "
+    "default). To run the branch of the first condition that holds, as `if ... elif "
+    "... else`, with a last condition `True` for the `else`, pass `check_cond=False`."
+)
+
+
 def ifelse(
     conditions: Sequence[Bool[ArrayLike, ""]],
     branches: Sequence[Callable],
     *operands: Any,
     check_cond: bool = True,
 ) -> Any:
-    """Runs the branch of the first condition that holds: `if c0: b0 elif c1: b1 ...`.
-    Make the last condition `True` for an `else` branch.
+    """Runs the branch whose condition holds. By default exactly one condition must
+    hold, checked at run time. With `check_cond=False` the first condition that holds
+    wins, as in `if c0: b0 elif c1: b1 ...`; then a last condition `True` makes an
+    `else` branch.
 
     **Arguments:**
 
@@ -256,7 +265,7 @@ def ifelse(
     if len(conditions) != len(branches):
         raise ValueError(
             f"`ifelse` got {len(conditions)} condition(s) and {len(branches)} "
-            "branch(es); give one condition per branch (the last can be `True`)."
+            "branch(es); give one condition per branch."
         )
     if not branches:
         raise ValueError("`ifelse` needs at least one branch.")
@@ -270,7 +279,5 @@ def ifelse(
     flags = jnp.stack([jnp.asarray(c, dtype=bool) for c in conditions])
     index = jnp.argmax(flags)
     if check_cond:
-        index = eqx.error_if(
-            index, jnp.sum(flags) != 1, "`ifelse`: exactly one condition must hold."
-        )
+        index = eqx.error_if(index, jnp.sum(flags) != 1, _NOT_EXACTLY_ONE)
     return switch(index, branches, *operands)
