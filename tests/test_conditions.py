@@ -370,9 +370,14 @@ def test_an_eager_branch_that_fails_leaves_the_states_as_they_were():
     assert seen.value == 0.0
 
 
-def test_an_eager_branch_may_not_create_states():
-    with jax.disable_jit(), pytest.raises(ValueError, match=r"branch 1 .* creates"):
-        es.transform.cond(True, lambda: es.State(jnp.zeros(2)).name, lambda: None)
+@pytest.mark.parametrize("disable_jit", (False, True))
+def test_a_branch_may_not_create_states_eagerly_or_not(disable_jit):
+    # The same error with or without `jax.disable_jit()`, which runs the branch eagerly.
+    match = r"branch 1 of a conditional creates states \(State 'made'\)"
+    with jax.disable_jit(disable_jit), pytest.raises(es.NewStateError, match=match):
+        es.transform.cond(
+            True, lambda: es.State(jnp.zeros(2), name="made").name, lambda: None
+        )
 
 
 def test_a_traced_predicate_under_disable_jit_takes_the_compiled_path():

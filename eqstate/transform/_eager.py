@@ -10,6 +10,7 @@ import jax
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
+from .._errors import NewStateError
 from .._pretty_print import state_label
 
 
@@ -17,9 +18,9 @@ compat.hide_from_tracebacks(__file__)
 
 
 _CREATES_STATES = (
-    "{where} creates {label}. States cannot be created inside it, because each call "
-    "or iteration would create another set. Create them before, outside the "
-    "transformed function."
+    "{where} creates states ({label}). States cannot be created inside it, because "
+    "each call or iteration would create another set. Create them before, outside "
+    "the transformed function."
 )
 
 _CONDITION_WRITES = (
@@ -81,7 +82,7 @@ class _GuardFrame(_context.Frame):
         self.values.update(updates)
 
     def add_new(self, state, value):
-        raise ValueError(
+        raise NewStateError(
             _CREATES_STATES.format(where=self.where, label=state_label(state))
         )
 
