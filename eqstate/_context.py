@@ -31,7 +31,6 @@ from jax.core import Tracer
 from . import _jax_compat as compat
 from ._custom_types import MISSING
 from ._errors import (
-    EXPIRED_STATE,
     LEAKED_TRACER_WRITE,
     RAW_TRANSFORM_READ,
     RAW_TRANSFORM_WRITE,
@@ -201,9 +200,8 @@ def check_write(state: Any, old: Any, new: Any) -> Any:
 def _not_found(state: Any, where: str) -> Exception:
     expired_in = getattr(state, "_expired_in", None)
     if expired_in is not None:
-        return TraceContextError(
-            EXPIRED_STATE.format(label=state_label(state), where=expired_in)
-        )
+        message, where = expired_in
+        return TraceContextError(message.format(label=state_label(state), where=where))
     return StateNotFoundError(f"{state_label(state)} {where}")
 
 

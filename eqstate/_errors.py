@@ -74,6 +74,12 @@ EXPIRED_STATE = (
     "then gives the caller fresh states holding their values."
 )
 
+SHAPES_ONLY_STATE = (
+    "{label} comes from `eqstate.transform.eval_shape` of `{where}`, which traces the "
+    "function abstractly: the handle carries the state's shape and dtype only, and its "
+    "value was never made. Call `{where}` itself to create the state with a value."
+)
+
 
 class UnknownCacheKeyError(KeyError):
     """A StatefulFunction was asked for a trace it does not have."""

@@ -14,7 +14,7 @@ from jaxtyping import ArrayLike, PyTree
 
 from . import _context
 from ._context import current_frame, label_here, to_value
-from ._errors import BatchAxisError, StateValueError
+from ._errors import BatchAxisError, EXPIRED_STATE, StateValueError
 from ._pretty_print import state_doc, state_label
 from ._serialisation_guard import not_an_array, refuse_if_serialised
 
@@ -290,10 +290,11 @@ def retag(state: State, tag: str) -> None:
     object.__setattr__(state, "_tag", tag)
 
 
-def expire(state: State, where: str) -> None:
+def expire(state: State, where: str, message: str = EXPIRED_STATE) -> None:
     """Marks `state` as created inside the trace of `where`, which has ended: a read of
-    it outside that trace says so."""
-    object.__setattr__(state, "_expired_in", where)
+    it outside that trace raises `TraceContextError` with `message`, a template with
+    `{label}` and `{where}` (by default: it escaped through a side effect)."""
+    object.__setattr__(state, "_expired_in", (message, where))
 
 
 def fresh_copy(state: State, *, in_place: bool = True) -> State:

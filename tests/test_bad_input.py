@@ -137,6 +137,19 @@ def escaped_handle():
 
 
 @case(
+    "read a handle `eval_shape` returned",
+    es.TraceContextError,
+    "ParamState 'p' comes from `eqstate.transform.eval_shape` of `ctor`.* shape and "
+    "dtype only.*Call `ctor` itself",
+)
+def eval_shape_handle():
+    def ctor():
+        return es.ParamState(jnp.zeros(2), name="p")
+
+    return lambda: es.transform.eval_shape(ctor).value, []
+
+
+@case(
     "a write, from a copied context, to a scope that has ended",
     es.TraceContextError,
     "ParamState 'w' through an `eqstate.scope`.*has ended.*`await` the task",

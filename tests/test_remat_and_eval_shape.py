@@ -110,8 +110,16 @@ def test_eval_shape_touches_no_value():
 
 
 def test_eval_shape_of_a_constructor_keeps_handles():
-    out = es.transform.eval_shape(lambda: es.ParamState(jnp.zeros(4), name="p"))
+    def ctor():
+        return es.ParamState(jnp.zeros(4), name="p")
+
+    out = es.transform.eval_shape(ctor)
     assert isinstance(out, es.ParamState) and out.name == "p"
+    # It has shapes only: a read says so, not that it escaped through a side effect.
+    with pytest.raises(
+        es.TraceContextError, match=r"eval_shape` of `ctor`.*Call `ctor"
+    ):
+        out.value
 
 
 class _Out(eqx.Module):

@@ -6,6 +6,8 @@ from typing import Any
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
+from .._errors import SHAPES_ONLY_STATE
+from .._state import expire
 from .._state_dict import state_dict_of, StateDict
 from ._leaves import aval_signature, struct
 from ._stateful_function import out_shapes, StatefulFunction, trace_of_call
@@ -86,5 +88,7 @@ def eval_shape(
         fun, state_returns="write", name=getattr(fun, "__name__", None)
     )
     entry = trace_of_call(sf, args, kwargs)
+    for state in entry.new_states:  # A read says it has shapes only, not a value.
+        expire(state, sf.name, SHAPES_ONLY_STATE)
     out, _ = out_shapes(entry)
     return (_state_shapes(entry), out) if return_state_shapes else out
