@@ -1334,6 +1334,38 @@ def map_float_batch_size():
 
 
 @case(
+    "`map` with a `batch_size` of `True`",
+    TypeError,
+    "`batch_size` must be a positive integer or None, got True",
+)
+def map_bool_batch_size():
+    return lambda: es.transform.map(lambda x: x, jnp.ones(3), batch_size=True), []
+
+
+@case(
+    "a `ProgressBar` with a `freq` that is not an integer",
+    TypeError,
+    "`freq` must be a positive integer or None, got 0.5",
+)
+def progress_bar_float_freq():
+    return lambda: unchecked_new(es.transform.ProgressBar, freq=0.5), []
+
+
+@case(
+    "a `ProgressBar` with a string `freq`",
+    TypeError,
+    "`freq` must be a positive integer or None, got '2'",
+)
+def progress_bar_string_freq():
+    return lambda: unchecked_new(es.transform.ProgressBar, freq="2"), []
+
+
+@case("a `ProgressBar` with a `freq` of 0", ValueError, "positive integer, got 0")
+def progress_bar_zero_freq():
+    return lambda: es.transform.ProgressBar(freq=0), []
+
+
+@case(
     "a batched `map` whose elements depend on each other through a state",
     ValueError,
     "State 'count' may carry a value from one element to the next",

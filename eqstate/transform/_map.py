@@ -49,6 +49,8 @@ _CARRIED_OVER = (
 
 def _check_batch_size(batch_size: Any) -> int:
     try:
+        if isinstance(batch_size, bool):  # `operator.index(True)` is 1.
+            raise TypeError
         size = operator.index(batch_size)
     except TypeError:
         raise TypeError(

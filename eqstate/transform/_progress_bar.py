@@ -2,6 +2,7 @@
 
 import functools as ft
 import io
+import operator
 import sys
 import threading
 from typing import Any
@@ -45,8 +46,18 @@ class ProgressBar:
         - `file`: where to print; `sys.stderr` by default.
         - `width`: the number of characters of the bar.
         """
-        if freq is not None and freq <= 0:
-            raise ValueError(f"`freq` must be a positive integer, got {freq}.")
+        if freq is not None:
+            try:
+                if isinstance(freq, bool):  # `operator.index(True)` is 1.
+                    raise TypeError
+                freq = operator.index(freq)
+            except TypeError:
+                raise TypeError(
+                    f"`freq` must be a positive integer or None, got {freq!r} (a "
+                    f"{type(freq).__name__}), e.g. `ProgressBar(freq=10)`."
+                ) from None
+            if freq <= 0:
+                raise ValueError(f"`freq` must be a positive integer, got {freq}.")
         self.freq = freq
         self.desc = desc
         self.file = file
