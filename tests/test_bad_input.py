@@ -935,7 +935,9 @@ def scan_bad_pbar():
     return lambda: scan(lambda c, x: (c, x), 0, jnp.ones(3), pbar="invalid"), []
 
 
-@case("a state created in an eager loop body", ValueError, "body of `scan` creates")
+@case(
+    "a state created in an eager loop body", es.NewStateError, "body of `scan` creates"
+)
 def eager_loop_creates_state():
     def trigger():
         with jax.disable_jit():
