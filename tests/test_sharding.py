@@ -223,6 +223,45 @@ def test_jit_called_in_shard_map_and_at_top_level_keeps_a_split_state_split(
         assert z.value.sharding.is_equivalent_to(split, 1)
 
 
+def _scan_in_a_scope(f, states):
+    with es.scope(states) as scope:
+        es.transform.scan(lambda carry, x: (carry + f(x), None), 0.0, jnp.ones(1))
+    return scope.states
+
+
+_IN_A_DICTIONARY = {
+    "scan in a scope": _scan_in_a_scope,
+    "run in jax.jit": lambda f, states: jax.jit(lambda sd: es.run(f, sd, 1.0)[0])(
+        states
+    ),
+}
+
+
+@pytest.mark.parametrize("first_call_in", sorted(_IN_A_DICTIONARY))
+def test_jit_first_called_against_a_dictionary_keeps_its_placement_not_the_worlds(
+    first_call_in,
+):
+    # The world holds `z` split over half the devices, the dictionary holds it
+    # replicated on the other half: the world's placement must not be copied onto it.
+    devices = jax.devices()
+    half = N // 2
+    in_world = NamedSharding(jax.sharding.Mesh(devices[:half], ("x",)), P("x"))
+    in_dict = NamedSharding(jax.sharding.Mesh(devices[half:], ("x",)), P())
+    z = es.State(jnp.arange(2.0 * N), name="z")
+    es.shard([z], in_world.mesh, P("x"))
+
+    @es.transform.jit
+    def add(x):
+        z.value = z.value + x
+        return x
+
+    states = es.StateDict({z: jnp.arange(2.0 * N)}).with_sharding(in_dict)
+    new = _IN_A_DICTIONARY[first_call_in](add, states)
+    assert tree_allclose(new[z], jnp.arange(2.0 * N) + 1)
+    assert new[z].sharding.is_equivalent_to(in_dict, 1)
+    assert z.value.sharding.is_equivalent_to(in_world, 1)
+
+
 @pytest.mark.parametrize("placed", (False, True))
 def test_jit_state_shardings_on_an_explicit_mesh_match_jax_reshard(placed):
     mesh = _mesh("x", AxisType.Explicit)

@@ -290,16 +290,29 @@ def _multi_device_sharding(x: Any) -> Any:
     return sharding
 
 
-def _concrete_value(state: State, value: Any) -> Any:
-    """`value`, the state's value seen by a call, if it holds no tracer; inside a
-    transform, where it does, the state's value in the world if that has the same
-    structure and shapes (so that it is the value traced); else `MISSING`."""
+def _concrete_value(state: State, value: Any, frame: _context.Frame) -> Any:
+    """`value`, the state's value seen by a call in `frame`, if it holds no tracer;
+    inside a transform, where it does, the state's value in the context that holds it
+    for this call (the outermost frame under `frame`: the world, or the dictionary of
+    a `scope` or `run`) if that is concrete and has the same structure and shapes (so
+    that it is the value traced); else `MISSING`. Never the world's value for a state
+    that a dictionary holds: the two may be placed differently."""
     if not has_tracer(value):
         return value
-    world = WORLD.peek(state)
-    if world is MISSING or _shapes(world) != _shapes(value):
+    outer = _holder_of_values(frame).peek(state)
+    if outer is MISSING or has_tracer(outer) or _shapes(outer) != _shapes(value):
         return MISSING
-    return world
+    return outer
+
+
+def _holder_of_values(frame: _context.Frame) -> _context.Frame:
+    """The frame at the bottom of `frame`'s chain of parents: the one that holds the
+    values the frames above it traced (the world, or a dictionary frame)."""
+    while True:
+        parent = getattr(frame, "parent", None)
+        if parent is None:
+            return frame
+        frame = parent
 
 
 def _shapes(value: Any) -> tuple:
@@ -844,7 +857,8 @@ class JitDispatch:
     def _constrain(self, plan: _Plan, frame: _context.Frame) -> None:
         """Sets the plan's constraints (see `_Plan`) from the states' values in
         `frame`. A written state keeps the placement of its concrete value: inside a
-        transform, of its value in the world, if that is the value traced; else its
+        transform, of its value in the context that holds it (the world, or a
+        `scope`'s or `run`'s dictionary), if that is the value traced; else its
         placement is not known yet, and the plan not `placed`."""
         ins, outs, placed = {}, {}, True
         rule = self._state_shardings
@@ -857,7 +871,7 @@ class JitDispatch:
                 if state in updated:
                     outs[state] = sharding
             elif state in updated:
-                concrete = _concrete_value(state, value)
+                concrete = _concrete_value(state, value, frame)
                 placed = placed and concrete is not MISSING
                 shardings = None if concrete is MISSING else _leaf_shardings(concrete)
                 if shardings is not None:

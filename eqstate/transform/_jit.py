@@ -227,8 +227,11 @@ def jit(
         not named here keep the sharding each of their leaves had when the function
         was first called with them, also when that call was inside another
         transform (`grad`, `scan`, an outer `jit`; call `clear_cache()` after
-        re-sharding them). Inside `shard_map`, where each device holds its shard,
-        neither applies.
+        re-sharding them): the sharding of their value in the context that holds it
+        for that call (the world, or the dictionary of an `eqstate.scope` or
+        `eqstate.run`). Where that value is itself traced (`eqstate.run` inside
+        `jax.jit`), the new value is left unconstrained until a call sees a concrete
+        one. Inside `shard_map`, where each device holds its shard, neither applies.
     - `donate_argnums`, `in_shardings`, `out_shardings`, `keep_unused`, `device`,
         `backend`, `inline`, `compiler_options`: as in `jax.jit`, for the arguments
         and the output of `fun`.
