@@ -176,6 +176,21 @@ def _worker(workdir: str, use_orbax: bool) -> None:
         noise, total = noisy()
         return {"noise": gather(noise), "total": float(total)}
 
+    @check("shard_map_random")
+    def _():
+        # The key starts on one device of this process: `shard_map` must place it
+        # on the mesh, which spans both processes.
+        rng = es.RandomState(0, name="rng")
+
+        @es.transform.shard_map(mesh=mesh, in_specs=(P("d"),), out_specs=P("d"))
+        def noisy(x):
+            return x + jax.random.normal(rng.split_key(), x.shape)
+
+        x = jax.make_array_from_callback(
+            (8,), NamedSharding(mesh, P("d")), lambda i: np.zeros(8)[i]
+        )
+        return {"noise": gather(noisy(x))}
+
     @check("printing")
     def _():
         w = es.ParamState(jnp.arange(8.0), name="w")
@@ -463,6 +478,18 @@ def test_random_draws_agree_across_processes(run):
     expected = np.asarray(jax.random.normal(key, (8,)))
     assert np.allclose(first["noise"], expected, atol=1e-6)
     assert np.isclose(first["total"], (1 + expected).sum(), atol=1e-5)
+
+
+def test_a_random_state_read_inside_shard_map_is_replicated_across_processes(run):
+    import jax
+
+    first, second = _both(run, "shard_map_random")
+    assert first == second
+    # Every device draws its two numbers from the same key, as from a replicated
+    # key in plain JAX.
+    key = jax.random.split(jax.random.key(0))[1]
+    expected = np.tile(np.asarray(jax.random.normal(key, (2,))), 4)
+    assert np.allclose(first["noise"], expected, atol=1e-6)
 
 
 def test_printing_a_sharded_state_shows_its_summary(run):

@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
 from .._errors import BatchAxisError
+from .._multi_process import device_put
 from .._pretty_print import state_label
 from .._run import run
 from .._shapes import shape_dtype
@@ -145,7 +146,9 @@ def _placed(values: list, specs: list[PartitionSpec], mesh: Mesh) -> list:
     are."""
     if not compat.is_top_level():
         return list(values)
-    return [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(values, specs)]
+    # Not `jax.device_put`: it cannot put a PRNG key (a random state's value) on
+    # devices of other processes.
+    return [device_put(v, NamedSharding(mesh, s)) for v, s in zip(values, specs)]
 
 
 def _check_replicated_write(state: State, value: Any, spec: PartitionSpec) -> None:
