@@ -821,3 +821,58 @@ def test_vmap_new_states_over_an_argument_split_along_the_mapped_axis(
     assert ensemble.value.shape == (2 * N, 3)
     # One draw per member, broadcast along its row.
     assert tree_allclose(noise, jnp.broadcast_to(noise[:, :1], noise.shape))
+
+
+@pytest.mark.parametrize("reads_another", (False, True))
+def test_shard_map_called_twice_in_one_trace_finds_the_states_of_each_call(
+    reads_another,
+):
+    # The first call's Python only reads `a`; the second's writes it (and reads `c`).
+    # Not weakly typed, so that a kept trace would fit the second call.
+    a = es.State(jnp.zeros(()), name="a")
+    b = es.State(jnp.zeros(()), name="b")
+    c = es.State(jnp.full((), 10.0), name="c")
+    second = [False]
+
+    def count(x):
+        total = jax.lax.psum(x.sum(), "data")
+        if second[0]:
+            a.value = a.value + total + (c.value if reads_another else 0.0)
+        else:
+            a.value
+        b.value = b.value + total
+        return x
+
+    counted = _over_data(count)
+
+    @es.transform.jit
+    def twice(x):
+        second[0] = False
+        counted(x)
+        second[0] = True
+        return counted(x)
+
+    assert tree_allclose(twice(jnp.ones(N)), jnp.ones(N))
+    assert a.value == N + (10 if reads_another else 0) and b.value == 2 * N
+
+
+@pytest.mark.parametrize("changes", ("writes", "reads"))
+def test_shard_map_refuses_a_function_whose_states_change_between_its_two_traces(
+    changes,
+):
+    a = es.State(jnp.array(0.0), name="a")
+    b = es.State(jnp.array(1.0), name="b")
+    traces = [0]
+
+    def f(x):
+        traces[0] += 1
+        if traces[0] % 2 == 0:  # the run on each device, not the trace before it
+            if changes == "writes":
+                a.value = a.value + 1
+            else:
+                x = x + b.value
+        return x + a.value
+
+    with pytest.raises(es.UnstableStatesError, match="f touched other states"):
+        _over_data(f)(jnp.ones(N))
+    assert a.value == 0

@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
-from .._errors import BatchAxisError
+from .._errors import BatchAxisError, StateNotFoundError, UnstableStatesError
 from .._multi_process import device_put
 from .._pretty_print import state_label
 from .._run import run
@@ -20,7 +20,7 @@ from .._state import NonBatchState, State
 from .._state_dict import state_dict_of
 from ._common import hide_static, show_static
 from ._decorator import decorator_form
-from ._discovery import Discovery, kept_or_fresh, traces_for
+from ._discovery import Discovery, traces_for
 from ._function_traces import FunctionTraces
 from ._staged import staged
 from ._view import View
@@ -165,8 +165,32 @@ def _check_replicated_write(state: State, value: Any, spec: PartitionSpec) -> No
         )
 
 
+_UNSTABLE = (
+    "{name} touched other states when run on each device inside `shard_map` than "
+    "when it was traced to find its states, just before: its Python code changed "
+    "between the two (it reads a flag or a counter that changes, or its states depend "
+    "on the values of its arguments). `shard_map` runs the function's Python twice "
+    "per call; make both runs read and write the same states."
+)
+
+
+def _refuse_other_writes(
+    name: str, states_in: Any, states_out: Any, written: Sequence[State]
+) -> None:
+    """Raises `UnstableStatesError` if the run on each device wrote a state that the
+    trace finding the states did not (its new value would be dropped), or created
+    one. A state it did not write keeps its very input value."""
+    known = set(written)
+    for state, value in states_out.items():
+        if state in known:
+            continue
+        if state not in states_in or value is not states_in[state]:
+            raise UnstableStatesError(_UNSTABLE.format(name=name))
+
+
 def _per_device_body(
     fun: Callable,
+    name: str,
     states: Sequence[State],
     written: Sequence[State],
     state_spec: dict[State, PartitionSpec],
@@ -180,7 +204,12 @@ def _per_device_body(
         # types every value as varying or not across devices, and only tracing
         # under it inserts the conversions that typing needs.
         states_in = state_dict_of(dict(zip(states, state_values)))
-        states_out, out = run(fun, states_in, *show_static(args))
+        try:
+            states_out, out = run(fun, states_in, *show_static(args))
+        except StateNotFoundError as exc:
+            # Every state it read when its states were found is in `states_in`.
+            raise UnstableStatesError(_UNSTABLE.format(name=name)) from exc
+        _refuse_other_writes(name, states_in, states_out, written)
         new = [states_out[s] for s in written]
         if check_vma:
             for state, value in zip(written, new):
@@ -231,7 +260,10 @@ def _call_sharded(
     traced = Discovery(
         fun,
         args,
-        traces=kept_or_fresh(traces),
+        # Not a trace kept from an earlier call in the same enclosing trace: the
+        # function's Python runs again on each device (see `_per_device_body`), and
+        # may have changed since (a flag it reads), so its states are found again.
+        traces=traces.emptied(),
         discover_in=_ShardView(_context.current_frame(), spec_of, mesh),
         trace_in=_inside_shard_map(mesh, specs, check_vma),
     )
@@ -240,7 +272,7 @@ def _call_sharded(
     state_spec = {s: spec_of(s, v) for s, v in zip(states, traced.values)}
     values = _placed(traced.values, [state_spec[s] for s in states], mesh)
     sharded = jax.shard_map(
-        _per_device_body(fun, states, written, state_spec, check_vma),
+        _per_device_body(fun, traces.name, states, written, state_spec, check_vma),
         mesh=mesh,
         in_specs=([state_spec[s] for s in states], *specs),
         out_specs=(out_specs, [state_spec[s] for s in written]),
@@ -281,7 +313,9 @@ def shard_map(
     **Returns:**
 
     A function with the signature of `fun`. (`fun` is traced twice per call, both
-    times inside `jax.shard_map`: once to find its states, once to run.)
+    times inside `jax.shard_map`: once to find its states, once to run; also when
+    called several times inside one enclosing trace, so each call sees the states its
+    Python uses then.)
 
     **Raises:**
 
@@ -295,6 +329,8 @@ def shard_map(
     - `ValueError` if `in_specs` has not one entry per positional argument, or if a
         `PartitionSpec` (of `in_specs` or `state_specs`) names an axis not in `mesh`.
     - `TypeError` if called with keyword arguments.
+    - `UnstableStatesError` if the two traces of one call read or write different
+        states (the function's Python changed between them).
 
     !!! Example
 
