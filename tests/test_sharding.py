@@ -730,9 +730,36 @@ def test_shard_takes_a_plain_mapping_from_handles_as_a_state_dict():
 
 def test_shard_map_docs_say_a_replicated_write_is_checked_only_with_check_vma():
     # With check_vma=False JAX keeps no record of what differs across devices.
-    assert "Only with `check_vma=True`" in (es.transform.shard_map.__doc__ or "")
+    docstring = " ".join((es.transform.shard_map.__doc__ or "").split())
+    assert "Only with `check_vma=True`" in docstring
     doc = (_EXAMPLES.parent / "docs" / "how-to" / "multi-device.md").read_text()
     assert "with `check_vma=False` there is none" in doc
+    # Each device keeps its own value (see the test below), not one device's.
+    for text in (docstring, " ".join(doc.split())):
+        assert "a different value on each device under a replicated sharding" in text
+        assert "one device's value" not in text
+
+
+def test_shard_map_without_check_vma_leaves_each_device_its_own_replicated_write():
+    mesh = _mesh("data")
+    t = es.State(jnp.zeros(()), name="t")
+
+    def index():
+        return jax.lax.axis_index("data").astype(jnp.float32)
+
+    def write():
+        t.value = index()
+
+    es.transform.shard_map(
+        write, mesh=mesh, in_specs=(), out_specs=None, check_vma=False
+    )()
+    expected = jax.shard_map(
+        index, mesh=mesh, in_specs=(), out_specs=P(), check_vma=False
+    )()
+    assert t.value.sharding.is_fully_replicated
+    copies = [float(shard.data) for shard in t.value.addressable_shards]
+    assert copies == [float(shard.data) for shard in expected.addressable_shards]
+    assert copies == [float(i) for i in range(N)]
 
 
 def test_a_state_and_an_argument_on_different_devices_name_the_state():

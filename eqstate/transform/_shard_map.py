@@ -323,7 +323,9 @@ def shard_map(
         that differs across devices (reduce it first, e.g. with `jax.lax.pmean`).
         Only with `check_vma=True` (the default): with `check_vma=False` JAX does
         not record which values differ across devices, so nothing is checked, and
-        such a state keeps one device's value.
+        such a state then holds a different value on each device under a replicated
+        sharding, as `jax.shard_map` returns it: what later reads see is undefined
+        (each device computes with its own copy). Reduce it first.
     - `ValueError` if `state_specs` maps a `NonBatchState` handle to a spec that
         splits it.
     - `ValueError` if `in_specs` has not one entry per positional argument, or if a
