@@ -194,12 +194,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         parser.error("give a script to run (or -m module)")
     try:
-        with local_processes(
-            command, args.num_processes, cpu_devices=args.cpu_devices
-        ) as procs:
+        with (
+            _exit_on_termination(),
+            local_processes(
+                command, args.num_processes, cpu_devices=args.cpu_devices
+            ) as procs,
+        ):
             return _exit_status(wait_all(procs, args.timeout))
     except KeyboardInterrupt:
         return 130
+
+
+# Signals that stop the launcher from outside (`kill`, `timeout`, a scheduler, a
+# closed terminal). Its processes run in sessions of their own, out of reach of
+# signals sent to the launcher's group, so it must kill them itself.
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    # The rest of the cleanup must not be cut short by a second signal.
+    for other in _TERMINATING:
+        signal.signal(other, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _exit_on_termination() -> Iterator[None]:
+    """Turns the terminating signals into `SystemExit` (status 128 + N, as a shell
+    reports it) in the `with` block, so that the launcher's cleanup (`finally`) kills
+    its processes; restores the previous handlers after. Only in the main thread,
+    the one Python delivers signals to."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise_exit) for s in _TERMINATING}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # The launcher's options that take a value in the next word.

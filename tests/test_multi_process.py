@@ -643,3 +643,44 @@ def test_launcher_reports_a_process_killed_by_a_signal_as_a_shell_does(tmp_path)
     assert "killed by signal SIGKILL" in result.stderr
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True)
     assert str(script) not in ps.stdout
+
+
+@pytest.mark.parametrize("signum", (signal.SIGTERM, signal.SIGHUP))
+def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, pathlib, time\n"
+        "pid = pathlib.Path(__file__).parent / f\"pid-{os.environ['SLURM_PROCID']}\"\n"
+        "pid.write_text(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    command = [sys.executable, "-m", "eqstate.launch", "-n", "2", "--timeout", "90"]
+    launcher = subprocess.Popen(
+        [*command, str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    pid_files = [tmp_path / f"pid-{i}" for i in range(2)]
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert time.monotonic() < deadline, "the processes did not start"
+            assert launcher.poll() is None, "the launcher exited early"
+            time.sleep(0.1)
+        children = [int(f.read_text()) for f in pid_files]
+        launcher.send_signal(signum)
+        status = launcher.wait(timeout=30)
+        # The launcher reaped them, so they are gone, not zombies.
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert status == 128 + signum  # as a shell reports it
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait(timeout=10)
