@@ -127,6 +127,24 @@ def test_jit_keeps_the_sharding_of_written_states(axis_type):
     )
 
 
+@pytest.mark.parametrize("lower", (False, True))
+def test_jit_state_shardings_of_a_higher_rank_than_a_state_name_it(lower):
+    split = NamedSharding(_mesh(), P("x"))
+    a = es.State(jnp.zeros(2 * N), name="a")
+    b = es.State(jnp.zeros(()), name="b")
+    c = es.State(jnp.zeros(12), name="c")  # split unevenly: legal in `jit`
+
+    def step():
+        a.value = a.value + b.value
+        return c.value.sum()
+
+    f = es.transform.jit(step, state_shardings=split)
+    for _ in range(2):  # a failed call leaves no plan behind
+        with pytest.raises(ValueError, match=r"State 'b' .*shape \(\) \(rank 0\)"):
+            f.lower() if lower else f()
+    assert es.transform.jit(lambda: c.value.sum(), state_shardings=split)() == 0
+
+
 def test_jit_state_shardings_move_states():
     mesh = _mesh()
     s = es.State(jnp.arange(float(N)), name="s")

@@ -260,6 +260,30 @@ def _constrained(value: Any, sharding: Any) -> Any:
     )
 
 
+def _check_rank(state: State, value: Any, sharding: Any) -> None:
+    """Raises `ValueError` naming `state` if `sharding` (one for every leaf of
+    `value`, or a PyTree of them, see `_constrained`) splits more axes than a leaf
+    has. (An uneven split is legal in `jit`.)"""
+    if isinstance(sharding, jax.sharding.Sharding):
+        pairs = [(sharding, x) for x in jax.tree_util.tree_leaves(value)]
+    else:
+        pairs = []
+        jax.tree_util.tree_map(
+            lambda s, x: pairs.append((s, x)), sharding, value, is_leaf=_is_none
+        )
+    for leaf_sharding, x in pairs:
+        spec = getattr(leaf_sharding, "spec", None)
+        if spec is not None and len(spec) > jnp.ndim(x):
+            raise ValueError(
+                f"`state_shardings` gives {state_label(state, value)} the sharding "
+                f"{leaf_sharding}, whose PartitionSpec has {len(spec)} entries, but "
+                f"its value has shape {jnp.shape(x)} (rank {jnp.ndim(x)}). Give it a "
+                "sharding of a lower rank (`PartitionSpec()` for a scalar), e.g. "
+                "with a mapping `{filter: sharding}` or a function `(state, value) "
+                "-> Sharding | None` that matches only the states it fits."
+            )
+
+
 def _constrained_to(value: Any, sharding: jax.sharding.Sharding) -> Any:
     mesh = getattr(sharding, "mesh", None)
     explicit = jax.sharding.AxisType.Explicit
@@ -812,9 +836,10 @@ class JitDispatch:
                     donate = False
                 if len(self._plans) >= KEYS_KEPT:
                     self._forget_oldest_plan()
-                plan = self._plans[key] = _Plan(trace, split, donate)
-                self._constrain(plan, frame)
+                plan = _Plan(trace, split, donate)
+                self._constrain(plan, frame)  # Raises for a sharding that cannot fit.
                 self._compile(plan)
+                self._plans[key] = plan
             elif not plan.placed:
                 self._constrain(plan, frame)
                 if plan.placed:
@@ -867,6 +892,7 @@ class JitDispatch:
         for state, value in zip(plan.states, values):
             sharding = None if rule is None else rule(state, value)
             if sharding is not None:
+                _check_rank(state, value, sharding)
                 ins[state] = sharding
                 if state in updated:
                     outs[state] = sharding

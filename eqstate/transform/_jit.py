@@ -223,7 +223,10 @@ def jit(
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
         values on output (on explicit mesh axes it moves them there with
-        `jax.sharding.reshard`, which changes their type, as in JAX). Written states
+        `jax.sharding.reshard`, which changes their type, as in JAX). A sharding
+        whose PartitionSpec has more entries than a state's value has axes raises
+        `ValueError` naming the state (an uneven split is legal, as in `jax.jit`).
+        Written states
         not named here keep the sharding each of their leaves had when the function
         was first called with them, also when that call was inside another
         transform (`grad`, `scan`, an outer `jit`; call `clear_cache()` after
