@@ -28,7 +28,9 @@ def spec_rule(specs: Any) -> Callable[[State, Any], PartitionSpec | None]:
 
 def check_divisible(state: State, value: Any, mesh: Mesh, spec: PartitionSpec) -> None:
     """Raises `ValueError` naming `state` if `spec` cannot split its value on `mesh`
-    (too many entries, an axis not in the mesh, a size not a multiple)."""
+    (too many entries, an axis not in the mesh or named twice, a size not a
+    multiple)."""
+    _check_axes_named_once(state, value, spec)
     for leaf in jtu.tree_leaves(value):
         shape = leaf.shape
         if len(spec) > len(shape):
@@ -51,6 +53,23 @@ def check_divisible(state: State, value: Any, mesh: Mesh, spec: PartitionSpec) -
                     f"({devices} devices): the size must be a multiple of the number "
                     "of devices."
                 )
+
+
+def _check_axes_named_once(state: State, value: Any, spec: PartitionSpec) -> None:
+    names = [
+        name
+        for axes in spec
+        if axes is not None
+        for name in (axes if isinstance(axes, tuple) else (axes,))
+    ]
+    twice = sorted({name for name in names if names.count(name) > 1}, key=str)
+    if twice:
+        raise ValueError(
+            f"The partition spec {spec} of {state_label(state, value)} names mesh "
+            f"axes {twice} more than once, but a mesh axis splits at most one "
+            "dimension. Name each axis once (e.g. `P('x', None)`), splitting other "
+            "dimensions over other axes."
+        )
 
 
 def _check_axes_in_mesh(

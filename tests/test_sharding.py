@@ -707,6 +707,25 @@ def test_a_spec_naming_an_axis_not_in_the_mesh_names_the_state_and_the_axes():
         sm(jnp.zeros(N))
 
 
+def test_a_spec_naming_a_mesh_axis_twice_names_the_state():
+    mesh = _mesh("x")
+    s = es.State(jnp.zeros((N, N)), name="square")
+    match = r"P\('x', 'x'\) of State 'square'.*axes \['x'\] more than once"
+    with pytest.raises(ValueError, match=match):
+        es.shard([s], mesh, P("x", "x"))
+
+    def f(x):
+        s.value = s.value + 1
+        return x
+
+    sm = es.transform.shard_map(
+        f, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"), state_specs={s: P("x", "x")}
+    )
+    with pytest.raises(ValueError, match=match):
+        sm(jnp.zeros(N))
+    assert (s.value == 0).all()
+
+
 @pytest.mark.parametrize("n_specs", [1, 3])
 def test_shard_map_refuses_in_specs_of_another_length_than_the_arguments(n_specs):
     sm = es.transform.shard_map(
