@@ -453,6 +453,30 @@ def test_jit_takes_one_sharding_for_every_argument_as_jax_jit(axis_type):
     assert y_sharding.is_equivalent_to(split, 1)
 
 
+@pytest.mark.parametrize("lower", (False, True))
+def test_jit_in_shardings_of_another_length_counts_the_arguments_as_jax_jit(lower):
+    split = NamedSharding(_mesh(), P("x"))
+    s = es.State(jnp.zeros(N), name="s")
+
+    def f(x, n, y, z=0.0):
+        s.value = s.value + x * n + y + z
+        return x + y
+
+    shardings, args = (split, None, split), (jnp.ones(N), 2, jnp.ones(N))
+    match = "length 3 for an args tuple of length 2"
+    with pytest.raises(ValueError, match=match):  # as the user passed them
+        jax.jit(lambda x, n, y: x + y, in_shardings=shardings, static_argnums=1)(*args)
+    jitted = es.transform.jit(f, in_shardings=shardings, static_argnums=1)
+    run = jitted.lower if lower else jitted
+    with pytest.raises(ValueError, match="has 3 entries, but this call passes 2 pos"):
+        run(*args)
+    # A call after one that made the plan, too.
+    good = es.transform.jit(f, in_shardings=(split, split), static_argnums=1)
+    good(*args)
+    with pytest.raises(ValueError, match="has 2 entries, but this call passes 3 pos"):
+        good(*args, jnp.ones(N))
+
+
 def test_jit_with_one_sharding_refuses_keyword_arguments_as_jax_jit():
     split = NamedSharding(_mesh(), P("x"))
     jitted = es.transform.jit(lambda x, y: x + y, in_shardings=split)

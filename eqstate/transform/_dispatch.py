@@ -770,8 +770,28 @@ class JitDispatch:
             and plan.split == _needs_split(call, trace)
             and plan.fits(trace)
         ):
+            self._check_in_shardings(args, kwargs)
             _note_state_devices(exc, plan, _context.current_frame())
             raise exc
+
+    def _check_in_shardings(self, args: tuple, kwargs: dict) -> None:
+        """Raises `ValueError` if `in_shardings` has not one entry per positional
+        argument that is not static, counted as the user passed them: `jax.jit`'s own
+        error counts the two arguments that carry the states too. (With keyword
+        arguments, `jax.jit`'s error says it takes none with `in_shardings`.)"""
+        in_shardings = self._jit_kwargs.get("in_shardings")
+        if not isinstance(in_shardings, (tuple, list)) or kwargs:
+            return
+        n = len(args)
+        static = {i % n for i in self._parser.static_positions if -n <= i < n}
+        dynamic = n - len(static)
+        if len(in_shardings) != dynamic:
+            raise ValueError(
+                f"`jit({self._name}, in_shardings=...)` has {len(in_shardings)} "
+                f"entries, but this call passes {dynamic} positional arguments that "
+                f"are not static ({n} in all): give one sharding (or PyTree of them) "
+                "per such argument, as `jax.jit` takes them, or one Sharding for all."
+            )
 
     def _call_planned(
         self,
@@ -784,6 +804,7 @@ class JitDispatch:
         """Calls through the plan for `trace` and makes it current. Returns
         `(False, None)` if the call turns out not to fit it."""
         plan = self._plan_for(trace, frame, _needs_split(call, trace))
+        self._check_in_shardings(args, kwargs)
         try:
             out, updated = self._call_plan_naming_devices(plan, frame, args, kwargs)
         except (_PlanMismatch, OutputMismatch):
@@ -815,6 +836,7 @@ class JitDispatch:
             values = frame.read_many(trace.states)
             return flat_jit(trace, self.flat_options()).lower(call.leaves, values)
         plan = self._plan_for(trace, frame, _needs_split(call, trace))
+        self._check_in_shardings(args, kwargs)
         written = plan.pack(frame.read_many(plan.updated_states))
         read = plan.read_from(frame)
         if plan.split:
