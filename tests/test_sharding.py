@@ -734,7 +734,8 @@ def test_a_spec_naming_an_axis_not_in_the_mesh_names_the_state_and_the_axes():
 def test_a_spec_naming_a_mesh_axis_twice_names_the_state():
     mesh = _mesh("x")
     s = es.State(jnp.zeros((N, N)), name="square")
-    match = r"P\('x', 'x'\) of State 'square'.*axes \['x'\] more than once"
+    # (`PartitionSpec(...)` or `P(...)`, as JAX's version spells it.)
+    match = r"\('x', 'x'\) of State 'square'.*axes \['x'\] more than once"
     with pytest.raises(ValueError, match=match):
         es.shard([s], mesh, P("x", "x"))
 
