@@ -223,11 +223,16 @@ def _exit_on_termination() -> Iterator[None]:
     """Turns the terminating signals into `SystemExit` (status 128 + N, as a shell
     reports it) in the `with` block, so that the launcher's cleanup (`finally`) kills
     its processes; restores the previous handlers after. Only in the main thread,
-    the one Python delivers signals to."""
+    the one Python delivers signals to, and not for a signal ignored already (as
+    `nohup` ignores SIGHUP): the launcher goes on through it, as before."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _raise_exit) for s in _TERMINATING}
+    previous = {
+        s: signal.signal(s, _raise_exit)
+        for s in _TERMINATING
+        if signal.getsignal(s) is not signal.SIG_IGN
+    }
     try:
         yield
     finally:

@@ -684,3 +684,43 @@ def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
         if launcher.poll() is None:
             launcher.kill()
         launcher.wait(timeout=10)
+
+
+def test_launcher_ignoring_sighup_as_under_nohup_goes_on_through_it(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, pathlib, time\n"
+        "pid = pathlib.Path(__file__).parent / f\"pid-{os.environ['SLURM_PROCID']}\"\n"
+        "pid.write_text(str(os.getpid()))\n"
+        "time.sleep(3)\n"
+    )
+    command = [sys.executable, "-m", "eqstate.launch", "-n", "2", "--timeout", "90"]
+
+    def ignore_sighup() -> None:  # what `nohup` does before it runs the command
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    launcher = subprocess.Popen(
+        [*command, str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=ignore_sighup,
+    )
+    pid_files = [tmp_path / f"pid-{i}" for i in range(2)]
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert time.monotonic() < deadline, "the processes did not start"
+            assert launcher.poll() is None, "the launcher exited early"
+            time.sleep(0.1)
+        children = [int(f.read_text()) for f in pid_files]
+        launcher.send_signal(signal.SIGHUP)
+        assert launcher.wait(timeout=60) == 0  # the job ran to its end
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait(timeout=10)
