@@ -58,8 +58,9 @@ def save(
     entry per array, its path extended by the array's place in the value:
     `opt.mu.0`. Every dtype round-trips bit for bit, including `bfloat16`, integers,
     booleans and typed PRNG keys. (A NumPy value is saved as the JAX array made of
-    it; with 64-bit types off, one that JAX's narrowing to 32 bits would change is
-    refused.) A value with no arrays (`{}`) has no entries and
+    it, as a write to a state converts it; with 64-bit types off, one that JAX's
+    narrowing to 32 bits breaks, an integer that wraps or a float that becomes
+    infinite or zero, is refused.) A value with no arrays (`{}`) has no entries and
     loads back as it was; so does an empty `StateDict`.
 
     The write is atomic: the file is written next to `path` under a temporary name,
@@ -94,10 +95,10 @@ def save(
     names when there is no `model`, if two arrays would get the same path, if a
     value is None or holds something JAX cannot make an array of (text, an
     arbitrary object, a Python int too large for JAX's integers), if a NumPy value
-    would be changed by JAX's narrowing of 64-bit types to 32 bits (x64 off: e.g.
-    `np.array(2**33)`, `np.array(1e40)`), if a value is a leaked tracer, an array that has been
-    deleted (donated to a jitted call) or a `float0` array (the gradient of an
-    integer, which holds no data), if the Orbax backend finds a file or a
+    would be broken by JAX's narrowing of 64-bit types to 32 bits (x64 off: e.g.
+    `np.array(2**33)`, `np.array(1e40)`), if a value is a leaked tracer, an array
+    that has been deleted (donated to a jitted call) or a `float0` array (the
+    gradient of an integer, which holds no data), if the Orbax backend finds a file or a
     directory that is not an Orbax checkpoint at `path`, if the file cannot be
     written (a read-only directory, a full disk: the `OSError` is its cause), or if
     called inside a JAX transform (`jit`, a loop body, `vmap`), which would write

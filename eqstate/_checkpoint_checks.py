@@ -75,18 +75,21 @@ def _first_non_array(value: PyTree) -> tuple[str, BaseException | None]:
 
 
 def _narrowed(state: State, value: PyTree, arrays: PyTree) -> None:
-    """Raises `CheckpointError` if JAX changed a NumPy leaf of `value` when making
+    """Raises `CheckpointError` if JAX broke a NumPy leaf of `value` when making
     `arrays` of it: with 64-bit types off, it narrows `int64` to `int32` (wrapping
-    `2**33 + 5` to `5`) and `float64` to `float32` (`1e40` to `inf`, `0.1` to the
-    nearest `float32`). The checkpoint would store the changed value."""
+    `2**33 + 5` to `5`) and `float64` to `float32` (`1e40` to `inf`, `1e-50` to
+    `0`). The checkpoint would store another value. Rounding to the nearest `float32`
+    (`0.1`) is not refused: it is what a write of the value to a state does."""
     flat = zip(jtu.tree_leaves_with_path(value), jtu.tree_leaves(arrays))
     for (path, leaf), array in flat:
         if not isinstance(leaf, np.ndarray | np.generic) or leaf.dtype == array.dtype:
             continue
         back = np.asarray(array).astype(leaf.dtype)
-        changed = back != leaf
         if leaf.dtype.kind in "fc":
-            changed &= ~(np.isnan(back) & np.isnan(leaf))
+            overflowed = np.isfinite(leaf) & ~np.isfinite(back)
+            changed = overflowed | ((leaf != 0) & (back == 0))
+        else:
+            changed = back != leaf
         if not changed.any():
             continue
         first = tuple(np.argwhere(changed)[0]) if np.ndim(leaf) else ()

@@ -1654,6 +1654,7 @@ def test_load_into_abstract_values_places_them_on_their_shardings(
     [
         (np.array([1, 2**33 + 5]), "8589934597 becomes 5"),
         (np.array([[0.5], [1e40]]), "1e+40 becomes inf"),
+        (np.array([0.5, 1e-50]), "1e-50 becomes 0.0"),
         (np.uint64(2**40), "1099511627776 becomes 0"),
     ],
 )
@@ -1674,10 +1675,15 @@ def test_save_refuses_a_numpy_value_that_narrowing_would_change(
     ):
         es.save(path, {n: {"a": value}}, backend=backend)
     assert _files(path) == before
-    # A 64-bit NumPy value that narrowing keeps is saved.
+    # A 64-bit NumPy value that narrowing keeps, or only rounds (as a write of it to
+    # a state does), is saved.
     es.save(path, {n: np.array([0.5, np.nan])}, backend=backend)
     loaded = es.load(path, {n: jnp.zeros(2)}, backend=backend)[n]
     assert loaded[0] == 0.5 and jnp.isnan(loaded[1])
+    rounded = np.random.default_rng(0).normal(size=2)
+    es.save(path, {n: rounded}, backend=backend)
+    loaded = es.load(path, {n: jnp.zeros(2)}, backend=backend)[n]
+    assert (loaded == jnp.asarray(rounded, jnp.float32)).all()
 
 
 def test_save_to_a_long_file_name(tmp_path, monkeypatch):
