@@ -134,6 +134,14 @@ def test_state_returns_read_calls_a_function_that_only_reads(model):
     assert sf(x) == 4.0
     new, out = sf.jaxpr_call(es.values_of((w, b)), x)
     assert out == 4.0 and (new[w] == w.value).all()
+    runs = []
+    sf = StatefulFunction(
+        lambda x: (runs.append(x), w.value @ x)[1], state_returns="read"
+    )
+    sf.make_jaxpr(x)
+    runs.clear()
+    _, out = sf.debug_call(es.values_of(w), x)
+    assert out == 3.0 and len(runs) == 1  # checked for writes without a second run
 
 
 def test_out_shapes_and_treedef():

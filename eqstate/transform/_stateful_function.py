@@ -454,8 +454,10 @@ class StatefulFunction:
             )
         if isinstance(state_vals, StateDict):
             if "write" not in self.state_returns:
-                # Found as `jaxpr_call` finds it, so that both refuse alike.
-                self.jaxpr_call(state_vals, *args, **kwargs)
+                # Found as `jaxpr_call` finds it (not run), so that both refuse alike.
+                call = self._traces.parse(args, kwargs)
+                trace, _ = self._traces.lookup(call, *_against_dict(state_vals))
+                self._refuse_lost_writes(trace)
             with jax.disable_jit():
                 return run(self.fun, state_vals, *args, **kwargs)
         values = tuple(state_vals)
@@ -529,18 +531,8 @@ class StatefulFunction:
         return self._call_with_sequence(tuple(state_vals), call)
 
     def _call_with_dict(self, sd: StateDict, call: CallArgs) -> tuple[StateDict, Any]:
-        def values_of(trace: Trace) -> list | None:
-            # A trace needing a state missing from `sd` does not fit: tracing against
-            # the strict dictionary then names the missing state.
-            if not all(s in sd for s in trace.states):
-                return None
-            return [sd[s] for s in trace.states]
-
-        def strict_frame() -> _context.DictFrame:
-            return _context.DictFrame(sd.items())
-
         trace, out, updated, new_values = self._traces.call_against(
-            call, strict_frame, values_of, self._jit_options()
+            call, *_against_dict(sd), self._jit_options()
         )
         self._refuse_lost_writes(trace)
         out, updated, fresh, new_values = trace.under_fresh_handles(
@@ -678,6 +670,23 @@ def calls_through(sf: StatefulFunction, dispatch: JitDispatch) -> None:
     `dispatch`'s plans, and gives its flat `jax.jit` the same options: `jit` shares
     its plans with its `stateful_function`."""
     sf._dispatch = dispatch
+
+
+def _against_dict(sd: StateDict) -> tuple[Callable, Callable]:
+    """`(parent, values_of)` for `FunctionTraces.lookup` and `call_against`: the
+    trace that fits the values in `sd`, traced against `sd` on a miss."""
+
+    def strict_frame() -> _context.DictFrame:
+        return _context.DictFrame(sd.items())
+
+    def values_of(trace: Trace) -> list | None:
+        # A trace needing a state missing from `sd` does not fit: tracing against
+        # the strict dictionary then names the missing state.
+        if not all(s in sd for s in trace.states):
+            return None
+        return [sd[s] for s in trace.states]
+
+    return strict_frame, values_of
 
 
 def make_jaxpr(
