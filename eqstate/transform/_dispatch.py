@@ -264,12 +264,16 @@ def _check_rank(state: State, value: Any, sharding: Any) -> None:
     """Raises `ValueError` naming `state` if `sharding` (one for every leaf of
     `value`, or a PyTree of them, see `_constrained`) splits more axes than a leaf
     has. (An uneven split is legal in `jit`.)"""
+    pairs = []
     if isinstance(sharding, jax.sharding.Sharding):
         pairs = [(sharding, x) for x in jax.tree_util.tree_leaves(value)]
     else:
-        pairs = []
+        # A PyTree prefix of the value: each sharding covers a subtree.
         jax.tree_util.tree_map(
-            lambda s, x: pairs.append((s, x)), sharding, value, is_leaf=_is_none
+            lambda s, sub: pairs.extend((s, x) for x in jax.tree_util.tree_leaves(sub)),
+            sharding,
+            value,
+            is_leaf=_is_none,
         )
     for leaf_sharding, x in pairs:
         spec = getattr(leaf_sharding, "spec", None)
