@@ -145,6 +145,21 @@ def test_jit_state_shardings_of_a_higher_rank_than_a_state_name_it(lower):
     assert es.transform.jit(lambda: c.value.sum(), state_shardings=split)() == 0
 
 
+def test_jit_state_shardings_as_a_prefix_of_a_states_value():
+    split = NamedSharding(_mesh(), P("x"))
+    value = {"mu": {"a": jnp.ones(N), "b": jnp.ones(2 * N)}, "step": jnp.zeros(())}
+    opt = es.ShortTermState(value, name="opt")
+
+    @es.transform.jit(state_shardings=lambda state, value: {"mu": split, "step": None})
+    def step():
+        opt.value = jax.tree.map(lambda x: x + 1, opt.value)
+
+    step()
+    assert opt.value["mu"]["a"].sharding == split
+    assert opt.value["mu"]["b"].sharding == split
+    assert tree_allclose(opt.value["mu"]["b"], jnp.full(2 * N, 2.0))
+
+
 def test_jit_state_shardings_move_states():
     mesh = _mesh()
     s = es.State(jnp.arange(float(N)), name="s")
@@ -878,6 +893,15 @@ def test_shard_map_filter_leaves_a_non_batch_state_whole_and_a_function_decides(
 
 def test_shard_map_refuses_a_spec_that_splits_a_non_batch_state_it_names():
     shared = es.NonBatchState(jnp.zeros(N), name="shared")
+    for whole in (P(), P(None)):  # specs that do not split it are taken
+        replicated = es.transform.shard_map(
+            lambda: shared.value.sum()[None],
+            mesh=_mesh("data"),
+            in_specs=(),
+            out_specs=P("data"),
+            state_specs={shared: whole},
+        )
+        assert replicated().shape == (N,)
     with pytest.raises(ValueError, match=r"'shared'.*NonBatchState.*never split"):
         es.transform.shard_map(
             lambda: shared.value,

@@ -117,7 +117,8 @@ def _refuse_named_non_batch(state_specs: Any) -> None:
     if not isinstance(state_specs, Mapping):
         return
     for key, spec in state_specs.items():
-        if isinstance(key, NonBatchState) and spec != PartitionSpec():
+        splits = spec is not None and any(axes is not None for axes in spec)
+        if isinstance(key, NonBatchState) and splits:
             raise ValueError(
                 f"`state_specs` gives {state_label(key)} {spec!r}, but a NonBatchState "
                 "is shared whole by every lane and never split by a spec. Make it "
