@@ -1,7 +1,6 @@
 """map: `jax.lax.map` for functions that use states, sequential or in vmapped
 chunks."""
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ from .._state import RandomState, split_and_advance, State
 from ._common import (
     hide_static,
     merge_leading_axes,
+    positive_int,
     show_static,
     strong,
     WeakCarry,
@@ -45,20 +45,6 @@ _CARRIED_OVER = (
     "not (the state passes through a nested loop, which eqstate assumes uses it). "
     "Map sequentially (`batch_size=None`), or use `eqstate.transform.for_loop`."
 )
-
-
-def _check_batch_size(batch_size: Any) -> int:
-    try:
-        if isinstance(batch_size, bool):  # `operator.index(True)` is 1.
-            raise TypeError
-        size = operator.index(batch_size)
-    except TypeError:
-        raise TypeError(
-            f"`batch_size` must be a positive integer or None, got {batch_size!r}."
-        ) from None
-    if size <= 0:
-        raise ValueError(f"`batch_size` must be a positive integer, got {size}.")
-    return size
 
 
 def _uses_old_value(entry: Trace, states: Sequence[State]) -> list[State]:
@@ -302,7 +288,7 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
 
         _, ys = _scan(body, None, xs, None, False, 1, None, _MAP)
         return ys
-    size = _check_batch_size(batch_size)
+    size = positive_int(batch_size, "batch_size")
     # Leaves JAX does not take (the handles of a model in `xs`) ride in the tree
     # structure: every element sees the same ones.
     xs = hide_static(xs)

@@ -2,13 +2,14 @@
 
 import functools as ft
 import io
-import operator
 import sys
 import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from ._common import positive_int
 
 
 class ProgressBar:
@@ -47,17 +48,7 @@ class ProgressBar:
         - `width`: the number of characters of the bar.
         """
         if freq is not None:
-            try:
-                if isinstance(freq, bool):  # `operator.index(True)` is 1.
-                    raise TypeError
-                freq = operator.index(freq)
-            except TypeError:
-                raise TypeError(
-                    f"`freq` must be a positive integer or None, got {freq!r} (a "
-                    f"{type(freq).__name__}), e.g. `ProgressBar(freq=10)`."
-                ) from None
-            if freq <= 0:
-                raise ValueError(f"`freq` must be a positive integer, got {freq}.")
+            freq = positive_int(freq, "freq", ", e.g. `ProgressBar(freq=10)`")
         self.freq = freq
         self.desc = desc
         self.file = file
