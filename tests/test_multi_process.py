@@ -645,14 +645,16 @@ def test_launcher_reports_a_process_killed_by_a_signal_as_a_shell_does(tmp_path)
     assert str(script) not in ps.stdout
 
 
-@pytest.mark.parametrize("signum", (signal.SIGTERM, signal.SIGHUP))
-def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
+@contextlib.contextmanager
+def _launched_job(tmp_path, seconds, preexec_fn=None):
+    """A launcher running two processes that sleep for `seconds`, once both have
+    started: `(launcher, their pids)`. Every process is killed at the end."""
     script = tmp_path / "job.py"
     script.write_text(
         "import os, pathlib, time\n"
         "pid = pathlib.Path(__file__).parent / f\"pid-{os.environ['SLURM_PROCID']}\"\n"
         "pid.write_text(str(os.getpid()))\n"
-        "time.sleep(120)\n"
+        f"time.sleep({seconds})\n"
     )
     command = [sys.executable, "-m", "eqstate.launch", "-n", "2", "--timeout", "90"]
     launcher = subprocess.Popen(
@@ -660,6 +662,7 @@ def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=preexec_fn,
     )
     pid_files = [tmp_path / f"pid-{i}" for i in range(2)]
     children: list[int] = []
@@ -670,6 +673,19 @@ def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
             assert launcher.poll() is None, "the launcher exited early"
             time.sleep(0.1)
         children = [int(f.read_text()) for f in pid_files]
+        yield launcher, children
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait(timeout=10)
+
+
+@pytest.mark.parametrize("signum", (signal.SIGTERM, signal.SIGHUP))
+def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
+    with _launched_job(tmp_path, 120) as (launcher, children):
         launcher.send_signal(signum)
         status = launcher.wait(timeout=30)
         # The launcher reaped them, so they are gone, not zombies.
@@ -677,50 +693,12 @@ def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
         assert status == 128 + signum  # as a shell reports it
-    finally:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait(timeout=10)
 
 
 def test_launcher_ignoring_sighup_as_under_nohup_goes_on_through_it(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(
-        "import os, pathlib, time\n"
-        "pid = pathlib.Path(__file__).parent / f\"pid-{os.environ['SLURM_PROCID']}\"\n"
-        "pid.write_text(str(os.getpid()))\n"
-        "time.sleep(3)\n"
-    )
-    command = [sys.executable, "-m", "eqstate.launch", "-n", "2", "--timeout", "90"]
-
     def ignore_sighup() -> None:  # what `nohup` does before it runs the command
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    launcher = subprocess.Popen(
-        [*command, str(script)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        preexec_fn=ignore_sighup,
-    )
-    pid_files = [tmp_path / f"pid-{i}" for i in range(2)]
-    children: list[int] = []
-    try:
-        deadline = time.monotonic() + 60
-        while not all(f.exists() and f.read_text() for f in pid_files):
-            assert time.monotonic() < deadline, "the processes did not start"
-            assert launcher.poll() is None, "the launcher exited early"
-            time.sleep(0.1)
-        children = [int(f.read_text()) for f in pid_files]
+    with _launched_job(tmp_path, 3, ignore_sighup) as (launcher, _):
         launcher.send_signal(signal.SIGHUP)
         assert launcher.wait(timeout=60) == 0  # the job ran to its end
-    finally:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait(timeout=10)
