@@ -646,9 +646,10 @@ def test_launcher_reports_a_process_killed_by_a_signal_as_a_shell_does(tmp_path)
 
 
 @contextlib.contextmanager
-def _launched_job(tmp_path, seconds, preexec_fn=None):
-    """A launcher running two processes that sleep for `seconds`, once both have
-    started: `(launcher, their pids)`. Every process is killed at the end."""
+def _launched_job(tmp_path, seconds, prefix=()):
+    """A launcher, run after the command `prefix` if given, running two processes
+    that sleep for `seconds`, once both have started: `(launcher, their pids)`.
+    Every process is killed at the end."""
     script = tmp_path / "job.py"
     script.write_text(
         "import os, pathlib, time\n"
@@ -658,11 +659,10 @@ def _launched_job(tmp_path, seconds, preexec_fn=None):
     )
     command = [sys.executable, "-m", "eqstate.launch", "-n", "2", "--timeout", "90"]
     launcher = subprocess.Popen(
-        [*command, str(script)],
+        [*prefix, *command, str(script)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=preexec_fn,
     )
     pid_files = [tmp_path / f"pid-{i}" for i in range(2)]
     children: list[int] = []
@@ -696,9 +696,9 @@ def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
 
 
 def test_launcher_ignoring_sighup_as_under_nohup_goes_on_through_it(tmp_path):
-    def ignore_sighup() -> None:  # what `nohup` does before it runs the command
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-    with _launched_job(tmp_path, 3, ignore_sighup) as (launcher, _):
+    # As `nohup` does: ignore SIGHUP, then run the command (which inherits that).
+    # Not `preexec_fn`, which forks this multithreaded process.
+    ignoring_sighup = ("sh", "-c", 'trap "" HUP; exec "$@"', "sh")
+    with _launched_job(tmp_path, 3, ignoring_sighup) as (launcher, _):
         launcher.send_signal(signal.SIGHUP)
         assert launcher.wait(timeout=60) == 0  # the job ran to its end
