@@ -923,12 +923,15 @@ def test_vmap_new_states_over_an_argument_split_along_the_mapped_axis(
     spec = P("x") if in_axes == 0 else P(None, "x")
     x = jax.device_put(x, NamedSharding(mesh, spec))
 
-    def member(row):
-        return es.ParamState(row * 2 + es.random.normal(()))
+    def member(scale, row):
+        return es.ParamState(row * scale + es.random.normal(()))
 
+    # An unmapped array first: the keys follow the first *mapped* one.
+    scale = jnp.full((), 2.0)
     es.random.seed(0)  # A key last split under another mesh carries that mesh.
     with jax.set_mesh(mesh):
-        ensemble = es.transform.vmap_new_states(member, in_axes=in_axes)(x)
+        build = es.transform.vmap_new_states(member, in_axes=(None, in_axes))
+        ensemble = build(scale, x)
     rows = x if in_axes == 0 else x.T
     noise = ensemble.value - rows * 2
     assert ensemble.value.shape == (2 * N, 3)

@@ -273,24 +273,29 @@ def _split_like_mapped(lane_keys: Any, axes: tuple, args: tuple) -> Any:
     """`lane_keys` (mapped on axis 0), split over the mesh axes that the mapped axis
     of the first mapped array is split over in its type (explicit mesh axes), since
     `jax.vmap` needs every mapped axis split alike; as they are otherwise."""
-    mapped: list[tuple[int, Any]] = []
-
-    def collect(axis: int | None, subtree: Any) -> None:
-        if axis is not None:
-            leaves = jtu.tree_leaves(subtree)
-            mapped.extend((axis, x) for x in leaves if hasattr(x, "shape"))
-
-    for axis, arg in zip(axes, args):
-        jtu.tree_map(collect, axis, arg, is_leaf=lambda x: x is None)
-    if not mapped:
+    found = _first_mapped_array(axes, args)
+    if found is None:
         return lane_keys
-    axis, leaf = mapped[0]
+    axis, leaf = found
     spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", ())
     axis %= len(leaf.shape)
     if axis >= len(spec) or spec[axis] is None:
         return lane_keys
     split = PartitionSpec(spec[axis])
     return jtu.tree_map(lambda k: jax.sharding.reshard(k, split), lane_keys)
+
+
+def _first_mapped_array(axes: tuple, args: tuple) -> tuple[int, Any] | None:
+    """`(axis, leaf)` of the first array leaf of `args` that `axes` maps, if any."""
+    for axis_tree, arg in zip(axes, args):
+        axes_here, treedef = jtu.tree_flatten(axis_tree, is_leaf=lambda x: x is None)
+        for axis, sub in zip(axes_here, treedef.flatten_up_to(arg)):
+            if axis is None:
+                continue
+            for leaf in jtu.tree_leaves(sub):
+                if hasattr(leaf, "shape"):
+                    return axis, leaf
+    return None
 
 
 def _batched(value: Any) -> bool:
