@@ -37,7 +37,10 @@ def world() -> StateDict:
     out a computation (`jax.jit`, `eqx.filter_jit`, ...) calling `world()` raises
     [`eqstate.TraceContextError`][], since its values would be baked in as constants.
     A snapshot taken outside a transform and closed over is a plain value, like any
-    array.
+    array. Inside a transform or a scope, the dictionaries made from it (`filter`,
+    `split`, `set`, `update`, `|`) read a state only when its value is looked up, as
+    `world()` itself does: `world().split(ParamState)` inside `vmap` reads no random
+    key (reading one there would split it per member and advance it).
 
     The *set* of states listed is read when a function is traced, like any Python
     global: a kept trace (of [`eqstate.transform.jit`][], a `StatefulFunction`, ...)

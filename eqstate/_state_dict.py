@@ -117,6 +117,12 @@ class StateDict(_MappingBase):
     def __contains__(self, state: object) -> bool:
         return state in self._values
 
+    def get(self, state: State, default: Any = None) -> Any:  # type: ignore[override]
+        """The value of `state`, or `default` if the dictionary does not list it. A
+        state listed but not readable (a world state that a scope lacks, looked up in
+        `eqstate.world()` inside the scope) raises, as `[]` does."""
+        return self[state] if state in self._values else default
+
     def __iter__(self) -> Iterator[State]:
         return iter(self._values)
 
@@ -140,7 +146,12 @@ class StateDict(_MappingBase):
         [`eqstate.StateDict.update`][] to add states.
         """
         checked = check_write(state, self[state], value)
-        return state_dict_of({**self._values, state: checked})
+        values = self._values
+        if type(values) is dict:
+            return state_dict_of({**values, state: checked})
+        sources = _sources(values)
+        sources[state] = {state: checked}
+        return state_dict_of(_Lazy(sources))
 
     def update(self, other: Mapping[State, PyTree[_Leaf]] | PyTree) -> "StateDict":
         """Returns a copy with the entries of `other` added. Values of states already
@@ -149,8 +160,11 @@ class StateDict(_MappingBase):
         `other` is a mapping from handles to values, typically another `StateDict`.
         It is typed as any PyTree so that what optax returns (a `StateDict` at run
         time, declared as a PyTree of arrays) type-checks without a cast."""
+        other = _as_mapping(other, "StateDict.update")
+        if type(self._values) is not dict or _is_lazy(other):
+            return self._lazy_update(other)
         values = dict(self._values)
-        for state, value in _as_mapping(other, "StateDict.update").items():
+        for state, value in other.items():
             _check_key(state)
             old = values.get(state, MISSING)
             if old is MISSING:
@@ -158,6 +172,27 @@ class StateDict(_MappingBase):
             else:
                 values[state] = check_write(state, old, value)
         return state_dict_of(values)
+
+    def _lazy_update(self, other: Mapping) -> "StateDict":
+        """`update` where either side reads its values lazily (a view of the world
+        inside a scope or a transform): only the values of states in both are read
+        now (to check the write); the others are read when looked up, as the views'
+        are. Reading every state would be a read of every state by the transform."""
+        sources = _sources(self._values)
+        if isinstance(other, StateDict):
+            theirs = _sources(other._values)
+        else:
+            theirs = dict.fromkeys(other, other)
+        for state, source in theirs.items():
+            _check_key(state)
+            if state in sources:
+                value = check_write(state, sources[state][state], source[state])
+                sources[state] = {state: value}
+            elif isinstance(other, StateDict):
+                sources[state] = source
+            else:
+                sources[state] = {state: _dict_value(state, source[state])}
+        return state_dict_of(_Lazy(sources))
 
     def __or__(self, other: Mapping[State, PyTree[_Leaf]] | PyTree) -> "StateDict":
         if not isinstance(other, Mapping):
@@ -176,11 +211,8 @@ class StateDict(_MappingBase):
         if not filters:
             return self
         predicates = [to_predicate(f) for f in filters]
-        # Values are looked up only for the states kept: inside a transform, a view of
-        # the world reads each one it is asked for.
-        values = self._values
-        return state_dict_of(
-            {s: values[s] for s in values if any(p((), s) for p in predicates)}
+        return self._part(
+            [s for s in self._values if any(p((), s) for p in predicates)]
         )
 
     def split(self, *filters: Filter) -> tuple["StateDict", ...]:
@@ -189,13 +221,23 @@ class StateDict(_MappingBase):
         and `StateDict.merge(*parts)` gives back a dictionary with the same states and
         values as this one."""
         predicates = [to_predicate(f) for f in filters]
-        parts: list[dict] = [{} for _ in range(len(filters) + 1)]
+        parts: list[list[State]] = [[] for _ in range(len(filters) + 1)]
         for state in self._values:
             index = next(
                 (i for i, p in enumerate(predicates) if p((), state)), len(filters)
             )
-            parts[index][state] = self._values[state]
-        return tuple(state_dict_of(part) for part in parts)
+            parts[index].append(state)
+        return tuple(self._part(part) for part in parts)
+
+    def _part(self, states: list[State]) -> "StateDict":
+        """The dictionary of `states` (some of this one's). A lazy view stays lazy:
+        inside a transform, a view of the world reads each value only when it is
+        looked up, and the transform reads only the states used."""
+        values = self._values
+        if type(values) is dict:
+            return state_dict_of({s: values[s] for s in states})
+        sources = _sources(values)
+        return state_dict_of(_Lazy({s: sources[s] for s in states}))
 
     @staticmethod
     def merge(*state_dicts: Mapping[State, PyTree[_Leaf]] | PyTree) -> "StateDict":
@@ -276,6 +318,53 @@ def state_dict_of(values: Mapping) -> StateDict:
     object.__setattr__(sd, "_values", values)
     object.__setattr__(sd, "_canonical", None)
     return sd
+
+
+class _Lazy(Mapping):
+    """The values of a dictionary derived from a lazy one (a view of the world inside
+    a scope or a transform): each looked up, when asked for, in the mapping it comes
+    from (a view, which reads it through its context once, or a dict of values set or
+    added since)."""
+
+    __slots__ = ("_sources",)
+
+    def __init__(self, sources: dict[State, Mapping]):
+        self._sources = sources
+
+    def __getitem__(self, state: State) -> Any:
+        return self._sources[state][state]
+
+    def __iter__(self) -> Iterator[State]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __contains__(self, state: object) -> bool:
+        return state in self._sources
+
+    def peek_items(self) -> Iterator[tuple[State, Any]]:
+        """`(state, value)` pairs without reading any view (see `__pdoc__`)."""
+        peeked: dict[int, dict] = {}
+        for state, source in self._sources.items():
+            peek = getattr(source, "peek_items", None)
+            if peek is None:
+                yield state, source[state]
+                continue
+            if id(source) not in peeked:
+                peeked[id(source)] = dict(peek())
+            yield state, peeked[id(source)].get(state, MISSING)
+
+
+def _is_lazy(mapping: Mapping) -> bool:
+    return isinstance(mapping, StateDict) and type(mapping._values) is not dict
+
+
+def _sources(values: Mapping) -> dict[State, Mapping]:
+    """Each state of `values` with the mapping to look its value up in."""
+    if isinstance(values, _Lazy):
+        return dict(values._sources)
+    return dict.fromkeys(values, values)
 
 
 def _dict_value(state: State, value: Any) -> Any:

@@ -328,6 +328,69 @@ def test_world_filter_inside_an_eqstate_transform_reads_only_the_states_kept():
     assert other.value == 5.0
 
 
+_WORLD_DERIVED = {
+    "filter": lambda w, s: w.filter(es.ParamState)[s],
+    "split": lambda w, s: w.split(es.ParamState)[0][s],
+    "set": lambda w, s: w.set(s, w[s] * 2)[s],
+    "update": lambda w, s: w.update({s: w[s] * 2})[s],
+    "or": lambda w, s: (w | {s: w[s] * 2})[s],
+    "ror": lambda w, s: ({s: jnp.array(0.0)} | w)[s],
+    "merge": lambda w, s: es.StateDict.merge(w, {}).filter(s)[s],
+    "get": lambda w, s: w.get(s),
+    "repr": lambda w, s: repr(w.split(es.ParamState)[0].set(s, w[s])) and w[s],
+}
+
+
+@pytest.mark.parametrize("op", list(_WORLD_DERIVED))
+def test_a_dictionary_derived_from_world_inside_vmap_reads_only_what_is_used(op):
+    # Reading the default key inside `vmap` splits it per lane and advances it: a
+    # dictionary derived from `world()` must not read states it was not asked for.
+    s = es.ParamState(jnp.array(1.0), name="s")
+    derive = _WORLD_DERIVED[op]
+    es.random.seed(0)
+    expected = es.random.split_key()
+    es.random.seed(0)
+    out = es.transform.vmap(lambda x: derive(es.world(), s) + x)(jnp.zeros(3))
+    assert out.shape == (3,)
+    assert (
+        jax.random.key_data(es.random.split_key()) == jax.random.key_data(expected)
+    ).all()
+
+
+@pytest.mark.parametrize("op", list(_WORLD_DERIVED))
+def test_a_dictionary_derived_from_world_inside_a_scope_needs_only_what_is_used(op):
+    s = es.ParamState(jnp.array(3.0), name="s")
+    outside = es.ParamState(jnp.array(0.0), name="outside")
+    with es.scope(es.values_of([s])):
+        got = _WORLD_DERIVED[op](es.world(), s)
+    del outside
+    assert float(got) == {"set": 6.0, "update": 6.0, "or": 6.0, "ror": 3.0}.get(op, 3.0)
+
+
+def test_a_dictionary_derived_from_world_inside_jit_keeps_its_values():
+    s = es.State(jnp.array(1.0), name="s")
+    t = es.State(jnp.array(10.0), name="t")
+
+    def f():
+        derived = es.world().filter(s, t).set(t, jnp.array(20.0))
+        s.value = jnp.array(7.0)  # after the snapshot: not seen by it
+        return derived[s] + derived[t]
+
+    assert es.transform.jit(f)() == 21.0
+
+
+def test_world_get_inside_a_scope_raises_for_a_world_state_the_scope_lacks():
+    s = es.State(jnp.array(1.0), name="s")
+    other = es.State(jnp.array(2.0), name="other")
+    stranger = es.State(jnp.array(3.0), name="stranger")
+    with es.scope(es.values_of([s])):
+        world = es.world()
+        with pytest.raises(es.StateNotFoundError, match="'other'"):
+            world.get(other)
+    assert es.StateDict({s: 1.0}).get(stranger, "default") == "default"
+    del stranger
+
+
 @pytest.mark.parametrize("jit", (False, True))
 def test_world_inside_a_scope_reads_the_scope_eagerly_and_under_jit(jit):
     inside = es.State(jnp.array(1.0), name="inside")
