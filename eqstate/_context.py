@@ -493,13 +493,34 @@ current_frame: Callable[[], Frame] = _current.get
 """The innermost frame of this thread or task."""
 
 
-def enter(frame: Frame) -> contextvars.Token:
-    """Makes `frame` the innermost frame; undo with `leave(token)`."""
-    return _current.set(frame)
+def enter(frame: Frame) -> tuple[contextvars.Token, Any]:
+    """Makes `frame` the innermost frame; undo with `leave(token)`.
+
+    A frame made inside a JAX trace (a trace of eqstate's, `run` under a raw
+    transform) may be read from raw transforms nested in it, whose traces JAX caches
+    by function: while it is innermost, those caches are keyed by an era that a read
+    from such a transform ends (see `compat.new_trace_era`), so that a trace holding
+    the value read is never reused with a stale value or a dead tracer."""
+    era = None
+    trace = getattr(frame, "jax_trace", None)
+    if trace is not None and not compat.is_eval_trace(trace):
+        era = (compat.enter_trace_era(),)
+    return _current.set(frame), era
 
 
-def leave(token: contextvars.Token) -> None:
-    _current.reset(token)
+def leave(token: tuple[contextvars.Token, Any]) -> None:
+    frame_token, era = token
+    _current.reset(frame_token)
+    if era is not None:
+        compat.leave_trace_era(era[0])
+
+
+def _read_from_nested_transform(state: Any, strict: bool) -> None:
+    """Called when a frame is read from inside a raw transform nested in it that
+    stages out: refuses it if `strict` (an eager frame), else begins a new era."""
+    if strict or not compat.KEEPS_TRACES_APART:
+        raise TraceContextError(RAW_TRANSFORM_READ.format(label=state_label(state)))
+    compat.new_trace_era()
 
 
 _SCOPE_ENDED = (
@@ -541,8 +562,9 @@ class DictFrame(Frame):
         self.new_states = []
 
     def read(self, state):
-        if self.eager and not compat.is_top_level() and not compat.evaluates_at_once():
-            raise TraceContextError(RAW_TRANSFORM_READ.format(label=state_label(state)))
+        if compat.stages_inside(self.jax_trace):
+            # Only a frame made under a trace keys JAX's caches (see `enter`).
+            _read_from_nested_transform(state, strict=self.eager)
         return self.fetch(state)
 
     def fetch(self, state):
@@ -673,11 +695,14 @@ class TraceFrame(ParentAnswersNested):
         return self._import(state) if value is MISSING else value
 
     def read(self, state):
+        if compat.stages_inside(self.jax_trace):
+            _read_from_nested_transform(state, strict=False)
+        return self.fetch(state)
+
+    def fetch(self, state):
         if state not in self.written:  # After a write, the function sees its own value.
             self.reads.add(state)
         return self.current(state)
-
-    fetch = read
 
     def write(self, state, value):
         self.check_trace(state)

@@ -13,6 +13,11 @@ makes eqstate slower or its errors less precise, never wrong:
 - a `scan`'s parameters that describe how its values are grouped (`FLAT_TREES`, JAX
   0.12) are compared by value in the keys of top-level programs; without it each call
   of such a loop compiles again.
+- JAX's caches of the traces nested in an eqstate trace (a `jax.jit` function, a
+  `lax.scan` body) are keyed by an era of eqstate's (`enter_trace_era`), which
+  changes when one of them reads a state, so that such a trace is never reused by
+  another. Without it, reading a state inside a raw transform that stages out raises
+  in eqstate traces too, as at top level.
 
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
@@ -22,6 +27,7 @@ import contextlib
 import contextvars
 import importlib
 import inspect
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -138,6 +144,77 @@ def evaluates_at_once() -> bool:
     while isinstance(trace, _AT_ONCE_TRACES):
         trace = getattr(trace, "parent_trace", None)
     return _core is not None and isinstance(trace, _core.EvalTrace)
+
+
+def _trace_context_state() -> Any:
+    """A JAX configuration value of eqstate's own that is part of JAX's trace context,
+    which JAX's caches of traces (`jax.jit`, `lax.scan` bodies, `jax.checkpoint`)
+    include in their keys; `None` where this JAX cannot make one."""
+    try:  # JAX 0.8 to 0.12: `State` and its `include_in_trace_context`.
+        config: Any = importlib.import_module("jax._src.config")
+        return config.State(
+            "eqstate_trace",
+            None,
+            "Set by eqstate inside its traces; not an option.",
+            include_in_trace_context=True,
+        )
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover
+        return None
+
+
+_TRACE_CONTEXT = _trace_context_state()
+# The era of the traces JAX caches inside eqstate's frames; a new one begins whenever
+# a raw transform nested in such a frame reads a state (see `new_trace_era`).
+_eras = itertools.count()
+_era = [next(_eras)]
+
+KEEPS_TRACES_APART = _TRACE_CONTEXT is not None
+"""Whether this JAX lets `enter_trace_era` key its caches of traces."""
+
+
+def is_eval_trace(trace: Any) -> bool:
+    """Whether `trace` evaluates eagerly (the top level, or `jax.disable_jit`)."""
+    return _core is not None and isinstance(trace, _core.EvalTrace)
+
+
+def enter_trace_era() -> Any:
+    """Keys JAX's caches of the traces made from now on (a `jax.jit` function, a
+    `lax.scan` body, traced inside a frame of eqstate's made under a trace) by the
+    current era, apart from those made outside such frames. Returns what
+    `leave_trace_era` takes to undo it."""
+    if _TRACE_CONTEXT is None:  # pragma: no cover - depends on the JAX release
+        return None
+    return _TRACE_CONTEXT.swap_local(_era[0])
+
+
+def leave_trace_era(previous: Any) -> None:
+    """Undoes `enter_trace_era`: back in an enclosing frame, in the current era."""
+    if _TRACE_CONTEXT is None:  # pragma: no cover - depends on the JAX release
+        return
+    _TRACE_CONTEXT.set_local(_era[0] if isinstance(previous, int) else previous)
+
+
+def new_trace_era() -> None:
+    """Begins a new era: a raw transform nested in a frame of eqstate's reads a state,
+    and JAX may cache its trace, holding the value read (a tracer of this trace, or a
+    constant the function wrote). No trace made from now on finds it in the cache:
+    another trace must read its own value."""
+    if _TRACE_CONTEXT is None:  # pragma: no cover - depends on the JAX release
+        return
+    _era[0] = next(_eras)
+    _TRACE_CONTEXT.set_local(_era[0])
+
+
+def stages_inside(trace: Any) -> bool:
+    """Whether a JAX transform that stages out (see `evaluates_at_once`) runs inside
+    `trace`: between it and the current trace. Its trace may be cached by JAX (a
+    `jax.jit` function, a `lax.scan` body) and reused under later traces."""
+    current = current_trace()
+    while current is not trace:
+        if not isinstance(current, _AT_ONCE_TRACES):
+            return True
+        current = getattr(current, "parent_trace", None)
+    return False
 
 
 try:  # JAX 0.10: the config states behind `jax.debug_nans` and `jax.debug_infs`.

@@ -243,3 +243,57 @@ def test_flat_trees_in_a_scan_compare_by_value():
     first, second = grouping(traced()), grouping(traced())
     assert len(first) == (2 if compat.FLAT_TREES else 0)
     assert first == second and [hash(g) for g in first] == [hash(g) for g in second]
+
+
+def test_trace_eras_key_jax_caches_of_traces_apart():
+    assert compat.KEEPS_TRACES_APART
+    runs = []
+
+    @jax.jit
+    def traced(x):
+        runs.append(None)
+        return x + 1
+
+    def call_in_era() -> None:
+        jax.make_jaxpr(lambda x: traced(x))(1.0)
+
+    previous = compat.enter_trace_era()
+    try:
+        call_in_era()
+        call_in_era()  # the same era: JAX's cache
+        assert len(runs) == 1
+        compat.new_trace_era()
+        call_in_era()  # a new era: traced again
+        assert len(runs) == 2
+    finally:
+        compat.leave_trace_era(previous)
+    jax.make_jaxpr(lambda x: traced(x))(1.0)  # outside every era: apart too
+    assert len(runs) == 3
+
+
+def test_stages_inside_tells_staging_transforms_between_two_traces():
+    seen = []
+
+    def inside(x):
+        outer = compat.current_trace()
+        jax.vmap(lambda y: seen.append(compat.stages_inside(outer)) or y)(x)
+        jax.jit(lambda y: seen.append(compat.stages_inside(outer)) or y)(x)
+        seen.append(compat.stages_inside(outer))
+        return x
+
+    jax.make_jaxpr(inside)(jnp.ones(2))
+    assert seen == [False, True, False]
+
+
+def test_without_trace_eras_a_read_from_a_nested_staging_transform_raises(
+    monkeypatch,
+):
+    import eqstate as es
+
+    monkeypatch.setattr(compat, "KEEPS_TRACES_APART", False)
+    w = es.State(jnp.array(2.0), name="w")
+    with pytest.raises(es.TraceContextError, match="Cannot read State 'w'"):
+        es.transform.jit(lambda x: jax.jit(lambda y: y * w.value)(x))(1.0)
+    assert es.transform.jit(lambda x: jax.vmap(lambda y: y * w.value)(x))(
+        jnp.ones(2)
+    ).tolist() == [2.0, 2.0]

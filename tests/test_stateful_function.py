@@ -397,6 +397,74 @@ def test_raw_vmap_read_inside_a_trace_is_a_closure():
     assert sf.get_states() == (s,)
 
 
+_W = es.State(jnp.array(0.0), name="w")
+
+
+@jax.jit
+def _scaled_by_w(x):  # module level: JAX keeps its trace for later calls
+    return x * _W.value
+
+
+def _add_w(c, _):
+    return c + _W.value, None
+
+
+_CACHED_RAW = {
+    "jax.jit": lambda x: _scaled_by_w(x),
+    "eqx.filter_jit": lambda x: eqx.filter_jit(_scaled_by_w.__wrapped__)(x),
+    "lax.scan": lambda x: jax.lax.scan(_add_w, x * 0, None, length=1)[0] * x,
+    "jax.checkpoint": lambda x: jax.checkpoint(_scaled_by_w.__wrapped__)(x),
+}
+
+
+@pytest.mark.upstream_leak(
+    "JAX's cache keeps the trace of a module-level function, with the tracer it read "
+    "(never reused: see `compat.new_trace_era`), until the entry is evicted"
+)
+@pytest.mark.parametrize("raw", list(_CACHED_RAW))
+def test_a_cached_raw_transform_in_a_trace_reads_the_value_of_that_trace(raw):
+    # JAX keeps the trace of a module-level function by its identity: one made in an
+    # earlier trace (holding its value, or its dead tracer) must not be reused.
+    call = _CACHED_RAW[raw]
+
+    def written(value):
+        def f(x):
+            _W.value = value  # a constant in the trace
+            return call(x)
+
+        return f
+
+    assert es.transform.jit(written(4.0))(1.0) == 4.0
+    assert es.transform.jit(written(6.0))(1.0) == 6.0
+    read = es.transform.jit(lambda x: call(x) + 0.0)  # the world's value, traced
+    _W.value = jnp.array(2.0)
+    assert read(1.0) == 2.0
+    _W.value = jnp.array(3.0)
+    assert read(1.0) == 3.0
+    assert es.transform.jit(lambda x: call(x) * 1.0)(1.0) == 3.0  # a new trace
+    assert es.run(lambda: es.transform.jit(call)(1.0), es.StateDict({_W: 5.0}))[1] == 5
+    assert jax.vmap(lambda x: es.run(call, es.StateDict({_W: 7.0}), x)[1])(
+        jnp.ones(2)
+    ).tolist() == [7.0, 7.0]
+    with pytest.raises(es.TraceContextError, match="Cannot read State 'w'"):
+        call(1.0)  # at top level it would be baked in
+
+
+def test_a_cached_raw_transform_reading_no_state_is_traced_once():
+    runs = []
+
+    @jax.jit
+    def double(x):
+        runs.append(None)
+        return x * 2
+
+    s = es.State(jnp.array(1.0))
+    for scale in (1.0, 2.0, 3.0):
+        step = es.transform.jit(lambda x, scale=scale: double(x) * s.value * scale)
+        assert step(1.0) == 2 * scale
+    assert len(runs) == 1
+
+
 def test_axis_env_lets_collectives_trace():
     s = es.State(jnp.ones(()))
     sf = StatefulFunction(lambda x: jax.lax.psum(x * s.value, "i"), axis_env=[("i", 4)])
