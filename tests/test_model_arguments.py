@@ -237,10 +237,53 @@ def test_grad_of_a_model_gives_array_and_state_gradients_like_filter_grad(
 def test_grad_of_a_model_matches_eqx_filter_grad(getkey):
     model = Mixed(getkey())
     x = jnp.ones(3)
-    grads = es.transform.grad(_loss)(model, x)
+    with pytest.warns(UserWarning, match="'scale', held by the differentiated"):
+        grads = es.transform.grad(_loss)(model, x)
     values = es.values_of(model)
     reference = eqx.filter_grad(lambda m, x: es.run(_loss, values, m, x)[1])(model, x)
     assert tree_allclose(grads, reference)
+
+
+class _Frozen(eqx.Module):
+    linear: eqx.nn.Linear
+    stats: es.LongTermState
+    unused: es.ParamState
+
+    def __call__(self, x):
+        return self.linear(x) * self.stats.value
+
+
+@pytest.mark.parametrize("grad_states", [None, es.ParamState])
+def test_grad_of_a_model_warns_once_when_its_param_states_get_no_gradient(
+    getkey, grad_states
+):
+    model = Mixed(getkey())
+    grad = es.transform.grad(_loss, argnums=0, grad_states=grad_states)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grad(model, jnp.ones(3))
+        grad(model, jnp.ones(3))
+    messages = [str(w.message) for w in caught]
+    if grad_states is None:
+        assert len(messages) == 1
+        assert (
+            "'scale'" in messages[0] and "grad_states=eqstate.ParamState" in messages[0]
+        )
+    else:
+        assert messages == []
+
+
+def test_grad_of_a_model_using_no_param_state_does_not_warn(getkey):
+    # Running statistics (a LongTermState) and an unused ParamState: nothing lost.
+    model = _Frozen(
+        eqx.nn.Linear(3, 3, key=getkey()),
+        es.LongTermState(jnp.ones(3)),
+        es.ParamState(jnp.ones(3)),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = es.transform.grad(lambda m, x: m(x).sum())(model, jnp.ones(3))
+    assert grads.stats is None and grads.unused is None
 
 
 def test_vjp_and_jvp_of_a_model(getkey):

@@ -19,9 +19,9 @@ import numpy as np
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING, PyTreeDef
-from .._pretty_print import state_label
+from .._pretty_print import first_and_more, state_label
 from .._run import states_of
-from .._state import is_state, State
+from .._state import is_state, ParamState, State
 from .._state_dict import state_dict_of, StateDict
 from .._training import inexact_part
 from ._common import partition, select_states
@@ -178,6 +178,37 @@ def _warn_if_arrays_untrained(fun: Any, name: str, args: tuple) -> None:
             f"train them too, {how[1]} (see `eqstate.trainable`).",
             stacklevel=3,
         )
+
+
+def _warn_if_params_undifferentiated(
+    name: str, traced: Discovery, held: Sequence[State], positions: Sequence[int]
+) -> bool:
+    """Warns if `traced` uses floating-point `ParamState`s held by the differentiated
+    arguments while no `grad_states` is given: as in `eqx.filter_grad`, their
+    handles get no gradient, silently. Returns whether it warned."""
+    used = set(traced.states)
+    values = dict(zip(traced.states, traced.values))
+    params = [
+        s
+        for s in held
+        if isinstance(s, ParamState)
+        and s in used
+        and any(eqx.is_inexact_array(x) for x in jtu.tree_leaves(values[s]))
+    ]
+    if not params:
+        return False
+    where = "argument" if len(positions) == 1 else "arguments"
+    listed = ", ".join(map(str, positions))
+    warnings.warn(
+        f"{name} uses {first_and_more(map(state_label, params))}, held by the "
+        f"differentiated {where} ({listed}), but no `grad_states` is given: as in "
+        "`eqx.filter_grad`, a handle gets no gradient (`None`), and only the "
+        "arrays are differentiated. To differentiate those states too, add "
+        "`grad_states=eqstate.ParamState` (the gradients then come as "
+        "`(state_grads, grads)`; see `eqstate.trainable`).",
+        stacklevel=3,
+    )
+    return True
 
 
 def _split_aux(out: Any, name: str) -> tuple[Any, Any]:
@@ -385,6 +416,10 @@ class _GradientTransform:
             held,
             _whole if allow_int else inexact_part,
         )
+        if self._grad_states is None and held and not self._warned:
+            self._warned = _warn_if_params_undifferentiated(
+                self._traces.name, traced, held, positions
+            )
         pure = diff.pure(kwargs, self._has_aux)
 
         parts = [split_differentiable(args[i], allow_int) for i in positions]
@@ -500,7 +535,9 @@ def grad(
         differentiates every leaf of the states, as `jax.grad` does (`float0`
         gradients for integers).
     - `argnums`: the positional arguments to differentiate with respect to. Defaults
-        to `0` without `grad_states`, to none with them.
+        to `0` without `grad_states`, to none with them. Without `grad_states`, a
+        handle in them gets `None`, as in `eqx.filter_grad`; if the function uses
+        floating-point `ParamState`s they hold, `grad` warns once, naming them.
     - `has_aux`: `fun` returns `(value, aux)`.
     - `return_value`: also return the function's value.
     - `holomorphic`, `allow_int`: as in `jax.grad`. (Keyword only arguments.)
