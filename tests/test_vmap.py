@@ -130,6 +130,33 @@ def test_in_axes_none_and_keyword_arguments(getkey):
     assert tree_allclose(out, jnp.arange(3.0) + 11)
 
 
+@pytest.mark.parametrize(
+    "args, where",
+    [
+        ((jnp.ones(3), 2.0), r"argument 1 along axis 0, but it is a Python float"),
+        ((jnp.ones(3), [1.0, 2.0]), r"argument 1\[0\] along .* Python float"),
+        ((jnp.ones(3), {"n": 3}), r"argument 1\['n'\] along .* Python int"),
+    ],
+)
+def test_mapping_a_python_number_raises_as_in_jax_vmap(args, where):
+    f = es.transform.vmap(lambda x, y: x)
+    with pytest.raises(ValueError, match=where):
+        f(*args)
+    with pytest.raises(ValueError):
+        jax.vmap(lambda x, y: x)(*args)
+
+
+class _Flagged(eqx.Module):
+    scale: jax.Array
+    inference: bool
+
+
+def test_a_python_number_in_a_mapped_module_reaches_every_lane():
+    module = _Flagged(jnp.arange(3.0), False)
+    out = es.transform.vmap(lambda m: m.scale * (0 if m.inference else 2))(module)
+    assert tree_allclose(out, jnp.arange(3.0) * 2)
+
+
 def test_unmapped_python_scalars_reach_the_function_as_they_are():
     # As in `jax.vmap`: `range(n)` and `if flag:` work on unmapped Python scalars.
     traces = []

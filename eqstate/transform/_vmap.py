@@ -136,6 +136,34 @@ def _sizes_along(axis: int | None, subtree: Any, where: str) -> dict[str, int]:
     return sizes
 
 
+def _refuse_mapped_numbers(axes: tuple, args: tuple) -> None:
+    """Raises `ValueError`, as `jax.vmap` does, if `in_axes` maps a Python number
+    given as an argument or in a list, tuple or dict (a field of a Module, such as a
+    layer's `inference` flag, reaches every lane as it is)."""
+    for i, (axis, arg) in enumerate(zip(axes, args)):
+        mapped = _mapped_subtrees(axis, arg)
+        for a, sub in mapped:
+            for path, leaf in jtu.tree_leaves_with_path(sub):
+                in_a_field = any(isinstance(k, jtu.GetAttrKey) for k in path)
+                if isinstance(leaf, (bool, int, float, complex)) and not in_a_field:
+                    where = f"argument {i}{jtu.keystr(path)}"
+                    raise ValueError(
+                        f"`in_axes` maps {where} along axis {a}, but it is a Python "
+                        f"{type(leaf).__name__} ({leaf!r}), which has no axes (as in "
+                        "`jax.vmap`). Broadcast it to every lane with `None` as its "
+                        "entry of `in_axes` (e.g. `in_axes=(0, None)`), or pass an "
+                        "array holding one value per lane."
+                    )
+
+
+def _mapped_subtrees(axis: Any, arg: Any) -> list[tuple[int, Any]]:
+    """`(axis, subtree)` for each part of `arg` that the prefix `axis` maps."""
+    axes, treedef = jtu.tree_flatten(axis, is_leaf=lambda x: x is None)
+    return [
+        (a, sub) for a, sub in zip(axes, treedef.flatten_up_to(arg)) if a is not None
+    ]
+
+
 def _the_one_size(sizes: dict[str, int], required: bool) -> int | None:
     """The size all of `sizes` agree on (`None` if there are none and it is not
     `required`)."""
@@ -315,7 +343,10 @@ def vmap(
     - `fun`: the function to vectorise. If omitted, `vmap` returns a decorator.
     - `in_axes`, `out_axes`, `axis_name`, `axis_size`, `spmd_axis_name`: as in
         `jax.vmap` (the arrays in keyword arguments of the call are mapped along axis 0).
-        Python scalars whose axis is `None` reach `fun` as they are, as in
+        A Python number that `in_axes` maps raises `ValueError`, as in `jax.vmap`,
+        except in a field of an `eqx.Module` (a layer's `inference` flag), which
+        reaches every lane as it is. Python scalars whose axis is `None` reach `fun`
+        as they are, as in
         `jax.vmap` (also inside an argument whose other leaves are mapped, e.g.
         `in_axes=({"x": 0, "n": None},)`), and so do those in keyword arguments:
         `range(n)` and `if flag:` work on them, and each new value traces `fun`
@@ -420,6 +451,7 @@ def _discover_lane(
     frame = _context.current_frame()
     # None if only states are mapped: their values give the size. Computed first,
     # as it checks that every mapped argument has its mapped axis.
+    _refuse_mapped_numbers(axes, args)
     size = axis_size_of((*axes, 0), (*args, kwargs), axis_size, required=False)
     lane_args = tuple(_lane_args(a, ax) for a, ax in zip(args, axes))
     lane_kwargs = {k: _lane_args(v, 0) for k, v in kwargs.items()}
