@@ -515,7 +515,7 @@ def leave(token: tuple[contextvars.Token, Any]) -> None:
         compat.leave_trace_era(era[0])
 
 
-def _read_from_nested_transform(state: Any, strict: bool) -> None:
+def read_from_nested_transform(state: Any, strict: bool) -> None:
     """Called when a frame is read from inside a raw transform nested in it that
     stages out: refuses it if `strict` (an eager frame), else begins a new era."""
     if strict or not compat.KEEPS_TRACES_APART:
@@ -564,7 +564,7 @@ class DictFrame(Frame):
     def read(self, state):
         if compat.stages_inside(self.jax_trace):
             # Only a frame made under a trace keys JAX's caches (see `enter`).
-            _read_from_nested_transform(state, strict=self.eager)
+            read_from_nested_transform(state, strict=self.eager)
         return self.fetch(state)
 
     def fetch(self, state):
@@ -696,7 +696,7 @@ class TraceFrame(ParentAnswersNested):
 
     def read(self, state):
         if compat.stages_inside(self.jax_trace):
-            _read_from_nested_transform(state, strict=False)
+            read_from_nested_transform(state, strict=False)
         return self.fetch(state)
 
     def fetch(self, state):

@@ -28,6 +28,7 @@ import contextvars
 import importlib
 import inspect
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -163,10 +164,19 @@ def _trace_context_state() -> Any:
 
 
 _TRACE_CONTEXT = _trace_context_state()
-# The era of the traces JAX caches inside eqstate's frames; a new one begins whenever
-# a raw transform nested in such a frame reads a state (see `new_trace_era`).
+# The era of the traces JAX caches inside eqstate's frames, per thread (JAX's caches
+# are shared between threads); a new one begins whenever a raw transform nested in
+# such a frame reads a state (see `new_trace_era`). Every era is a new number.
 _eras = itertools.count()
-_era = [next(_eras)]
+_thread_era = threading.local()
+
+
+def _era() -> int:
+    era = getattr(_thread_era, "value", None)
+    if era is None:
+        era = _thread_era.value = next(_eras)
+    return era
+
 
 KEEPS_TRACES_APART = _TRACE_CONTEXT is not None
 """Whether this JAX lets `enter_trace_era` key its caches of traces."""
@@ -184,14 +194,14 @@ def enter_trace_era() -> Any:
     `leave_trace_era` takes to undo it."""
     if _TRACE_CONTEXT is None:  # pragma: no cover - depends on the JAX release
         return None
-    return _TRACE_CONTEXT.swap_local(_era[0])
+    return _TRACE_CONTEXT.swap_local(_era())
 
 
 def leave_trace_era(previous: Any) -> None:
     """Undoes `enter_trace_era`: back in an enclosing frame, in the current era."""
     if _TRACE_CONTEXT is None:  # pragma: no cover - depends on the JAX release
         return
-    _TRACE_CONTEXT.set_local(_era[0] if isinstance(previous, int) else previous)
+    _TRACE_CONTEXT.set_local(_era() if isinstance(previous, int) else previous)
 
 
 def new_trace_era() -> None:
@@ -201,8 +211,9 @@ def new_trace_era() -> None:
     another trace must read its own value."""
     if _TRACE_CONTEXT is None:  # pragma: no cover - depends on the JAX release
         return
-    _era[0] = next(_eras)
-    _TRACE_CONTEXT.set_local(_era[0])
+    _thread_era.value = next(_eras)
+    if isinstance(_TRACE_CONTEXT.value, int):  # inside a frame (see `enter_trace_era`)
+        _TRACE_CONTEXT.set_local(_thread_era.value)
 
 
 def stages_inside(trace: Any) -> bool:

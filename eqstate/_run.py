@@ -136,6 +136,12 @@ class _ReadThrough(Mapping):
     def __getitem__(self, state: State) -> Any:
         if state not in self._states:
             raise KeyError(state)
+        trace = getattr(self._frame, "jax_trace", None)
+        under_a_trace = trace is not None and not compat.is_eval_trace(trace)
+        if under_a_trace and compat.stages_inside(trace):
+            # A value taken already is a read too, as in `Frame.read`. (An eager
+            # snapshot closed over is a plain value, like any array.)
+            _context.read_from_nested_transform(state, strict=False)
         value = self._read.get(state, MISSING)
         if value is MISSING:
             if _trace_ended(self._frame):

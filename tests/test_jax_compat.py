@@ -269,6 +269,26 @@ def test_trace_eras_key_jax_caches_of_traces_apart():
         compat.leave_trace_era(previous)
     jax.make_jaxpr(lambda x: traced(x))(1.0)  # outside every era: apart too
     assert len(runs) == 3
+    compat.new_trace_era()  # outside every frame: the top level keeps its context
+    jax.make_jaxpr(lambda x: traced(x))(1.0)
+    assert len(runs) == 3
+
+
+def test_trace_eras_are_apart_between_threads():
+    eras = []
+
+    def enter_and_leave():
+        previous = compat.enter_trace_era()
+        eras.append(compat._TRACE_CONTEXT.value)
+        compat.leave_trace_era(previous)
+
+    workers = [threading.Thread(target=enter_and_leave) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    enter_and_leave()
+    assert len(set(eras)) == 3
 
 
 def test_stages_inside_tells_staging_transforms_between_two_traces():

@@ -409,8 +409,14 @@ def _add_w(c, _):
     return c + _W.value, None
 
 
+@jax.jit
+def _scaled_by_world_w(x):
+    return x * es.world()[_W]
+
+
 _CACHED_RAW = {
     "jax.jit": lambda x: _scaled_by_w(x),
+    "world()": lambda x: _scaled_by_world_w(x),
     "eqx.filter_jit": lambda x: eqx.filter_jit(_scaled_by_w.__wrapped__)(x),
     "lax.scan": lambda x: jax.lax.scan(_add_w, x * 0, None, length=1)[0] * x,
     "jax.checkpoint": lambda x: jax.checkpoint(_scaled_by_w.__wrapped__)(x),
@@ -446,8 +452,45 @@ def test_a_cached_raw_transform_in_a_trace_reads_the_value_of_that_trace(raw):
     assert jax.vmap(lambda x: es.run(call, es.StateDict({_W: 7.0}), x)[1])(
         jnp.ones(2)
     ).tolist() == [7.0, 7.0]
-    with pytest.raises(es.TraceContextError, match="Cannot read State 'w'"):
+    with pytest.raises(es.TraceContextError, match="Cannot read"):
         call(1.0)  # at top level it would be baked in
+
+
+@pytest.mark.upstream_leak("as above: JAX's cache keeps the tracer a trace read")
+def test_a_cached_raw_transform_is_not_shared_between_threads_tracing_at_once():
+    # Thread `a` traces the helper first, with its own tracer; thread `b`, whose
+    # trace began before, must not reuse that trace.
+    b_entered, a_done = threading.Event(), threading.Event()
+    out = {}
+
+    def in_a(x):
+        b_entered.wait(timeout=60)
+        return _scaled_by_w(x)
+
+    def in_b(x):
+        b_entered.set()
+        a_done.wait(timeout=60)
+        return _scaled_by_w(x) + 0.0
+
+    def run(name, fn):
+        try:
+            out[name] = float(es.transform.jit(fn)(1.0))
+        except Exception as error:
+            out[name] = error
+        finally:
+            if name == "a":
+                a_done.set()
+
+    _W.value = jnp.array(2.0)
+    threads = [
+        threading.Thread(target=run, args=("b", in_b)),
+        threading.Thread(target=run, args=("a", in_a)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert out == {"a": 2.0, "b": 2.0}
 
 
 def test_a_cached_raw_transform_reading_no_state_is_traced_once():

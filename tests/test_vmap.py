@@ -1,3 +1,5 @@
+from typing import NamedTuple
+
 import eqstate as es
 import equinox as eqx
 import jax
@@ -130,12 +132,18 @@ def test_in_axes_none_and_keyword_arguments(getkey):
     assert tree_allclose(out, jnp.arange(3.0) + 11)
 
 
+class _Pair(NamedTuple):
+    a: jax.Array
+    b: float
+
+
 @pytest.mark.parametrize(
     "args, where",
     [
         ((jnp.ones(3), 2.0), r"argument 1 along axis 0, but it is a Python float"),
         ((jnp.ones(3), [1.0, 2.0]), r"argument 1\[0\] along .* Python float"),
         ((jnp.ones(3), {"n": 3}), r"argument 1\['n'\] along .* Python int"),
+        ((jnp.ones(3), _Pair(jnp.ones(3), 2.0)), r"argument 1.b along .* Python float"),
     ],
 )
 def test_mapping_a_python_number_raises_as_in_jax_vmap(args, where):

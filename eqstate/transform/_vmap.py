@@ -143,9 +143,8 @@ def _refuse_mapped_numbers(axes: tuple, args: tuple) -> None:
     for i, (axis, arg) in enumerate(zip(axes, args)):
         mapped = _mapped_subtrees(axis, arg)
         for a, sub in mapped:
-            for path, leaf in jtu.tree_leaves_with_path(sub):
-                in_a_field = any(isinstance(k, jtu.GetAttrKey) for k in path)
-                if isinstance(leaf, (bool, int, float, complex)) and not in_a_field:
+            for path, leaf in jtu.tree_leaves_with_path(sub, is_leaf=_is_module):
+                if isinstance(leaf, (bool, int, float, complex)):
                     where = f"argument {i}{jtu.keystr(path)}"
                     raise ValueError(
                         f"`in_axes` maps {where} along axis {a}, but it is a Python "
@@ -154,6 +153,10 @@ def _refuse_mapped_numbers(axes: tuple, args: tuple) -> None:
                         "entry of `in_axes` (e.g. `in_axes=(0, None)`), or pass an "
                         "array holding one value per lane."
                     )
+
+
+def _is_module(x: Any) -> bool:
+    return isinstance(x, eqx.Module)
 
 
 def _mapped_subtrees(axis: Any, arg: Any) -> list[tuple[int, Any]]:
