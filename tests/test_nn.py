@@ -256,6 +256,27 @@ def test_batch_norm_ensemble_matches_separate_layers(getkey):
     assert tree_allclose(ys, expected, **_TOL)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_batch_norm_ensemble_called_outside_vmap_says_to_map_it(getkey, affine, jit):
+    ensemble = es.transform.vmap_new_states(
+        lambda: enn.BatchNorm(3, affine=affine), axis_size=4
+    )()
+    before = es.values_of(ensemble)
+    call = es.transform.jit(ensemble) if jit else ensemble
+    x = jr.normal(getkey(), (8, 3))
+    with pytest.raises(
+        ValueError,
+        match=r"BatchNorm\(num_features=3\) is an ensemble of 4 members: its "
+        r"LongTermState 'running_mean' has shape \(4, 3\), a single layer's "
+        r"\(3,\).*eqstate.transform.vmap.*in_states.*eqstate.member",
+    ):
+        call(x)
+    assert tree_bitwise_equal(es.values_of(ensemble), before)
+    member = es.member(ensemble, 1)
+    assert tree_allclose(member(x), enn.BatchNorm(3, affine=affine)(x), **_TOL)
+
+
 def test_batch_norm_input_with_the_wrong_feature_size_names_both_sizes():
     bn = enn.BatchNorm(3)
     with pytest.raises(

@@ -1,6 +1,6 @@
 """Batch normalisation, with its running statistics held in `LongTermState`s."""
 
-from typing import Any
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
@@ -150,6 +150,11 @@ class BatchNorm(eqx.Module):
         self.affine = affine
 
     def _check_input(self, x: Array, inference: bool) -> None:
+        # Checked before anything is written. Inside `eqstate.transform.vmap` a
+        # member's lane sees 1-D statistics.
+        for state in (self.running_mean, self.running_var):
+            if state.value.ndim > 1:
+                self._refuse_ensemble(state, state.value)
         mean_dtype = self.running_mean.value.dtype
         if jnp.iscomplexobj(x) and not jnp.issubdtype(mean_dtype, jnp.complexfloating):
             raise ValueError(
@@ -190,6 +195,22 @@ class BatchNorm(eqx.Module):
                 "`inference=True` to use the running statistics."
             )
 
+    def _refuse_ensemble(self, state: LongTermState, value: Array) -> NoReturn:
+        n = self.num_features
+        members = value.shape[:-1]
+        count = members[0] if len(members) == 1 else members
+        raise ValueError(
+            f"BatchNorm(num_features={n}) is an ensemble of {count} members: its "
+            f"{state_label(state)} has shape {value.shape}, a single "
+            f"layer's ({n},), so its states are stacked (as "
+            "`eqstate.transform.vmap_new_states` builds them) and it cannot be called "
+            "directly. Call it inside `eqstate.transform.vmap`, mapping its states: "
+            "`vmap(ensemble, in_states={0: eqstate.states_of(ensemble)})(xs)` gives "
+            "member `i` the batch `xs[i]`, and `in_axes=None` gives every member the "
+            "same batch. Or take one member, `eqstate.member(ensemble, i)`, and call "
+            "it."
+        )
+
     def _per_example(self, x: Array) -> bool:
         """Whether `x` is mapped by the innermost `vmap` and the running statistics
         are not: the layer is called per example, as `eqx.nn.BatchNorm` is (an
@@ -220,11 +241,14 @@ class BatchNorm(eqx.Module):
         **Raises:**
 
         `ValueError` if the feature axis of `x` does not have size `num_features`,
-        if `x` is complex and the layer's states are real, in training if there is
-        only one value per feature, or in inference if `x` looks like one example
-        of a square shape `(num_features, num_features, ...)` called per example
-        inside `jax.vmap` or `eqx.filter_vmap` (mapped there, while the running
-        statistics are not), which would be normalised along the wrong axis.
+        if the layer is an ensemble built by [`eqstate.transform.vmap_new_states`][]
+        and called directly, not inside [`eqstate.transform.vmap`][] with its states
+        in `in_states` (nothing is written then), if `x` is complex and the layer's
+        states are real, in training if there is only one value per feature, or in
+        inference if `x` looks like one example of a square shape
+        `(num_features, num_features, ...)` called per example inside `jax.vmap` or
+        `eqx.filter_vmap` (mapped there, while the running statistics are not),
+        which would be normalised along the wrong axis.
         """
         x = jnp.asarray(x)
         if inference is None:
