@@ -344,6 +344,15 @@ def test_batch_norm_refuses_bad_options():
         enn.BatchNorm(3, eps=-1.0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])
+def test_batch_norm_refuses_a_dtype_that_is_not_floating_or_complex(dtype):
+    with pytest.raises(
+        ValueError,
+        match=rf"floating or complex `dtype`.*got {jnp.dtype(dtype)}.*truncate",
+    ):
+        enn.BatchNorm(2, dtype=dtype)
+
+
 # --- Dropout --------------------------------------------------------------------------
 
 

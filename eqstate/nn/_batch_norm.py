@@ -116,10 +116,10 @@ class BatchNorm(eqx.Module):
         - `inference`: whether to normalise with the running statistics instead of
             the batch ones. It can be overridden per call, or set on a whole model with
             `eqx.nn.inference_mode`. (Keyword only argument.)
-        - `dtype`: the dtype of the running mean and of `weight` and `bias`. The
-            running variance has the matching real dtype (float32 for
-            `jnp.complex64`). A complex input needs a complex `dtype`. (Keyword only
-            argument.)
+        - `dtype`: the dtype of the running mean and of `weight` and `bias`: a
+            floating or complex dtype (an integer one is refused). The running variance
+            has the matching real dtype (float32 for `jnp.complex64`). A complex input
+            needs a complex `dtype`. (Keyword only argument.)
         """
         if num_features < 1:
             raise ValueError(
@@ -133,6 +133,14 @@ class BatchNorm(eqx.Module):
             )
         if eps < 0:
             raise ValueError(f"BatchNorm's `eps` must be non-negative, got {eps}.")
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(
+                "BatchNorm needs a floating or complex `dtype` for its running "
+                f"statistics, `weight` and `bias`, got {jnp.dtype(dtype)}, which would "
+                "truncate every update. Use a floating dtype such as the default "
+                "`jnp.float32` (integer inputs are normalised in float32 all the same), "
+                "or a complex one for complex inputs."
+            )
         zeros = jnp.zeros(num_features, dtype)
         self.running_mean = LongTermState(zeros, name="running_mean")
         # A variance is real: float32 for a complex64 layer.
