@@ -831,6 +831,28 @@ def test_complex_cells_take_a_complex_input(getkey):
     assert cell(x).dtype == jnp.complex64
 
 
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+@pytest.mark.parametrize("cls", [enn.GRUCell, enn.LSTMCell, enn.RNNCell])
+def test_cells_refuse_a_dtype_that_is_not_floating(cls, dtype):
+    name = jnp.dtype(dtype).name
+    with pytest.raises(
+        ValueError,
+        match=rf"{cls.__name__} needs a .*floating.* `dtype`.*got {name}.*jnp.float32",
+    ):
+        cls(3, 4, dtype=dtype)
+
+
+def test_rnn_cell_refuses_a_complex_dtype_and_points_to_the_complex_cells():
+    with pytest.raises(
+        ValueError,
+        match=r"RNNCell needs a real floating `dtype`.*got complex64: it has no "
+        r"complex parameters.*jnp.concatenate.*GRUCell.*LSTMCell",
+    ):
+        enn.RNNCell(3, 4, dtype=jnp.complex64)
+    for cls in (enn.GRUCell, enn.LSTMCell):
+        assert cls(3, 4, dtype=jnp.complex64).weight_ih.value.dtype == jnp.complex64
+
+
 @pytest.mark.parametrize(
     "batch_size, shape",
     [

@@ -263,17 +263,41 @@ class _RecurrentCell(eqx.Module):
         return new[0]
 
 
+def _check_param_dtype(cls: type[_RecurrentCell], dtype: Any) -> None:
+    layer = cls.__name__
+    if cls._takes_complex and not jnp.issubdtype(dtype, jnp.inexact):
+        raise ValueError(
+            f"{layer} needs a floating or complex `dtype` for its parameters and "
+            f"hidden state, which are drawn at random and trained, got "
+            f"{jnp.dtype(dtype)}. Use a floating dtype such as the default "
+            "`jnp.float32`, or a complex one such as `jnp.complex64` for complex inputs."
+        )
+    if not cls._takes_complex and not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{layer} needs a real floating `dtype` for its parameters and hidden "
+            f"state, got {jnp.dtype(dtype)}: it has no complex parameters, and "
+            "integer ones could not be drawn at random or trained. Use a floating "
+            "dtype such as the default `jnp.float32`. For complex inputs, give it the "
+            "real and imaginary parts side by side, `jnp.concatenate([x.real, "
+            "x.imag], -1)`, with twice the `input_size`, or use `GRUCell` or "
+            "`LSTMCell` with `dtype=jnp.complex64`."
+        )
+
+
 def _batch_and_key(
-    layer: str,
+    cls: type[_RecurrentCell],
     input_size: int,
     hidden_size: int,
     batch_size: _BatchSize,
+    dtype: Any,
     key: PRNGKeyArray | None,
 ) -> tuple[tuple[int, ...], PRNGKeyArray]:
     """The checked batch shape of a new cell, and the key to initialise it from (split
-    from the default random state if `key` is None)."""
+    from the default random state if `key` is None), after checking `dtype`."""
+    layer = cls.__name__
     batch = _batch_shape(layer, batch_size)
     _check_sizes(layer, input_size, hidden_size, batch)
+    _check_param_dtype(cls, dtype)
     return batch, random.split_key() if key is None else key
 
 
@@ -363,13 +387,16 @@ class GRUCell(_RecurrentCell):
             Python's or a NumPy or JAX integer scalar, or a tuple of them for several
             batch axes); by default none, for one example at a
             time. `reset(batch_size=...)` changes it. (Keyword only argument.)
-        - `dtype`: the dtype of the parameters and of the hidden state. (Keyword only
-            argument.)
+        - `dtype`: the dtype of the parameters and of the hidden state: a floating
+            dtype, or a complex one for complex inputs (an integer one is refused).
+            (Keyword only argument.)
         - `key`: the key to initialise the parameters from. By default one is split
             from the default random state, [`eqstate.random.DEFAULT`][]. (Keyword only
             argument.)
         """
-        batch, key = _batch_and_key("GRUCell", input_size, hidden_size, batch_size, key)
+        batch, key = _batch_and_key(
+            GRUCell, input_size, hidden_size, batch_size, dtype, key
+        )
         ref = eqx.nn.GRUCell(input_size, hidden_size, use_bias, dtype, key=key)
         self.weight_ih = ParamState(ref.weight_ih, name="weight_ih")
         self.weight_hh = ParamState(ref.weight_hh, name="weight_hh")
@@ -446,7 +473,7 @@ class LSTMCell(_RecurrentCell):
         As for [`eqstate.nn.GRUCell.__init__`][]; `use_bias` adds one bias, `bias`.
         """
         batch, key = _batch_and_key(
-            "LSTMCell", input_size, hidden_size, batch_size, key
+            LSTMCell, input_size, hidden_size, batch_size, dtype, key
         )
         ref = eqx.nn.LSTMCell(input_size, hidden_size, use_bias, dtype, key=key)
         self.weight_ih = ParamState(ref.weight_ih, name="weight_ih")
@@ -516,9 +543,14 @@ class RNNCell(_RecurrentCell):
     ):
         """**Arguments:**
 
-        As for [`eqstate.nn.GRUCell.__init__`][].
+        As for [`eqstate.nn.GRUCell.__init__`][], except that `dtype` must be a real
+        floating dtype: an `RNNCell` has no complex parameters (a complex `dtype` is
+        refused). For complex inputs, use `GRUCell` or `LSTMCell`, or give the cell
+        the real and imaginary parts side by side.
         """
-        batch, key = _batch_and_key("RNNCell", input_size, hidden_size, batch_size, key)
+        batch, key = _batch_and_key(
+            RNNCell, input_size, hidden_size, batch_size, dtype, key
+        )
         ihkey, hhkey, bkey = jax.random.split(key, 3)
         lim = math.sqrt(1 / hidden_size)
 
