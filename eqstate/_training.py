@@ -22,6 +22,23 @@ from ._state_dict import state_dict_of, StateDict
 _Model = TypeVar("_Model")
 
 
+_UPDATES_SHAPE = """\
+`eqstate.apply_updates(model, updates)` takes updates shaped like
+`eqstate.trainable(model)`, a pair `(StateDict, arrays)`; got {got}. Optimise
+`eqstate.trainable(model)` and pass what `optimizer.update` returns:
+
+    params = eqstate.trainable(model)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    model = eqstate.apply_updates(model, updates)
+
+Updates of the states alone (a StateDict, as optax gives them for
+`eqstate.values_of(model, eqstate.ParamState)`) are written with `eqstate.assign`:
+
+    params = eqstate.values_of(model, eqstate.ParamState)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    eqstate.assign(optax.apply_updates(params, updates))"""
+
+
 def _is_inexact_leaf(x: Any) -> bool:
     # Under `vmap`, `peek` gives a lane's `jax.ShapeDtypeStruct`s, not arrays.
     return isinstance(
@@ -112,7 +129,11 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
     **Arguments:**
 
     - `model`: the model the updates are for.
-    - `updates`: `(state_updates, array_updates)`, e.g. from `optimizer.update`.
+    - `updates`: `(state_updates, array_updates)`, e.g. from `optimizer.update`
+        given [`eqstate.trainable`][]`(model)`. A StateDict of updates alone, from an
+        optimiser of `eqstate.values_of(model, eqstate.ParamState)`, is refused with
+        a `TypeError`: write those with
+        `eqstate.assign(optax.apply_updates(params, updates))`.
 
     **Returns:**
 
@@ -160,14 +181,7 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
         assert loss(model, x, y) < before
         ```
     """
-    state_updates, array_updates = updates
-    if not isinstance(state_updates, StateDict):
-        raise TypeError(
-            "`eqstate.apply_updates` takes updates shaped like "
-            "`eqstate.trainable(model)`: a pair `(StateDict, arrays)`, got a "
-            f"{type(state_updates).__name__} first. Pass what `optimizer.update` "
-            "returned for `eqstate.trainable(model)`."
-        )
+    state_updates, array_updates = _split_updates(updates)
     states = state_updates.states
     _refuse_foreign(states, model)
     # The arrays first, then every state's update, before any state is written: updates
@@ -181,6 +195,20 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
         }
     )
     return updated
+
+
+def _split_updates(updates: PyTree) -> tuple[StateDict, PyTree]:
+    """`updates` as `(state_updates, array_updates)`, checked before it is unpacked:
+    a StateDict of two states would unpack into two handles."""
+    if isinstance(updates, StateDict):
+        got = "a StateDict alone"
+    elif not isinstance(updates, (tuple, list)) or len(updates) != 2:
+        got = f"a {type(updates).__name__}"
+    elif not isinstance(updates[0], StateDict):
+        got = f"a pair whose first element is a {type(updates[0]).__name__}"
+    else:
+        return updates[0], updates[1]
+    raise TypeError(_UPDATES_SHAPE.format(got=got))
 
 
 def _refuse_foreign(states: tuple[State, ...], model: PyTree) -> None:

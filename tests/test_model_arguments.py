@@ -754,6 +754,22 @@ def test_apply_updates_that_do_not_fit_the_model_change_nothing(getkey):
     assert (model.scale.value == 2).all() and updated.linear is model.linear
 
 
+@pytest.mark.parametrize("n_states", [2, 3])
+def test_apply_updates_given_a_state_dict_alone_says_to_assign_it(n_states):
+    # With two states, unpacking the StateDict gave two handles.
+    model = [es.ParamState(jnp.ones(2), name=f"p{i}") for i in range(n_states)]
+    updates = jax.tree.map(jnp.ones_like, es.values_of(model, es.ParamState))
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)a pair `\(StateDict, arrays\)`; got a StateDict alone\..*"
+        r"eqstate.assign\(optax.apply_updates\(params, updates\)\)",
+    ):
+        es.apply_updates(model, updates)
+    with pytest.raises(TypeError, match="got a pair whose first element is a dict"):
+        es.apply_updates(model, ({}, None))
+    assert all((p.value == 1).all() for p in model)
+
+
 class _Masked(eqx.Module):
     """A linear layer, a parameter state of a weight and an integer mask, and an
     integer parameter state."""
