@@ -19,6 +19,12 @@ class Dropout(eqx.Module):
     [`eqstate.transform.vmap`][] draws a different mask in each lane). Given a `key`,
     it draws from that key instead and gives exactly the output of `eqx.nn.Dropout`.
 
+    Run through [`eqstate.run`][] inside a raw `jax.vmap` or `eqx.filter_vmap`, with
+    the default random state in an unmapped `StateDict`, every lane reads the same
+    key (JAX does not split it), so every example gets the same mask. Use
+    [`eqstate.transform.vmap`][], which splits random states per lane, or pass a key
+    per example with `key=`, as for `eqx.nn.Dropout`.
+
     !!! Example
 
         ```python
