@@ -76,6 +76,13 @@ def clone(tree: _T) -> _T:
     (with other states or not) flattens like one holding the originals' (Equinox's
     serialisation matches leaves by that order), under `jit` too.
 
+    Compile a clone with [`eqstate.transform.jit`][], which gives each call's new
+    states fresh handles, not with `eqx.filter_jit` around [`eqstate.run`][]:
+    `eqx.filter_jit` keeps the non-array leaves of a function's first output (the
+    handles made when it traced) and returns them again on every later call, so two
+    clones made by two calls would hold the very same handles (and a merged
+    `StateDict` would keep one clone's values).
+
     `copy.deepcopy` of a handle raises instead, since it cannot choose the context
     to copy into; use `clone`. A clone of a model holding a [`eqstate.RandomState`][]
     holds a copy of its key, so both draw the same numbers until one is reseeded.
@@ -220,7 +227,11 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     The new states are registered in the innermost context, as by
     [`eqstate.clone`][]. For an ensemble whose values are in a `StateDict`, run it
     against the dictionary: `new_states, one = eqstate.run(eqstate.member, states,
-    ensemble, 3)`.
+    ensemble, 3)`. As for `clone`, compile it with [`eqstate.transform.jit`][], not
+    with `eqx.filter_jit` around `eqstate.run`: `eqx.filter_jit` returns the handles
+    made when it traced on every later call, so two members taken by two calls would
+    hold the very same handles (and a merged `StateDict` would keep one member's
+    values).
 
     The member computes what its lane computes, but as another XLA program: a
     batched matrix product may sum in another order than an unbatched one, so

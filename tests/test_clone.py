@@ -102,6 +102,14 @@ def test_clone_inside_a_jitted_function_returns_fresh_handles(getkey):
     assert tree_bitwise_equal(_values(a), _values(model))
 
 
+def test_member_inside_a_jitted_function_returns_fresh_handles():
+    # What the docstrings of `clone` and `member` recommend over `eqx.filter_jit`.
+    ensemble = es.transform.vmap_new_states(lambda: enn.BatchNorm(3), axis_size=2)()
+    take = es.transform.jit(es.member, static_argnums=1)
+    a, b = take(ensemble, 1), take(ensemble, 1)
+    assert a.running_mean is not b.running_mean
+
+
 def test_clone_of_a_tree_without_handles_is_the_tree(getkey):
     tree = {"x": jnp.ones(2), "n": 3}
     assert es.clone(tree) is tree
