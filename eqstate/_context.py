@@ -328,13 +328,16 @@ class _Values(dict):
         with _LAZY_LOCK:  # Two threads' first lookups make the value once.
             if dict.__contains__(self, key):
                 return dict.__getitem__(self, key)
-            make = self.lazy.pop(key, None)
+            make = self.lazy.get(key)
             if make is None:
                 raise KeyError(key)
             # Made outside any trace it was first looked up in: a world value must
             # be concrete, never a tracer that dies with that trace.
             with jax.ensure_compile_time_eval():
                 value = self[key] = to_value(make())
+            # Dropped only once made: after a failure (a transfer guard, say) the
+            # next lookup tries again.
+            del self.lazy[key]
         return value
 
 

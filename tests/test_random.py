@@ -5,6 +5,7 @@ import eqstate as es
 import jax
 import jax.numpy as jnp
 import pytest
+from eqstate._state import lazy_world_state
 
 from .helpers import tree_bitwise_equal, unchecked, unchecked_new
 
@@ -151,6 +152,25 @@ def test_the_default_key_made_on_a_first_draw_under_jit_is_not_a_tracer():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_a_lazily_made_key_that_failed_once_is_made_on_the_next_access():
+    # As the default key when its first draw runs under `jax.transfer_guard`.
+    tries = []
+
+    def make():
+        tries.append(None)
+        if len(tries) == 1:
+            raise RuntimeError("the first try fails")
+        return jax.random.key(7)
+
+    key = lazy_world_state(es.RandomState, make, name="lazy_rng")
+    with pytest.raises(RuntimeError, match="the first try fails"):
+        key.value
+    assert tree_bitwise_equal(key.value, jax.random.key(7))
+    key.seed(3)
+    assert tree_bitwise_equal(key.value, jax.random.key(3))
+    assert len(tries) == 2
 
 
 def test_a_key_of_another_implementation_gets_a_fitting_message():
