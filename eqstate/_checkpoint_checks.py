@@ -12,7 +12,7 @@ from jax.core import Tracer
 from jaxtyping import PyTree
 
 from ._checkpoint_paths import Leaf
-from ._context import to_value
+from ._context import cast_breaks, to_value
 from ._errors import CheckpointError
 from ._jax_compat import is_top_level
 from ._pretty_print import state_label
@@ -82,23 +82,18 @@ def _narrowed(state: State, value: PyTree, arrays: PyTree) -> None:
     (`0.1`) is not refused: it is what a write of the value to a state does."""
     flat = zip(jtu.tree_leaves_with_path(value), jtu.tree_leaves(arrays))
     for (path, leaf), array in flat:
-        if not isinstance(leaf, np.ndarray | np.generic) or leaf.dtype == array.dtype:
+        if not isinstance(leaf, np.ndarray | np.generic):
             continue
-        back = np.asarray(array).astype(leaf.dtype)
-        if leaf.dtype.kind in "fc":
-            overflowed = np.isfinite(leaf) & ~np.isfinite(back)
-            changed = overflowed | ((leaf != 0) & (back == 0))
-        else:
-            changed = back != leaf
-        if not changed.any():
+        broken = cast_breaks(leaf, array.dtype)
+        if broken is None:
             continue
-        first = tuple(np.argwhere(changed)[0]) if np.ndim(leaf) else ()
+        before, after = broken
         where = f" at `{jtu.keystr(path)}`" if path else ""
         raise CheckpointError(
             f"Cannot save {state_label(state)}: its value holds a NumPy array of "
             f"dtype {leaf.dtype}{where}, which JAX converts to {array.dtype} (64-bit "
-            f"types are off), and that changes it: {np.asarray(leaf)[first]} becomes "
-            f"{back[first]}. Nothing was written. Enable 64-bit types "
+            f"types are off), and that changes it: {before} becomes "
+            f"{after}. Nothing was written. Enable 64-bit types "
             "(`jax.config.update('jax_enable_x64', True)`), or convert the value "
             "yourself if the change is meant, e.g. "
             f"`jnp.asarray(x, jnp.{array.dtype})`."

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.core import Tracer
 
 from . import _jax_compat as compat
@@ -47,11 +48,18 @@ def to_value(value: Any) -> Any:
     return jtu.tree_map(_to_array, value)
 
 
-def to_dict_value(value: Any) -> Any:
-    """As `to_value`, for a `StateDict`'s value: `jax.ShapeDtypeStruct` leaves (those
-    of an abstract dictionary, as `eqstate.transform.eval_shape` returns) pass
-    unchanged."""
-    return jtu.tree_map(_to_array_or_abstract, value)
+def to_dict_value(state: Any, value: Any) -> Any:
+    """As `to_value`, for the value of `state` in a `StateDict`: `jax.ShapeDtypeStruct`
+    leaves (those of an abstract dictionary, as `eqstate.transform.eval_shape`
+    returns) pass unchanged, and a leaf whose value its array would not hold raises
+    `StateValueError` (see `_to_checked_array`)."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return _to_checked_array(state, x)
+
+    return jtu.tree_map(leaf, value)
 
 
 def _to_array(x: Any) -> Any:
@@ -60,8 +68,83 @@ def _to_array(x: Any) -> Any:
     return x if isinstance(x, jax.Array) else jnp.array(x)
 
 
-def _to_array_or_abstract(x: Any) -> Any:
-    return x if isinstance(x, jax.ShapeDtypeStruct) else _to_array(x)
+# The values whose conversion to an array is checked (JAX arrays and tracers never are).
+_CONCRETE = (int, float, complex, np.ndarray, np.generic)
+
+
+def cast_breaks(value: Any, dtype: Any) -> tuple[Any, Any] | None:
+    """What casting `value` (a NumPy array or scalar, or a Python number) to `dtype`
+    breaks, if anything: an integer must keep its value (not wrap around), a float must not
+    overflow to infinity nor a non-zero become 0. Rounding to the nearest value of a
+    float `dtype` (`0.1` to `float32`) breaks nothing: JAX rounds every such write.
+
+    **Returns:**
+
+    `(before, after)` for the first element it breaks, or `None`.
+    """
+    value = np.asarray(value)
+    if value.dtype == dtype:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = value.astype(dtype)
+        back = cast.astype(value.dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        broken = (np.isfinite(value) & ~np.isfinite(back)) | (
+            (value != 0) & (back == 0)
+        )
+    else:
+        broken = back != value
+    if not broken.any():
+        return None
+    first = tuple(np.argwhere(broken)[0]) if value.ndim else ()
+    return value[first], cast[first]
+
+
+def _refuse_broken_cast(
+    state: Any, value: Any, dtype: Any, *, narrowed: bool = False
+) -> None:
+    """Raises `StateValueError` naming `state` if `value`, a concrete number or NumPy
+    array, would be broken (see `cast_breaks`) by storing it as `dtype`; `narrowed`:
+    the cast is JAX's narrowing of 64-bit values (64-bit types off)."""
+    if not isinstance(value, _CONCRETE):
+        return
+    broken = cast_breaks(value, dtype)
+    if broken is None:
+        return
+    before, after = broken
+    dtype = jnp.dtype(dtype)
+    why, fix = "", ""
+    if narrowed:
+        why = " (64-bit types are off, so JAX converts it to 32 bits)"
+        fix = ", or enable 64-bit types (`jax.config.update('jax_enable_x64', True)`)"
+    raise StateValueError(
+        f"Cannot give {state_label(state)} the value {before} as {dtype}{why}: "
+        f"{dtype} cannot hold it (it would become {after}). Write a value that "
+        f"{dtype} holds{fix}; if the change is meant, make it yourself, e.g. "
+        f"`jnp.asarray(x).astype(jnp.{dtype})`."
+    )
+
+
+def _to_checked_array(state: Any, x: Any) -> Any:
+    """`x` as a JAX array, or `StateValueError` naming `state` if the array would not
+    hold its value: a NumPy `int64` that becomes `int32` (64-bit types off), a Python
+    int too large for JAX's integers. A JAX array or tracer passes unchecked; a leaf
+    JAX cannot make an array of raises JAX's `TypeError`."""
+    if isinstance(x, jax.Array):
+        return x
+    try:
+        # NumPy warns of a value that the narrowing breaks, refused just below.
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = jnp.array(x)
+    except OverflowError as error:
+        raise StateValueError(
+            f"Cannot give {state_label(state)} the value {x!r}: {error}. Convert it "
+            "first to an array of a dtype that holds it (e.g. `jnp.array(x, "
+            "jnp.uint32)` or `jnp.array(x, jnp.float32)`), or enable 64-bit types "
+            "(`jax.config.update('jax_enable_x64', True)`)."
+        ) from None
+    _refuse_broken_cast(state, x, array.dtype, narrowed=True)
+    return array
 
 
 def has_tracer(value: Any) -> bool:
@@ -108,7 +191,7 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
         raise TraceContextError(LEAKED_TRACER_WRITE.format(label=state_label(state)))
     if isinstance(old, jax.ShapeDtypeStruct):
         return _check_abstract_leaf(state, old, new)
-    new = _array_to_write(state, new)
+    given, new = new, _array_to_write(state, new)
     if not isinstance(old, jax.Array):
         # A StateDict made by `jax.tree.map` or `jax.device_get` may hold Python
         # scalars or NumPy arrays: check against the array that `old` stands for.
@@ -123,6 +206,7 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     if new.shape == old.shape and weak and _promotion_keeps(old.dtype, new):
         # Weakly typed in, weakly typed out: `x.value = 3` on a state made from
         # `1.0` keeps it promoting as a Python float does, as `x.value = 3.0` would.
+        _refuse_broken_cast(state, given, old.dtype)  # `300` for a uint8 state
         converted = new.astype(old.dtype)
         return compat.weakly_typed(converted) if is_weak(old) else converted
     raise _mismatch(state, old, new)
@@ -130,7 +214,7 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
 
 def _array_to_write(state: Any, new: Any) -> Any:
     try:
-        return _to_array(new)
+        return _to_checked_array(state, new)
     except TypeError:
         raise StateValueError(
             f"Cannot write {new!r} (a {type(new).__name__}) to {state_label(state)}: "

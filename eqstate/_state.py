@@ -107,7 +107,9 @@ class State(Generic[_Value]):
     def value(self) -> _Value:
         """The state's value in the innermost context. Assigning to it writes a new
         value, which must keep the PyTree structure, shapes and dtypes of the current
-        one."""
+        one. A Python number or NumPy value that the state's dtype cannot hold (`300`
+        for a `uint8` state, an `int64` beyond `int32` with 64-bit types off) raises
+        `StateValueError` rather than wrap around."""
         return _context.current_frame().read(self)
 
     # Never runs (`__setattr__` takes `.value = ...`); it exists for type checkers.

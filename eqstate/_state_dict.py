@@ -75,9 +75,11 @@ class StateDict(_MappingBase):
 
         - `values`: the contents, a mapping (or iterable of pairs) from handles to
             PyTrees of arrays. Each leaf is converted with `jnp.array` (NumPy arrays
-            are copied), except `jax.ShapeDtypeStruct`s, kept as they are: an
-            abstract dictionary (as `eqstate.transform.eval_shape` returns) can be
-            split, merged and rebuilt like any other. (Typed to also accept what
+            are copied; a value the array cannot hold, such as a NumPy `int64`
+            beyond `int32` with 64-bit types off, raises `StateValueError`), except
+            `jax.ShapeDtypeStruct`s, kept as they are: an abstract dictionary (as
+            `eqstate.transform.eval_shape` returns) can be split, merged and rebuilt
+            like any other. (Typed to also accept what
             optax returns, e.g. `optax.apply_updates(params, updates)`: a
             `StateDict` at run time, declared as a PyTree of arrays.)
         """
@@ -370,7 +372,7 @@ def _sources(values: Mapping) -> dict[State, Mapping]:
 def _dict_value(state: State, value: Any) -> Any:
     """`value` with its leaves as JAX arrays, or `StateValueError` naming `state`."""
     try:
-        return to_dict_value(value)
+        return to_dict_value(state, value)
     except TypeError as error:
         raise StateValueError(
             f"Cannot hold {value!r} (a {type(value).__name__}) for "

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 from beartype import beartype
 from beartype.roar import BeartypeCallHintParamViolation
@@ -129,6 +130,73 @@ def test_python_scalars_take_the_state_dtype_when_promotion_allows():
     with pytest.raises(ValueError, match="State 'i'"):
         i.value = 0.5
     assert i.value.dtype == jnp.int32
+
+
+def _write_value(s, value, how):
+    """Writes `value` to `s` eagerly, with `StateDict.set`, `es.assign` or in a
+    `scope`."""
+    if how == "eager":
+        s.value = value
+    elif how == "StateDict.set":
+        es.values_of(s).set(s, value)
+    elif how == "assign":
+        es.assign({s: value})
+    else:
+        with es.scope(es.values_of(s)):
+            s.value = value
+
+
+_HOW = ["eager", "StateDict.set", "assign", "scope"]
+
+
+@pytest.mark.parametrize("how", _HOW)
+@pytest.mark.parametrize(
+    "dtype, number, wrapped",
+    [("uint8", 300, 44), ("uint8", -1, 255), ("int8", 200, -56), ("uint8", 256, 0)],
+)
+def test_a_python_int_the_state_dtype_cannot_hold_is_refused(
+    how, dtype, number, wrapped
+):
+    u = es.State(jnp.array(5, dtype), name="u")
+    with pytest.raises(
+        es.StateValueError,
+        match=rf"State 'u' the value {number} as {dtype}: .*become {wrapped}\)",
+    ):
+        _write_value(u, number, how)
+    assert u.value == 5
+    for fits in (jnp.iinfo(dtype).min, jnp.iinfo(dtype).max):
+        _write_value(u, int(fits), how)
+    u.value = jnp.asarray(number).astype(dtype)  # Wrapping on purpose.
+    assert u.value == wrapped
+
+
+@pytest.mark.parametrize("how", _HOW)
+def test_a_numpy_value_that_narrowing_breaks_is_refused(how):
+    # With 64-bit types off, JAX converts NumPy's int64 to int32, wrapping 2**32 + 5.
+    assert not jax.config.jax_enable_x64
+    step = es.State(jnp.array(0, jnp.int32), name="step")
+    with pytest.raises(
+        es.StateValueError,
+        match=r"State 'step' the value 4294967301 as int32 .*become 5\).*x64",
+    ):
+        _write_value(step, np.int64(2**32 + 5), how)
+    w = es.State(jnp.zeros(2), name="w")
+    with pytest.raises(es.StateValueError, match="State 'w' the value 1e\\+40"):
+        _write_value(w, np.array([0.5, 1e40]), how)
+    assert step.value == 0 and (w.value == 0).all()
+    # Values that fit, or that only round to the nearest float32, are written.
+    _write_value(step, np.int64(-(2**31)), how)
+    _write_value(w, np.array([0.1, 1e-30]), how)
+
+
+def test_a_python_int_too_large_for_jax_is_refused_naming_the_state():
+    step = es.State(jnp.array(0, jnp.int32), name="step")
+    with pytest.raises(
+        es.StateValueError, match="State 'step' the value 1099511627776"
+    ):
+        step.value = 2**40
+    with pytest.raises(ValueError, match=r"State 'step' .*jax_enable_x64"):
+        es.values_of(step).set(step, 2**40)
 
 
 def test_weak_type_may_change_on_write():

@@ -281,6 +281,26 @@ def test_a_dict_of_python_scalars_takes_set_and_update():
     assert (on_host[w] == 0).all() and (on_host[b] == 0).all()
 
 
+def test_a_dict_refuses_values_their_arrays_cannot_hold():
+    # With 64-bit types off, JAX converts NumPy's int64 to int32, wrapping 2**32 + 5.
+    step = es.ShortTermState(jnp.array(0, jnp.int32), name="step")
+    w = es.ParamState(jnp.zeros(2), name="w")
+    big = np.int64(2**32 + 5)
+    for make in (
+        lambda: es.StateDict({step: big}),
+        lambda: es.StateDict().update({step: big}),
+        lambda: es.StateDict({w: jnp.ones(2)}) | {step: {"a": big}},
+    ):
+        with pytest.raises(
+            es.StateValueError, match=r"ShortTermState 'step' the value 4294967301"
+        ):
+            make()
+    with pytest.raises(es.StateValueError, match=r"ShortTermState 'step' .* 2199"):
+        es.StateDict({step: 2**41})
+    kept = es.StateDict({step: np.int64(7), w: np.array([0.1, 2.0])})
+    assert kept[step] == 7 and kept[w].dtype == jnp.float32
+
+
 def test_an_abstract_dict_can_be_split_merged_and_rebuilt():
     w = es.ParamState(jnp.ones(2), name="w")
     n = es.ShortTermState(jnp.array(0), name="n")
