@@ -501,7 +501,7 @@ class World(Frame):
 
     def commit(self, updates, new=()):
         if not compat.is_top_level():
-            state = next(iter(updates), None) or new[0][0]
+            state = next(iter(updates)) if updates else new[0][0]
             raise TraceContextError(
                 RAW_TRANSFORM_WRITE.format(label=state_label(state))
             )
@@ -670,7 +670,8 @@ class DictFrame(Frame):
 
     def commit(self, updates, new=()):
         if self.ended and (updates or new):
-            raise scope_ended(state_label(next(iter(updates), None) or new[0][0]))
+            state = next(iter(updates)) if updates else new[0][0]
+            raise scope_ended(state_label(state))
         self.check_commit_trace(updates, new)
         self.values.update(updates)
         for state, value in new:

@@ -30,7 +30,8 @@ class State(Generic[_Value]):
     """A handle that names a piece of state.
 
     A handle is immutable, equal only to itself and hashed by identity, and it is a
-    PyTree *leaf*: it never holds a value. Its value lives in the innermost context
+    PyTree *leaf*: it never holds a value. It has no truth value either: `if state:`
+    raises `TypeError` (test `state.value`). Its value lives in the innermost context
     (the world, a [`eqstate.scope`][], or the trace of an eqstate transform), which
     [`eqstate.State.value`][] reads and writes.
 
@@ -147,6 +148,15 @@ class State(Generic[_Value]):
         return self is other
 
     __hash__ = object.__hash__
+
+    def __bool__(self) -> NoReturn:
+        # Else `if done:`, with `.value` forgotten, would always be taken.
+        raise TypeError(
+            f"{label_here(self)} is a handle, not a value, so it has no truth value. "
+            "Test its value: `if state.value:` (inside a transform, "
+            "`eqstate.transform.cond(state.value, ...)` or `jnp.where`). To test "
+            "whether an optional handle was given, use `state is not None`."
+        )
 
     def __copy__(self) -> "State[_Value]":
         return self

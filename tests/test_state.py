@@ -248,6 +248,22 @@ def test_a_python_scalar_written_to_a_weakly_typed_state_leaves_it_weak(how, num
         assert (jnp.ones(2, jnp.bfloat16) * s.value).dtype == jnp.bfloat16
 
 
+def test_a_handle_has_no_truth_value():
+    done = es.State(jnp.array(False), name="done")
+    with pytest.raises(TypeError, match=r"State 'done' .*no truth value.*state\.value"):
+        if done:
+            pass
+    assert done is not None and not done.value
+
+
+def test_a_write_committed_under_a_raw_vmap_names_the_state():
+    # The error names the first state written: found without a handle's truth value.
+    w = es.State(jnp.zeros(()), name="w")
+    with pytest.raises(es.TraceContextError, match="Cannot write State 'w'"):
+        jax.vmap(lambda x: es.assign({w: x}))(jnp.ones(2))
+    assert w.value == 0
+
+
 def test_reading_a_state_of_a_finished_scope_raises_state_not_found():
     with es.scope(es.StateDict()):
         s = es.State(jnp.zeros(2), name="inner")
