@@ -43,8 +43,8 @@ class OfType(StateFilter):
 
     `kind` may be subscripted (`eqstate.ParamState[Array]` is the kind
     `eqstate.ParamState`) or a union of kinds, which selects states of any of them
-    (with `exact=True`, states whose kind is exactly one of them). Anything else is
-    refused with a `TypeError` when the filter is made.
+    (with `exact=True`, states whose kind is exactly one of them). Anything else,
+    `typing.Any` included, is refused with a `TypeError` when the filter is made.
 
     !!! Example
 
@@ -202,10 +202,28 @@ def _state_kind(kind: Any) -> type[State]:
     return kind
 
 
+_KINDS = (
+    "`OfType` takes `eqstate.State` or a subclass of it, such as "
+    "`eqstate.ParamState` (or a class some kinds derive from), or a union or tuple of "
+    "them; to select by tag, handle or predicate, pass that filter itself instead of "
+    "`OfType(...)`."
+)
+
+
+def _checkable(kind: type) -> bool:
+    """Whether `isinstance(state, kind)` can be asked."""
+    try:
+        issubclass(State, kind)
+    except TypeError:
+        return False
+    return True
+
+
 def _state_kinds(kind: Any) -> tuple[type, ...]:
     """The classes that `kind` names for `OfType`: its origin if subscripted, each
     member if a union or a tuple. A State kind, or a class some kinds derive from (a
-    mixin); raises `TypeError` for what is not a class, or a builtin one (`int`)."""
+    mixin); raises `TypeError` for what is not a class, a builtin one (`int`), or a
+    typing form that `isinstance` cannot check (`typing.Any`)."""
     if _is_union(kind) or isinstance(kind, tuple):
         members = typing.get_args(kind) if _is_union(kind) else kind
         return tuple(dict.fromkeys(k for m in members for k in _state_kinds(m)))
@@ -216,11 +234,14 @@ def _state_kinds(kind: Any) -> tuple[type, ...]:
         kind.__module__ == "builtins" and kind is not object
     ):
         raise TypeError(
-            f"{kind!r} (of type {type(kind).__name__}) is not a State kind. `OfType` "
-            "takes `eqstate.State` or a subclass of it, such as `eqstate.ParamState` "
-            "(or a class some kinds derive from), or a union or tuple of them; to "
-            "select by tag, handle or predicate, pass that filter itself instead of "
-            "`OfType(...)`."
+            f"{kind!r} (of type {type(kind).__name__}) is not a State kind. {_KINDS}"
+        )
+    if kind.__module__ in ("typing", "typing_extensions") or not _checkable(kind):
+        raise TypeError(
+            f"{kind!r} is not a State kind: it is a typing form (such as "
+            "`typing.Any`), or a class that `isinstance` cannot check states against "
+            f"(a protocol that is not runtime-checkable). {_KINDS} To select every "
+            "state, pass `...`."
         )
     return (kind,)
 

@@ -1,3 +1,4 @@
+import typing
 from typing import Any, Union
 
 import eqstate as es
@@ -167,6 +168,18 @@ def test_of_type_takes_a_subscripted_kind_or_a_union(states):
 def test_of_type_refuses_what_is_not_a_state_kind_when_made(bad):
     with pytest.raises(TypeError, match="is not a State kind"):
         OfType(bad)
+
+
+class _NotRuntimeCheckable(typing.Protocol):
+    def f(self) -> None: ...
+
+
+@pytest.mark.parametrize("bad", [typing.Any, typing.Protocol, _NotRuntimeCheckable])
+def test_of_type_refuses_a_typing_form_isinstance_cannot_check_when_made(bad):
+    with pytest.raises(TypeError, match=r"is not a State kind.*isinstance"):
+        OfType(bad)
+    with pytest.raises(TypeError, match="is not a State kind"):
+        OfType(es.ParamState | bad)
 
 
 def test_of_type_takes_a_tuple_of_kinds_and_a_mixin_and_its_own_kind_back():
