@@ -489,11 +489,14 @@ class World(Frame):
         except KeyError:
             raise _not_found(state, _NOT_IN_WORLD) from None
 
-    def write(self, state, value):
+    def check_trace(self, state, *, creates=False):
+        # The world was made outside any trace: only a write at the top level is safe.
         if not compat.is_top_level():
-            raise TraceContextError(
-                RAW_TRANSFORM_WRITE.format(label=state_label(state))
-            )
+            message = _RAW_TRANSFORM_CREATE if creates else RAW_TRANSFORM_WRITE
+            raise TraceContextError(message.format(label=state_label(state)))
+
+    def write(self, state, value):
+        self.check_trace(state)
         refuse_leaked_tracers(state, value, eager=True)
         value = check_write(state, self.fetch(state), value)
         with self.lock:

@@ -459,6 +459,18 @@ def values_of(pytree: PyTree, *filters: Filter) -> StateDict:
     return state_dict_of(dict(zip(states, frame.read_many(states) if states else [])))
 
 
+def _read_to_write(frame: _context.Frame, states: list[State]) -> list[Any]:
+    """`frame.read_many(states)`, for `assign`. Where the frame refuses the read (inside
+    a raw JAX transform), it is refused as the write the caller asked for."""
+    try:
+        return frame.read_many(states)
+    except TraceContextError as error:
+        refused = error
+    if isinstance(frame, _context.World | _context.DictFrame):
+        frame.check_trace(states[0])
+    raise refused
+
+
 def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     """Writes every value of `values` to its state in the innermost context, as
     `state.value = value` would, all at once: every write is checked before any is
@@ -494,7 +506,7 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
         return
     frame = _context.current_frame()
     eager = compat.is_top_level()
-    current = frame.read_many(states)
+    current = _read_to_write(frame, states)
     checked = {}
     for state, old in zip(states, current):
         _context.refuse_leaked_tracers(state, values[state], eager)

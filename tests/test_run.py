@@ -303,6 +303,19 @@ def test_assign_writes_all_or_nothing():
     assert (model.w.value == 2).all() and model.count.value == 5
 
 
+@pytest.mark.parametrize("where", ["world", "scope"])
+def test_assign_inside_a_raw_jit_says_it_cannot_write(where):
+    w = es.ParamState(jnp.zeros(3), name="w")
+    write = jax.jit(lambda x: es.assign({w: x}))
+    with pytest.raises(es.TraceContextError, match="Cannot write ParamState 'w'"):
+        if where == "world":
+            write(jnp.ones(3))
+        else:
+            with es.scope(es.values_of(w)):
+                write(jnp.ones(3))
+    assert (w.value == 0).all()
+
+
 def test_world_read_inside_an_eqstate_transform_is_a_state_read():
     s = es.State(jnp.array(1.0), name="s")
     f = es.transform.jit(lambda x: es.world()[s] * x)
