@@ -1,5 +1,6 @@
 """Helpers every `repr` and error message uses to describe arrays and states."""
 
+import collections
 from collections.abc import Iterable
 from typing import Any
 
@@ -82,9 +83,12 @@ def state_label(state: Any, value: Any = MISSING) -> str:
     return label
 
 
-def state_doc(state: Any, value: Any = MISSING, **kwargs: Any) -> wl.AbstractDoc:
+def state_doc(
+    state: Any, value: Any = MISSING, *, show_id: bool = False, **kwargs: Any
+) -> wl.AbstractDoc:
     """The pretty-doc of a handle, in Equinox's style: `ParamState(name='w',
-    value=f32[3])`. Unnamed, untagged handles show their identity."""
+    value=f32[3])`. Unnamed, untagged handles show their identity, as do all with
+    `show_id`."""
     name = getattr(state, "name", None)
     tag = getattr(state, "tag", None)
     pairs: list[tuple[str, Any]] = []
@@ -92,7 +96,7 @@ def state_doc(state: Any, value: Any = MISSING, **kwargs: Any) -> wl.AbstractDoc
         pairs.append(("name", name))
     if tag is not None:
         pairs.append(("tag", tag))
-    if name is None and tag is None:
+    if show_id or (name is None and tag is None):
         pairs.append(("id", _Summary(f"{id(state):#x}")))
     if value is not MISSING:
         pairs.append(("value", _Summary(value_summary(value))))
@@ -107,17 +111,25 @@ def state_doc(state: Any, value: Any = MISSING, **kwargs: Any) -> wl.AbstractDoc
 
 def state_dict_doc(items: Any, **kwargs: Any) -> wl.AbstractDoc:
     """The pretty-doc of a StateDict, laid out like a dict: handles (without their
-    values) to value summaries."""
-    kwargs = {**kwargs, "eqstate_hide_values": True}
+    values) to value summaries. Handles that would print alike (the same layer of two
+    models) show their identity."""
     summaries = {
         state: _Summary(
             "<not visible here>" if value is MISSING else value_summary(value)
         )
         for state, value in items
     }
+    looks = collections.Counter(map(_look, summaries))
+    shown = {id(s) for s in summaries if looks[_look(s)] > 1}
+    kwargs = {**kwargs, "eqstate_hide_values": True, "eqstate_show_ids": shown}
     return wl.ConcatDoc(
         wl.TextDoc("StateDict("), wl.pdoc(summaries, **kwargs), wl.TextDoc(")")
     )
+
+
+def _look(state: Any) -> tuple:
+    """What `state_doc` prints of `state` (without its value)."""
+    return type(state), getattr(state, "name", None), getattr(state, "tag", None)
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

@@ -189,7 +189,8 @@ class State(Generic[_Value]):
     def __pdoc__(self, **kwargs: Any) -> Any:
         # Equinox's pretty printer (`eqx.tree_pformat`) calls this.
         if kwargs.pop("eqstate_hide_values", False):
-            return state_doc(self, **kwargs)
+            show_id = id(self) in kwargs.pop("eqstate_show_ids", ())
+            return state_doc(self, show_id=show_id, **kwargs)
         return state_doc(self, _context.current_frame().peek(self), **kwargs)
 
     def __repr__(self) -> str:

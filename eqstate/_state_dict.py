@@ -1,5 +1,6 @@
 """StateDict: an immutable mapping from state handles to their values."""
 
+import collections
 import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TYPE_CHECKING
@@ -109,12 +110,15 @@ class StateDict(_MappingBase):
         except StateNotFoundError:
             raise  # A view of the world read through a strict scope says why.
         except KeyError:
-            held = _summarise_states(self._values)
             if not isinstance(state, State):
+                held = _summarise_states(self._values)
                 raise StateNotFoundError(_not_a_handle(state, held)) from None
-            raise StateNotFoundError(
-                f"{state_label(state)} is not in this StateDict, which holds {held}."
-            ) from None
+            raise StateNotFoundError(self._missing(state)) from None
+
+    def _missing(self, state: State) -> str:
+        label, *held = _labels([state, *self._values])
+        summary = first_and_more(held) if held else "no states"
+        return f"{label} is not in this StateDict, which holds {summary}."
 
     def __contains__(self, state: object) -> bool:
         return state in self._values
@@ -147,6 +151,12 @@ class StateDict(_MappingBase):
         already be in the dictionary (`StateNotFoundError` otherwise); use
         [`eqstate.StateDict.update`][] to add states.
         """
+        if isinstance(state, State) and state not in self._values:
+            raise StateNotFoundError(
+                f"{self._missing(state)} `set` replaces the value of a state the "
+                "dictionary holds; to add a state, use `.update({state: value})` "
+                "(or `|`)."
+            )
         checked = check_write(state, self[state], value)
         values = self._values
         if type(values) is dict:
@@ -473,7 +483,18 @@ def sharding_rule(rule: Any) -> Callable[[State, Any], jax.sharding.Sharding | N
 def _summarise_states(values: Mapping) -> str:
     if not values:
         return "no states"
-    return first_and_more(map(state_label, values))
+    return first_and_more(_labels(list(values)))
+
+
+def _labels(states: list[State]) -> list[str]:
+    """`state_label` of each of `states`, with the handle's address where two share
+    a label (the same layer in two models), so that messages tell them apart."""
+    labels = [state_label(s) for s in states]
+    shared = {label for label, n in collections.Counter(labels).items() if n > 1}
+    return [
+        f"{label} at {id(s):#x}" if label in shared else label
+        for s, label in zip(states, labels)
+    ]
 
 
 class _Handles(tuple):

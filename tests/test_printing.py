@@ -56,6 +56,15 @@ def test_state_dict_repr():
     assert all(len(line) <= 88 for line in text.splitlines())
 
 
+def test_a_state_dict_repr_tells_same_named_handles_apart():
+    a, b = (es.ParamState(jnp.zeros(3), name="w") for _ in range(2))
+    n = es.ParamState(jnp.zeros(()), name="n")
+    text = repr(es.StateDict({a: jnp.ones(3), b: jnp.ones(3), n: 1.0}))
+    assert f"ParamState(name='w', id={id(a):#x}): f32[3]" in text
+    assert f"ParamState(name='w', id={id(b):#x}): f32[3]" in text
+    assert "ParamState(name='n'): f32[]" in text  # no clash: no address
+
+
 class _Layer(eqx.Module):
     weight: es.ParamState
     calls: es.ShortTermState

@@ -265,6 +265,25 @@ def test_structures_keyed_by_different_handles_of_one_name_print_apart():
     )
 
 
+def test_lookup_errors_tell_same_named_handles_apart():
+    a, b = (es.ParamState(jnp.ones(2), name="w") for _ in range(2))
+    sd = es.StateDict({a: jnp.ones(2)})
+    with pytest.raises(es.StateNotFoundError) as info:
+        sd[b]
+    assert str(info.value) == (
+        f"ParamState 'w' at {id(b):#x} is not in this StateDict, which holds "
+        f"ParamState 'w' at {id(a):#x}."
+    )
+    with pytest.raises(es.StateNotFoundError, match=r"at 0x.*\.update"):
+        sd.set(b, jnp.zeros(2))
+    n = es.ParamState(jnp.ones(2), name="n")
+    with pytest.raises(es.StateNotFoundError) as info:
+        sd[n]
+    assert str(info.value) == (
+        "ParamState 'n' is not in this StateDict, which holds ParamState 'w'."
+    )
+
+
 def test_a_dict_of_python_scalars_takes_set_and_update():
     w = es.ParamState(jnp.ones(2), name="w")
     b = es.ParamState(jnp.zeros(2), name="b")
