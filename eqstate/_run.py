@@ -217,10 +217,14 @@ class scope:
         ```
     """
 
-    def __init__(self, states: StateDict):
+    def __init__(self, states: StateDict | PyTree):
         """**Arguments:**
 
-        - `states`: the dictionary to run against.
+        - `states`: the [`eqstate.StateDict`][] to run against. It is typed as any
+            PyTree so that what optax returns (`optax.apply_updates(params,
+            updates)`, declared as a PyTree of arrays, and a `StateDict` when
+            `params` is one) is accepted as it is; anything but a `StateDict` raises
+            `TypeError`.
         """
         if not isinstance(states, StateDict):
             raise TypeError(
@@ -274,7 +278,7 @@ class scope:
 
 
 def run(
-    fn: Callable[..., _T], states: StateDict, *args: Any, **kwargs: Any
+    fn: Callable[..., _T], states: StateDict | PyTree, *args: Any, **kwargs: Any
 ) -> tuple[StateDict, _T]:
     """Calls `fn(*args, **kwargs)` against `states` and returns the updated
     dictionary with the output: the functional form of [`eqstate.scope`][].
@@ -286,7 +290,11 @@ def run(
 
     - `fn`: the function to call. It may read and write the states of `states` and
         create new ones.
-    - `states`: the values to run against.
+    - `states`: the [`eqstate.StateDict`][] to run against. Typed as any PyTree, as
+        for [`eqstate.scope`][], so that what optax returns is accepted as it is. (To
+        annotate optax's result as a `StateDict` yourself, e.g. as the return type
+        of a training step, wrap it: `eqstate.StateDict(new_params)`, which keeps
+        JAX arrays as they are.)
     - `*args`, `**kwargs`: passed to `fn`.
 
     **Returns:**

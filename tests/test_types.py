@@ -36,6 +36,23 @@ def test_optax_updates_are_state_dicts_that_assign_run_and_merge_take():
         assert isinstance(states, es.StateDict) and y.shape == (4, 3)
 
 
+def test_what_optax_returns_goes_straight_into_run_and_scope():
+    w = es.ParamState(jnp.ones(3), name="w")
+    params = es.values_of(w)
+    optimiser = optax.sgd(0.5)
+    updates, _ = optimiser.update(params, optimiser.init(params), params)
+
+    def step() -> es.StateDict:
+        return es.StateDict(optax.apply_updates(params, updates))
+
+    _, total = es.run(lambda: w.value.sum(), optax.apply_updates(params, updates))
+    with es.scope(optax.apply_updates(params, updates)):
+        assert (w.value == 0.5).all()
+    assert total == 1.5 and (step()[w] == 0.5).all()
+    with pytest.raises(TypeError, match="takes a StateDict, got dict"):
+        es.run(lambda: None, {w: jnp.ones(3)})
+
+
 def test_equinox_gradients_of_a_state_dict_go_back_into_run():
     bn, states = es.make_with_states(enn.BatchNorm)(3)
     params, rest = states.split(es.ParamState)
