@@ -46,6 +46,11 @@ class StateDict(_MappingBase):
     handle it copies.) Look values up by handle, not by position. Every operation
     returns a new dictionary.
 
+    Equality is identity: two dictionaries with the same states and values compare
+    unequal (`==` elementwise on arrays has no single truth value). To compare
+    contents, use `eqx.tree_equal(a, b)`, which is `True` when both hold the same
+    states with equal values.
+
     Being immutable, it is its own `copy.copy`. `copy.deepcopy` of it (or of an
     optimiser's state holding it) returns a `StateDict` keyed by the same handles,
     holding deep copies of the values: the states themselves are not copied. To copy

@@ -284,6 +284,13 @@ def test_lookup_errors_tell_same_named_handles_apart():
     )
 
 
+def test_state_dicts_compare_by_identity_and_tree_equal_compares_contents():
+    w = es.ParamState(jnp.ones(2), name="w")
+    a, b = es.values_of(w), es.StateDict({w: jnp.ones(2)})
+    assert a != b and a == a
+    assert eqx.tree_equal(a, b) and not eqx.tree_equal(a, b.set(w, jnp.zeros(2)))
+
+
 def test_a_dict_of_python_scalars_takes_set_and_update():
     w = es.ParamState(jnp.ones(2), name="w")
     b = es.ParamState(jnp.zeros(2), name="b")

@@ -2,6 +2,8 @@
 whose models call for different plans: each thread gets its own answer, and each
 distinct shape is traced once."""
 
+import concurrent.futures
+import contextvars
 import functools
 import sys
 import threading
@@ -202,3 +204,19 @@ def test_threads_building_ensembles_with_vmap2_new_states_get_different_keys():
     for thread in threads:
         thread.join()
     assert not (built[0] == built[1]).all()
+
+
+def test_a_thread_pool_inside_a_scope_runs_in_the_world_unless_given_the_context():
+    # As docs/concepts.md says: each pool thread has its own stack of contexts.
+    n = es.State(jnp.array(0), name="n")
+
+    def increment():
+        n.value = n.value + 1
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with es.scope(es.values_of(n)) as plain:
+            pool.submit(increment).result()
+        with es.scope(es.values_of(n)) as copied:
+            pool.submit(contextvars.copy_context().run, increment).result()
+    # The plain task wrote the world (0 -> 1), not the scope.
+    assert plain.states[n] == 0 and n.value == 1 and copied.states[n] == 2
