@@ -212,6 +212,9 @@ _KINDS = (
 
 def _checkable(kind: type) -> bool:
     """Whether `isinstance(state, kind)` can be asked."""
+    if getattr(kind, "_is_protocol", False):
+        # Asked directly: `issubclass` may answer from a cache for such a protocol.
+        return bool(getattr(kind, "_is_runtime_protocol", False))
     try:
         issubclass(State, kind)
     except TypeError:
