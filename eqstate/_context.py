@@ -48,6 +48,12 @@ def to_value(value: Any) -> Any:
     return jtu.tree_map(_to_array, value)
 
 
+def to_checked_value(state: Any, value: Any) -> Any:
+    """As `to_value`, for a value `state` starts from: a leaf whose value its array
+    would not hold raises `StateValueError` (see `_to_checked_array`)."""
+    return jtu.tree_map(lambda x: _to_checked_array(state, x), value)
+
+
 def to_dict_value(state: Any, value: Any) -> Any:
     """As `to_value`, for the value of `state` in a `StateDict`: `jax.ShapeDtypeStruct`
     leaves (those of an abstract dictionary, as `eqstate.transform.eval_shape`

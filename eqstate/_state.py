@@ -13,7 +13,7 @@ import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
 from . import _context
-from ._context import current_frame, label_here, to_value
+from ._context import current_frame, label_here, to_checked_value
 from ._errors import BatchAxisError, EXPIRED_STATE, StateValueError
 from ._pretty_print import state_doc, state_label
 from ._serialisation_guard import not_an_array, refuse_if_serialised
@@ -77,7 +77,8 @@ class State(Generic[_Value]):
 
         - `value`: the initial value, a PyTree of arrays. Each leaf is converted with
             `jnp.array` (NumPy arrays are copied) and registered in the innermost
-            context.
+            context. A leaf its array cannot hold (a NumPy `int64` beyond `int32`
+            with 64-bit types off) raises `StateValueError`, as a write does.
         - `tag`: a free-form label, for [`eqstate.filters.WithTag`][]. (Keyword only
             argument.)
         - `name`: a name shown in messages and printing. (Keyword only argument.)
@@ -95,7 +96,7 @@ class State(Generic[_Value]):
         object.__setattr__(self, "_replicated", None)
         object.__setattr__(self, "_builds", frozenset())
         try:
-            converted = to_value(value)
+            converted = to_checked_value(self, value)
         except TypeError as error:
             raise StateValueError(
                 f"Cannot create {state_label(self)} holding {value!r}: a state's "

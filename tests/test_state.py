@@ -199,6 +199,18 @@ def test_a_python_int_too_large_for_jax_is_refused_naming_the_state():
         es.values_of(step).set(step, 2**40)
 
 
+def test_a_state_made_from_a_value_its_array_cannot_hold_is_refused():
+    # With 64-bit types off, as for a write: no state is made.
+    with pytest.raises(es.StateValueError, match=r"State 'unmade' the value 42949"):
+        es.State(np.int64(2**32 + 5), name="unmade")
+    with pytest.raises(es.StateValueError, match=r"State 'unmade' the value 10995"):
+        es.State({"a": 2**40}, name="unmade")
+    assert not any(s.name == "unmade" for s in es.world())
+    # Values that fit, or only round to the nearest float32, are kept.
+    assert es.State(np.int64(-(2**31))).value == -(2**31)
+    assert es.State(np.float64(0.1)).value == jnp.float32(0.1)
+
+
 def test_weak_type_may_change_on_write():
     s = es.State(jnp.asarray(0.0))
     s.value = jnp.ones((), jnp.float32)
