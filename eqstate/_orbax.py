@@ -23,6 +23,7 @@ import gc
 import importlib
 import operator
 import os
+import queue
 import sys
 import threading
 import weakref
@@ -510,9 +511,11 @@ def _as_step(step: Any, directory: str) -> int:
 # that a manager a function made and forgot to close finishes its saves then, while
 # Python can still start the threads Orbax needs (from 3.12 on it cannot at exit).
 _UNCLOSED: "set[weakref.finalize]" = set()
-# The threads closing managers that the garbage collector dropped (see
-# `_close_dropped`), which the program's end waits for.
-_CLOSING: "list[threading.Thread]" = []
+# Managers the garbage collector dropped, waiting for `_close_queued` to close them
+# (see `_close_dropped`); `None` tells that thread to stop.
+_DROPPED: "queue.SimpleQueue[tuple[Any, str] | None]" = queue.SimpleQueue()
+_CLOSER: list[threading.Thread] = []
+_CLOSER_STARTING = threading.Lock()
 _FINISH_REGISTERED = threading.Lock()
 # Whether this thread is collecting garbage (see `_note_collection`).
 _COLLECTING = threading.local()
@@ -527,26 +530,41 @@ def _close_dropped(manager: Any, directory: str) -> None:
     if its last checkpoint may be lost.
 
     A manager in a reference cycle is dropped by the garbage collector, which runs
-    in whichever thread allocates, possibly one of Orbax's own that the save needs:
-    waiting there would wait forever, so another thread closes it."""
+    in whichever thread allocates, possibly one of Orbax's own that the save needs,
+    or one holding a lock of `threading`'s that starting a thread takes: waiting or
+    starting a thread there could wait forever. The manager is queued instead, for
+    a thread started with the first manager."""
     if getattr(_COLLECTING, "now", False):
-        closer = threading.Thread(
-            target=_close_dropped,
-            args=(manager, directory),
-            name=f"eqstate: closing the checkpoint manager of {directory}",
-            daemon=False,  # Not inherited from a daemon thread that collected.
-        )
-        try:
-            closer.start()
-        except RuntimeError as error:  # At interpreter shutdown, from Python 3.12.
-            _report_incomplete(directory, error)
-            return
-        _CLOSING[:] = [t for t in _CLOSING if t.is_alive()] + [closer]
-        return
+        _DROPPED.put((manager, directory))  # Safe inside a collection: no lock.
+    else:
+        _close_now(manager, directory)
+
+
+def _close_now(manager: Any, directory: str) -> None:
     try:
         manager.close()
     except Exception as error:
         _report_incomplete(directory, error)
+
+
+def _close_queued() -> None:
+    while (dropped := _DROPPED.get()) is not None:
+        _close_now(*dropped)
+
+
+def _start_closer_thread() -> None:
+    """Starts the thread closing the managers the garbage collector drops, unless it
+    runs. It is a daemon: `_finish_saves` waits for its work when the program ends."""
+    with _CLOSER_STARTING:
+        if _CLOSER and _CLOSER[0].is_alive():
+            return
+        closer = threading.Thread(
+            target=_close_queued,
+            name="eqstate: closing dropped checkpoint managers",
+            daemon=True,
+        )
+        closer.start()
+        _CLOSER[:] = [closer]
 
 
 def _report_incomplete(directory: str, error: BaseException) -> None:
@@ -566,8 +584,13 @@ def _finish_saves() -> None:
     for closer in closers:
         closer()
     _UNCLOSED.difference_update(closers)
-    for thread in list(_CLOSING):
+    _DROPPED.put(None)
+    for thread in _CLOSER:
         thread.join()
+    # Dropped after the thread stopped (or in a child process, which has no thread).
+    while not _DROPPED.empty():
+        if (dropped := _DROPPED.get()) is not None:
+            _close_now(*dropped)
 
 
 def _finish_saves_at_exit() -> None:
@@ -680,7 +703,8 @@ class CheckpointManager:
             goes on. Call `close()` (or use a `with` block) once training is done.
             A manager dropped without it (say, the local of a function that
             returned) waits for its saves and closes then; one in a reference cycle
-            closes in a thread of its own once the garbage collector drops it. One
+            is closed by a background thread of eqstate's once the garbage
+            collector drops it. One
             whose saves are still being written when the program ends is waited for
             then on Python 3.11; from Python 3.12 on, Python refuses the threads
             Orbax then needs, so its last save may be lost (eqstate says so on
@@ -723,6 +747,7 @@ class CheckpointManager:
             self, _close_dropped, self._manager, self.directory
         )
         self._closer.atexit = async_save  # Only saves in the background can be lost.
+        _start_closer_thread()
         if async_save:
             _UNCLOSED.difference_update([c for c in list(_UNCLOSED) if not c.alive])
             _UNCLOSED.add(self._closer)
