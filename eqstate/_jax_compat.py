@@ -144,7 +144,7 @@ def evaluates_at_once() -> bool:
     trace = current_trace()
     while isinstance(trace, _AT_ONCE_TRACES):
         trace = getattr(trace, "parent_trace", None)
-    return _core is not None and isinstance(trace, _core.EvalTrace)
+    return is_eval_trace(trace)
 
 
 def _trace_context_state() -> Any:
