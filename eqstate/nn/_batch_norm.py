@@ -1,6 +1,6 @@
 """Batch normalisation, with its running statistics held in `LongTermState`s."""
 
-from typing import Any, NoReturn
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -10,6 +10,7 @@ from jaxtyping import Array, ArrayLike, Inexact, Num, PRNGKeyArray
 from .. import _jax_compat as compat
 from .._pretty_print import state_label
 from .._state import LongTermState, ParamState
+from ._ensemble import refuse_stacked_call
 
 
 _PER_EXAMPLE_HINT = (
@@ -162,7 +163,16 @@ class BatchNorm(eqx.Module):
         # member's lane sees 1-D statistics.
         for state in (self.running_mean, self.running_var):
             if state.value.ndim > 1:
-                self._refuse_ensemble(state, state.value)
+                refuse_stacked_call(
+                    f"BatchNorm(num_features={self.num_features})",
+                    state,
+                    state.value,
+                    (self.num_features,),
+                    unit="layer",
+                    example="`vmap(ensemble, in_states={0: eqstate.states_of("
+                    "ensemble)})(xs)` gives member `i` the batch `xs[i]`, and "
+                    "`in_axes=None` gives every member the same batch",
+                )
         mean_dtype = self.running_mean.value.dtype
         if jnp.iscomplexobj(x) and not jnp.issubdtype(mean_dtype, jnp.complexfloating):
             raise ValueError(
@@ -202,22 +212,6 @@ class BatchNorm(eqx.Module):
                 "variance is zero. Train on batches of two or more, or call it with "
                 "`inference=True` to use the running statistics."
             )
-
-    def _refuse_ensemble(self, state: LongTermState, value: Array) -> NoReturn:
-        n = self.num_features
-        members = value.shape[:-1]
-        count = members[0] if len(members) == 1 else members
-        raise ValueError(
-            f"BatchNorm(num_features={n}) is an ensemble of {count} members: its "
-            f"{state_label(state)} has shape {value.shape}, a single "
-            f"layer's ({n},), so its states are stacked (as "
-            "`eqstate.transform.vmap_new_states` builds them) and it cannot be called "
-            "directly. Call it inside `eqstate.transform.vmap`, mapping its states: "
-            "`vmap(ensemble, in_states={0: eqstate.states_of(ensemble)})(xs)` gives "
-            "member `i` the batch `xs[i]`, and `in_axes=None` gives every member the "
-            "same batch. Or take one member, `eqstate.member(ensemble, i)`, and call "
-            "it."
-        )
 
     def _per_example(self, x: Array) -> bool:
         """Whether `x` is mapped by the innermost `vmap` and the running statistics

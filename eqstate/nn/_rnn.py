@@ -19,6 +19,7 @@ from jaxtyping import Array, ArrayLike, Inexact, PRNGKeyArray
 from .. import _context, random
 from .._pretty_print import state_label
 from .._state import ParamState, ShortTermState
+from ._ensemble import refuse_stacked_call
 
 
 _Carry = tuple[Array, ...]
@@ -121,7 +122,15 @@ class _RecurrentCell(eqx.Module):
         that of the first carried state whose batch shape differs."""
         weight = self.weight_ih.value
         if weight.ndim > 2:
-            self._refuse_ensemble(weight)
+            refuse_stacked_call(
+                self._name(),
+                self.weight_ih,
+                weight,
+                weight.shape[-2:],
+                unit="cell",
+                example="`vmap(ensemble, in_states={0: eqstate.states_of(ensemble)}, "
+                "in_axes=None)(x)` gives every member the same `x`",
+            )
         if x.ndim == 0 or x.shape[-1] != self.input_size:
             raise ValueError(
                 f"{self._name()} takes one time step of shape (*batch, "
@@ -133,20 +142,6 @@ class _RecurrentCell(eqx.Module):
             if value.shape[:-1] != batch:
                 self._refuse_batch(x, batch, state, value)
         return batch
-
-    def _refuse_ensemble(self, weight: Array) -> NoReturn:
-        members = weight.shape[: weight.ndim - 2]
-        count = members[0] if len(members) == 1 else members
-        raise ValueError(
-            f"{self._name()} is an ensemble of {count} members: its "
-            f"{state_label(self.weight_ih)} has shape {weight.shape}, a single cell's "
-            f"{weight.shape[-2:]}, so its parameters are stacked (as "
-            "`eqstate.transform.vmap_new_states` builds them) and it cannot be called "
-            "directly. Call it inside `eqstate.transform.vmap`, mapping its states: "
-            "`vmap(ensemble, in_states={0: eqstate.states_of(ensemble)}, "
-            "in_axes=None)(x)` gives every member the same `x`. Or take one member, "
-            "`eqstate.member(ensemble, i)`, and call it."
-        )
 
     def _refuse_batch(
         self, x: Array, batch: tuple[int, ...], state: ShortTermState, value: Array
