@@ -34,6 +34,7 @@ from ._vmap import (
     arrays_only,
     axis_size_of,
     checked_axis_size,
+    mapped_subtrees,
     per_argument_axes,
     with_impl_of,
 )
@@ -288,10 +289,7 @@ def _split_like_mapped(lane_keys: Any, axes: tuple, args: tuple) -> Any:
 def _first_mapped_array(axes: tuple, args: tuple) -> tuple[int, Any] | None:
     """`(axis, leaf)` of the first array leaf of `args` that `axes` maps, if any."""
     for axis_tree, arg in zip(axes, args):
-        axes_here, treedef = jtu.tree_flatten(axis_tree, is_leaf=lambda x: x is None)
-        for axis, sub in zip(axes_here, treedef.flatten_up_to(arg)):
-            if axis is None:
-                continue
+        for axis, sub in mapped_subtrees(axis_tree, arg):
             for leaf in jtu.tree_leaves(sub):
                 if hasattr(leaf, "shape"):
                     return axis, leaf

@@ -141,7 +141,7 @@ def _refuse_mapped_numbers(axes: tuple, args: tuple) -> None:
     given as an argument or in a list, tuple or dict (a field of a Module, such as a
     layer's `inference` flag, reaches every lane as it is)."""
     for i, (axis, arg) in enumerate(zip(axes, args)):
-        mapped = _mapped_subtrees(axis, arg)
+        mapped = mapped_subtrees(axis, arg)
         for a, sub in mapped:
             for path, leaf in jtu.tree_leaves_with_path(sub, is_leaf=_is_module):
                 if isinstance(leaf, (bool, int, float, complex)):
@@ -159,7 +159,7 @@ def _is_module(x: Any) -> bool:
     return isinstance(x, eqx.Module)
 
 
-def _mapped_subtrees(axis: Any, arg: Any) -> list[tuple[int, Any]]:
+def mapped_subtrees(axis: Any, arg: Any) -> list[tuple[int, Any]]:
     """`(axis, subtree)` for each part of `arg` that the prefix `axis` maps."""
     axes, treedef = jtu.tree_flatten(axis, is_leaf=lambda x: x is None)
     return [
