@@ -463,8 +463,10 @@ class World(Frame):
             for key, ref in list(self._refs.items()):
                 state = ref()
                 if state is not None:
-                    pairs.append((state, self._values[key]))
-        return pairs
+                    pairs.append((state, self._values.get(key, MISSING)))
+        # Lazy values are made after the lock is released: a thread making one holds
+        # `_LAZY_LOCK`, and a garbage collection there waits for `self.lock`.
+        return [(s, self.fetch(s) if v is MISSING else v) for s, v in pairs]
 
     def read(self, state):
         if not compat.is_top_level() and not compat.evaluates_at_once():

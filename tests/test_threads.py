@@ -5,6 +5,7 @@ distinct shape is traced once."""
 import concurrent.futures
 import contextvars
 import functools
+import subprocess
 import sys
 import threading
 import time
@@ -170,12 +171,16 @@ def test_threads_passing_models_that_need_and_need_not_a_split_get_their_answers
 
 
 def test_threads_drawing_eagerly_from_the_default_key_get_different_numbers():
-    draws: list[float] = []
+    # Vectors: 800 single float32 draws from different keys coincide now and then.
+    es.random.seed(55)
+    draws: list[tuple[float, ...]] = []
 
     def work():
         for _ in range(100):
-            draws.append(float(es.random.uniform()))
-            draws.append(float(es.random.uniform(key=es.random.split_key())))
+            draws.append(tuple(es.random.uniform((4,)).tolist()))
+            draws.append(
+                tuple(es.random.uniform((4,), key=es.random.split_key()).tolist())
+            )
 
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # the threads take turns within draws
@@ -184,6 +189,43 @@ def test_threads_drawing_eagerly_from_the_default_key_get_different_numbers():
     finally:
         sys.setswitchinterval(switch)
     assert len(set(draws)) == len(draws) == 800
+
+
+_WORLD_WHILE_THE_DEFAULT_KEY_IS_MADE = """
+import gc, threading, time
+import eqstate as es
+import jax.numpy as jnp
+from eqstate import _context
+
+jnp.zeros(1).block_until_ready()
+garbage = [es.State(jnp.zeros(1), name="garbage")]
+garbage.append(garbage)  # only the cycle collector drops the state
+del garbage
+lazy = _context.WORLD._values.lazy
+make_key = lazy[id(es.random.DEFAULT)]
+
+def slow_make():  # as making the key may: slow, and collecting garbage
+    time.sleep(0.3)  # meanwhile the other thread asks for the world
+    gc.collect()
+    return make_key()
+
+lazy[id(es.random.DEFAULT)] = slow_make
+first_draw = threading.Thread(target=lambda: es.random.DEFAULT.value, daemon=True)
+first_draw.start()
+time.sleep(0.1)
+world = es.world()
+first_draw.join()
+assert world[es.random.DEFAULT] is es.random.DEFAULT.value
+"""
+
+
+def test_the_world_taken_while_another_thread_makes_the_default_key_does_not_deadlock():
+    subprocess.run(
+        [sys.executable, "-c", _WORLD_WHILE_THE_DEFAULT_KEY_IS_MADE],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
 
 
 def test_threads_building_ensembles_with_vmap2_new_states_get_different_keys():
