@@ -255,7 +255,7 @@ def test_an_error_check_compiles_once_per_message_and_raises_its_own():
     compilations(ft.partial(run, -1.0, "first message"))
     assert compilations(ft.partial(run, -2.0, "first message")) == 0
     for message in ("first message", "second message"):  # a new one: a new program
-        with pytest.raises(Exception, match=message):
+        with pytest.raises(eqx.EquinoxRuntimeError, match=message):
             run(1.0, message)
 
 

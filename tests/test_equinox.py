@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import pytest
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, jaxtyped, TypeCheckError
 
 from .helpers import tree_allclose, tree_bitwise_equal
@@ -290,3 +291,57 @@ def test_tree_at_and_partition_on_a_mixed_model(getkey):
     assert tree_bitwise_equal(
         unchanged[model.bn.running_mean], states[model.bn.running_mean]
     )
+
+
+def _checked_calls(checked, mesh):
+    T = es.transform
+    body = lambda c, _: (checked(c), None)  # noqa: E731
+    return {
+        "jit": lambda: T.jit(checked)(1.0),
+        "jit, called twice": lambda: (T.jit(checked)(-1.0), T.jit(checked)(1.0)),
+        "grad": lambda: T.grad(checked)(1.0),
+        "value_and_grad": lambda: T.value_and_grad(checked)(1.0),
+        "jacrev": lambda: T.jacrev(checked)(1.0),
+        "jacfwd": lambda: T.jacfwd(checked)(1.0),
+        "hessian": lambda: T.hessian(checked)(1.0),
+        "vector_grad": lambda: T.vector_grad(checked)(1.0),
+        "jvp": lambda: T.jvp(checked, (1.0,), (1.0,)),
+        "vjp": lambda: T.vjp(checked, 1.0),
+        "vmap": lambda: T.vmap(checked)(jnp.ones(2)),
+        "map": lambda: T.map(checked, jnp.ones(2)),
+        "remat": lambda: T.remat(checked)(1.0),
+        "scan": lambda: T.scan(body, 1.0, None, length=1),
+        "checkpointed_scan": lambda: T.checkpointed_scan(body, 1.0, None, length=2),
+        "for_loop": lambda: T.for_loop(checked, jnp.ones(2)),
+        "while_loop": lambda: T.while_loop(lambda c: c < 3, checked, 1.0),
+        "cond": lambda: T.cond(True, checked, lambda x: x, 1.0),
+        "switch": lambda: T.switch(0, [checked, lambda x: x], 1.0),
+        "ifelse": lambda: T.ifelse([True, True], [lambda: 1, lambda: 2]),
+        "shard_map": lambda: T.shard_map(
+            checked, mesh=mesh, in_specs=P(), out_specs=P()
+        )(jnp.array(1.0)),
+    }
+
+
+_TRANSFORMS = list(_checked_calls(None, None))
+
+
+@pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
+@pytest.mark.parametrize("transform", _TRANSFORMS)
+def test_a_failed_error_if_raises_equinox_runtime_error_through_every_transform(
+    transform,
+):
+    s = es.State(jnp.array(0.0), name="s")
+
+    def checked(x):
+        s.value = s.value + 1
+        return eqx.error_if(x, x > 0, "x must not be positive")
+
+    mesh = jax.make_mesh((1,), ("d",))
+    with pytest.raises(eqx.EquinoxRuntimeError) as caught:
+        _checked_calls(checked, mesh)[transform]()
+    message = str(caught.value)
+    expected = "exactly one condition" if transform == "ifelse" else "x must not be"
+    # Equinox's own advice (use `eqx.filter_jit`, which cannot read states) is gone.
+    assert expected in message and "filter_jit" not in message
+    assert s.value == (1.0 if transform == "jit, called twice" else 0.0)

@@ -27,6 +27,7 @@ from .._training import inexact_part
 from ._common import partition, select_states
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
+from ._equinox_errors import EQUINOX_ERRORS
 from ._leaves import dynamic_mask
 
 
@@ -441,7 +442,7 @@ class _GradientTransform:
             self._check_inexact(diff)
         grad_values = diff.grad_values()
         differentiated = [part for part, _ in parts]
-        with diff.rules_see():
+        with diff.rules_see(), EQUINOX_ERRORS:
             grads, (value, extras) = transformed(grad_values, *differentiated)
         aux = diff.finish(extras)
         single = self._single_arg
@@ -954,12 +955,13 @@ def vjp(
         full = [combine(d, rest) for d, (_, rest) in zip(differentiable, parts)]
         return pure(grad_values, *full)
 
-    out, vjp_fn, extras = jax.vjp(
-        differentiated,
-        diff.grad_values(),
-        *(d for d, _ in parts),
-        has_aux=True,
-    )
+    with EQUINOX_ERRORS:
+        out, vjp_fn, extras = jax.vjp(
+            differentiated,
+            diff.grad_values(),
+            *(d for d, _ in parts),
+            has_aux=True,
+        )
     aux = diff.finish(extras)
 
     def state_vjp(cotangent: Any) -> Any:
@@ -1067,11 +1069,12 @@ def jvp(
         full = [combine(d, rest) for d, (_, rest) in zip(differentiable, parts)]
         return pure(grad_values, *full)
 
-    out, tangent_out, extras = jax.jvp(
-        differentiated,
-        (grad_values, *(d for d, _ in parts)),
-        (state_tangent_values, *map(_tangent_like, tangents, primals)),
-        has_aux=True,
-    )
+    with EQUINOX_ERRORS:
+        out, tangent_out, extras = jax.jvp(
+            differentiated,
+            (grad_values, *(d for d, _ in parts)),
+            (state_tangent_values, *map(_tangent_like, tangents, primals)),
+            has_aux=True,
+        )
     aux = diff.finish(extras)
     return (out, tangent_out, aux) if has_aux else (out, tangent_out)

@@ -30,6 +30,7 @@ from .._shapes import is_key
 from .._state import State
 from .._state_dict import sharding_rule
 from ._call_args import CallArgs
+from ._equinox_errors import EQUINOX_ERRORS, raise_equinox_error
 from ._function_traces import FunctionTraces
 from ._leaves import ArrayImpl, in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
@@ -643,6 +644,9 @@ class JitDispatch:
                 out, updated = jitted(written, read, *args)
         except _REFUSALS as exc:
             return self._after_refusal(exc, plan, args, kwargs)
+        except jax.errors.JaxRuntimeError as exc:
+            raise_equinox_error(exc)
+            raise
         one = plan.bare_written
         if one is not None:
             values[one] = updated
@@ -658,6 +662,7 @@ class JitDispatch:
         if getattr(exc, "_eqstate_from_trace", False):
             raise exc
         if isinstance(exc, _JIT_REFUSALS):
+            raise_equinox_error(exc)
             self._raise_if_planned(exc, plan, args, kwargs)
         return self._call_unplanned(args, kwargs)
 
@@ -698,11 +703,12 @@ class JitDispatch:
         frame = _context.current_frame()
         call = self._traces.parse(args, kwargs)
         trace = self._traces.trace_for(call, frame)
-        if can_plan(trace):
-            done, out = self._call_planned(call, trace, frame, args, kwargs)
-            if done:
-                return out
-        return self._traces.call_in(frame, call, self.flat_options(), trace)
+        with EQUINOX_ERRORS:
+            if can_plan(trace):
+                done, out = self._call_planned(call, trace, frame, args, kwargs)
+                if done:
+                    return out
+            return self._traces.call_in(frame, call, self.flat_options(), trace)
 
     def _call_plan(
         self,

@@ -12,6 +12,7 @@ from .._custom_types import MISSING
 from ._common import hide_static, partition, show_static
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
+from ._equinox_errors import EQUINOX_ERRORS
 
 
 compat.hide_from_tracebacks(__file__)
@@ -78,7 +79,8 @@ def checkpoint(
             a if i in static or i - len(args) in static else hide_static(a)
             for i, a in enumerate(args)
         )
-        leaves, updated, new_values = remat(traced.values, *hidden)
+        with EQUINOX_ERRORS:
+            leaves, updated, new_values = remat(traced.values, *hidden)
         updated, new_values = _as_arrays(updated), _as_arrays(new_values)
         traced.commit(
             dict(zip(box["updated"], updated)), list(zip(box["new"], new_values))

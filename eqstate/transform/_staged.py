@@ -43,6 +43,7 @@ from jax.core import ShapedArray
 
 from .. import _jax_compat as compat
 from ._eager import jit_disabled
+from ._equinox_errors import EQUINOX_ERRORS
 
 
 compat.hide_from_tracebacks(__file__)
@@ -75,10 +76,11 @@ def staged(fn: Callable, *args: Any) -> Any:
         return fn(*args)
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
     leaves = jtu.tree_leaves(args)
-    if closed.effects:
-        out = jex_core.jaxpr_as_fun(closed)(*leaves)
-    else:
-        out = _compiled(closed.jaxpr)(closed.consts, leaves)
+    with EQUINOX_ERRORS:
+        if closed.effects:
+            out = jex_core.jaxpr_as_fun(closed)(*leaves)
+        else:
+            out = _compiled(closed.jaxpr)(closed.consts, leaves)
     return jtu.tree_unflatten(jtu.tree_structure(shapes), out)
 
 

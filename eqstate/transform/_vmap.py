@@ -21,6 +21,7 @@ from .._state import NonBatchState, RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
+from ._equinox_errors import EQUINOX_ERRORS
 from ._function_traces import FunctionTraces
 from ._view import View
 
@@ -635,20 +636,26 @@ def _call_vmapped(
         _context.mapped_in_rules([*roles.mapped, *roles.randoms])
     size = _lane_count(axes, args, axis_size, _state_sizes(traced, mapped_axis))
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
-    out, new_mapped, new_broadcast, alike, per_lane = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
-        _lane_function(traced, values, roles),
-        in_axes=(list(roles.mapped.values()), 0, arrays_only(axes), eqx.if_array(0)),
-        out_axes=(
-            arrays_only(out_axes),
-            _out_state_axes(roles, out_pairs),
-            None,
-            None,
-            0,
-        ),
-        axis_name=axis_name,
-        axis_size=size,
-        spmd_axis_name=spmd_axis_name,
-    )([values[s] for s in roles.mapped], lane_keys, args, kwargs)
+    with EQUINOX_ERRORS:
+        out, new_mapped, new_broadcast, alike, per_lane = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
+            _lane_function(traced, values, roles),
+            in_axes=(
+                list(roles.mapped.values()),
+                0,
+                arrays_only(axes),
+                eqx.if_array(0),
+            ),
+            out_axes=(
+                arrays_only(out_axes),
+                _out_state_axes(roles, out_pairs),
+                None,
+                None,
+                0,
+            ),
+            axis_name=axis_name,
+            axis_size=size,
+            spmd_axis_name=spmd_axis_name,
+        )([values[s] for s in roles.mapped], lane_keys, args, kwargs)
     updates = dict(zip(roles.broadcast_written, new_broadcast))
     for state, value in zip(roles.mapped_written, new_mapped):
         _check_same_shape(state, values[state], value)
