@@ -21,6 +21,7 @@ from ._filters import to_predicate
 from ._pretty_print import state_label, value_summary
 from ._state import is_state, State
 from ._state_dict import state_dict_of, StateDict
+from ._static_fields import refuse_static_handles
 
 
 _P = ParamSpec("_P")
@@ -410,6 +411,12 @@ def states_of(
 
     A tuple of handles, or of `(path, handle)` pairs.
 
+    **Raises:**
+
+    `ValueError` if a module in `pytree` keeps a handle in a field marked
+    `eqx.field(static=True)`, which flattening skips (and with it every function that
+    finds a model's states: `values_of`, checkpoints, `clone`).
+
     !!! Example
 
         ```python
@@ -427,6 +434,7 @@ def states_of(
             "states are its keys. Pass the model, or use the StateDict's `states` or "
             "`filter(...)`."
         )
+    refuse_static_handles(pytree)
     predicates = [to_predicate(f) for f in filters]
     found: dict[State, tuple] = {}
     for path, leaf in jtu.tree_leaves_with_path(pytree, is_leaf=is_state):

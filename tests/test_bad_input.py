@@ -172,6 +172,21 @@ def positional_options_with_handles():
     return lambda: step({"w": w}, jnp.ones(3)), [w]
 
 
+@case(
+    "a model keeping a handle in a field marked `eqx.field(static=True)`, cloned",
+    ValueError,
+    r"`Counter.n` \(at `.n`\), a field marked.*Remove `static=True`",
+)
+def handle_in_static_field():
+    import equinox as eqx
+
+    class Counter(eqx.Module):
+        n: es.State = eqx.field(static=True)
+
+    n = es.State(jnp.array(0), name="n")
+    return lambda: es.clone(Counter(n)), [n]
+
+
 @case("an unhashable static argument", TypeError, "unhashable static argument 1")
 def unhashable_static():
     sf = es.transform.StatefulFunction(lambda x, n: x, static_argnums=1)

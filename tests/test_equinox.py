@@ -345,3 +345,38 @@ def test_a_failed_error_if_raises_equinox_runtime_error_through_every_transform(
     # Equinox's own advice (use `eqx.filter_jit`, which cannot read states) is gone.
     assert expected in message and "filter_jit" not in message
     assert s.value == (1.0 if transform == "jit, called twice" else 0.0)
+
+
+class _StaticCounter(eqx.Module):
+    w: es.ParamState
+    steps: es.ShortTermState = eqx.field(static=True)
+
+    def __init__(self):
+        self.w = es.ParamState(jnp.zeros(2), name="w")
+        self.steps = es.ShortTermState(jnp.array(0), name="steps")
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda model, _: es.states_of(model),
+        lambda model, _: es.values_of(model),
+        lambda model, _: es.clone(model),
+        lambda model, path: es.save(
+            path, es.values_of(model["model"][1].w), model=model
+        ),
+    ],
+    ids=["states_of", "values_of", "clone", "save"],
+)
+def test_a_handle_in_a_static_field_is_refused_where_flattening_would_miss_it(
+    use, tmp_path
+):
+    model = {"model": [eqx.nn.Identity(), _StaticCounter()]}
+    with pytest.raises(
+        ValueError,
+        match=r"ShortTermState 'steps' is held by `_StaticCounter.steps` \(at "
+        r"`\['model'\]\[1\].steps`\), a field marked `eqx.field\(static=True\)`.*"
+        r"Remove `static=True`",
+    ):
+        use(model, tmp_path / "model.eqstate")
+    assert not (tmp_path / "model.eqstate").exists()
