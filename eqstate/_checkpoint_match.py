@@ -5,6 +5,7 @@ way."""
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 from jaxtyping import PyTree
 
 from ._checkpoint_paths import Leaf, state_paths
@@ -79,23 +80,40 @@ def check_entries(
     if needed or extra:
         raise _mismatch(path, target, needed, extra)
 
-    problems = []
+    problems, narrowed = [], False
     for spec in specs:
         entry = by_path[spec.path]
         found = (entry["dtype"], tuple(entry["shape"]), entry.get("key_impl"))
+        held = jax.dtypes.canonicalize_dtype(spec.dtype)
         if found != (spec.dtype.name, spec.shape, spec.key_impl):
             problems.append(
                 f"`{spec.path}` holds {_array_summary(*found)}, but "
                 f"{state_label(spec.state)} expects "
                 f"{_array_summary(spec.dtype.name, spec.shape, spec.key_impl)}"
             )
+            narrowed |= jax.dtypes.canonicalize_dtype(entry["dtype"]).name == held.name
+        elif held != spec.dtype:
+            problems.append(
+                f"`{spec.path}` holds {spec.dtype.name}, which JAX holds as {held.name} "
+                f"while 64-bit types are off: {state_label(spec.state)} would get "
+                "other values"
+            )
+            narrowed = True
     if problems:
         listed = first_and_more(
             (f"- {problem};" for problem in problems), sep="\n", more="\n- and {} more;"
         )
-        raise CheckpointError(
-            f"The checkpoint {path!r} does not match {target}:\n{listed}\n"
+        fix = (
             "Build the target with the shapes and dtypes it had when it was saved, or "
             "load into such a target and convert the values after loading."
+        )
+        if narrowed:
+            fix = (
+                "The checkpoint was saved with 64-bit types on: turn them on before "
+                "loading it (`jax.config.update('jax_enable_x64', True)`, at the "
+                "program's start)."
+            )
+        raise CheckpointError(
+            f"The checkpoint {path!r} does not match {target}:\n{listed}\n{fix}"
         )
     return by_path

@@ -1717,3 +1717,45 @@ def test_save_to_a_long_file_name(tmp_path, monkeypatch):
     with pytest.raises(es.CheckpointError, match=r"too long.*Use a shorter file name"):
         save(tmp_path / ("m" * 300), es.values_of(w))
     assert sorted(os.listdir(tmp_path)) == sorted([path.name, kept])
+
+
+_SAVED_WITH_X64 = """
+import sys
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+import eqstate as es
+model = {"n": es.State(jnp.array(2**33 + 5, jnp.int64), name="n"),
+         "x": es.State(jnp.array(1e-50, jnp.float64), name="x")}
+es.save(sys.argv[1], es.values_of(model), model=model, backend=sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+def test_a_64_bit_checkpoint_loaded_with_64_bit_types_off_is_refused(tmp_path, backend):
+    path = str(tmp_path / "x64")
+    subprocess.run(
+        [sys.executable, "-c", _SAVED_WITH_X64, path, backend],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    model = {"n": es.State(jnp.array(0), name="n"), "x": es.State(jnp.array(0.0))}
+    asks_64_bits = es.StateDict(
+        {
+            model["n"]: jax.ShapeDtypeStruct((), np.int64),
+            model["x"]: jax.ShapeDtypeStruct((), np.float64),
+        }
+    )
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"(?s)`n` holds int64, which JAX holds as int32 while 64-bit types are "
+        r"off.*turn them on before loading it \(`jax.config.update\('jax_enable_x64'",
+    ):
+        es.load(path, asks_64_bits, model=model, backend=backend)
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"(?s)`n` holds shape \(\) and dtype int64, but State 'n' expects shape "
+        r"\(\) and dtype int32.*jax_enable_x64",
+    ):
+        es.load(path, model, backend=backend)
