@@ -686,7 +686,7 @@ class CheckpointManager:
         self,
         directory: str | os.PathLike,
         *,
-        max_to_keep: int | None = None,
+        max_to_keep: int | np.integer | None = None,
         async_save: bool = True,
     ):
         """**Arguments:**
@@ -696,8 +696,9 @@ class CheckpointManager:
             steps: others, even named by a number, are neither loaded nor deleted.
             With several processes, every process must see it (a shared file
             system, or a bucket Orbax can write).
-        - `max_to_keep`: keep only the last this many checkpoints, deleting older
-            ones after each save; `None` keeps all. (Keyword only argument.)
+        - `max_to_keep`: keep only the last this many checkpoints (a positive
+            `int`), deleting older ones after each save; `None` keeps all. (Keyword
+            only argument.)
         - `async_save`: save in the background: `save` returns once the values are
             copied off the devices, and the files are written while the program
             goes on. Call `close()` (or use a `with` block) once training is done.
@@ -716,10 +717,14 @@ class CheckpointManager:
 
         [`eqstate.CheckpointError`][] if `directory` is a file.
         """
-        if max_to_keep is not None and max_to_keep < 1:
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool)
+            or not isinstance(max_to_keep, (int, np.integer))
+            or max_to_keep < 1
+        ):
             raise ValueError(
-                f"`max_to_keep` must be a positive number of checkpoints, or None to "
-                f"keep all; got {max_to_keep}."
+                f"`max_to_keep` must be a positive number of checkpoints (an int), or "
+                f"None to keep all; got {max_to_keep!r}."
             )
         ocp = orbax("`eqstate.CheckpointManager`")
         self._ocp = ocp
@@ -734,7 +739,7 @@ class CheckpointManager:
             )
         self._name_format = _CheckpointsOnly(ocp.step.standard_name_format())
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None if max_to_keep is None else int(max_to_keep),
             enable_async_checkpointing=async_save,
             create=True,
             # What a crash mid-save left behind is never a checkpoint: remove it.

@@ -15,7 +15,7 @@ import pytest
 from eqstate import _orbax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from .helpers import tree_bitwise_equal
+from .helpers import tree_bitwise_equal, unchecked_new
 
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint32, jnp.bool_)
@@ -457,3 +457,20 @@ def test_a_manager_collected_just_before_the_program_ends_keeps_its_save(tmp_pat
     )
     assert "may be incomplete" not in ended.stderr
     assert os.listdir(tmp_path) == ["1"]
+
+
+@pytest.mark.parametrize("max_to_keep", [0, -1, 1.5, "2", True])
+def test_max_to_keep_other_than_a_positive_int_is_refused_when_made(
+    tmp_path, max_to_keep
+):
+    with pytest.raises(ValueError, match=r"`max_to_keep` must be a positive number"):
+        unchecked_new(es.CheckpointManager, tmp_path / "run", max_to_keep=max_to_keep)
+    assert not (tmp_path / "run").exists()
+
+
+def test_max_to_keep_may_be_a_numpy_integer(tmp_path):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    with es.CheckpointManager(tmp_path, max_to_keep=np.int64(1)) as manager:
+        manager.save(1, es.values_of(w))
+        manager.save(2, es.values_of(w))
+    assert os.listdir(tmp_path) == ["2"]
