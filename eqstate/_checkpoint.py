@@ -16,6 +16,7 @@ from ._checkpoint_checks import refuse_under_transforms, values_to_save
 from ._checkpoint_file import read_array, read_checkpoint, write_checkpoint
 from ._checkpoint_match import check_entries, is_state_mapping, load_target
 from ._checkpoint_paths import (
+    made_where,
     state_paths,
     stored_leaves,
     target_sharding,
@@ -177,7 +178,9 @@ def load(
     **Returns:**
 
     A `StateDict` from the target's handles to the loaded values, each placed like the
-    target's current value (same device or sharding). The target may hold abstract
+    target's current value: on its sharding if it is committed to devices, else
+    uncommitted on its device (one made under `jax.default_device`, say, stays on
+    that device), so that jitted functions do not compile again. The target may hold abstract
     values (`jax.ShapeDtypeStruct`, as [`eqstate.transform.eval_shape`][] returns),
     typed PRNG keys included: each is loaded onto its `sharding` if it has one.
 
@@ -227,8 +230,10 @@ def load(
     entries, data = read_checkpoint(path)
     by_path = check_entries(path, target, [spec for spec, _ in specs], entries)
 
-    arrays = [
-        _placed_like(leaf, read_array(spec, by_path[spec.path], data))
-        for spec, leaf in specs
-    ]
+    arrays = []
+    for spec, leaf in specs:
+        with made_where(leaf):
+            arrays.append(
+                _placed_like(leaf, read_array(spec, by_path[spec.path], data))
+            )
     return values_from_arrays(expected, specs, arrays, by_path)

@@ -4,6 +4,7 @@ when there is no model; a value with several arrays extends it by each array's p
 in the value (`opt.mu.0`). Both checkpoint formats name their entries this way, and
 rebuild the values from the arrays they read back."""
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Any, cast, NamedTuple
 
@@ -150,6 +151,17 @@ def target_sharding(leaf: Any) -> Sharding | None:
     return None
 
 
+def made_where(leaf: Any) -> contextlib.AbstractContextManager:
+    """Where a value loaded for `leaf` is made when `target_sharding` does not place
+    it: on the device of an uncommitted array (one made under `jax.default_device`,
+    say), as `jax.default_device` makes it, so that it stays uncommitted."""
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
+        devices = leaf.devices()
+        if not leaf.committed and len(devices) == 1:
+            return jax.default_device(next(iter(devices)))
+    return contextlib.nullcontext()
+
+
 def stored_leaves(
     paths: Mapping[State, str], values: Mapping[State, PyTree]
 ) -> list[tuple[Leaf, Any]]:
@@ -205,11 +217,12 @@ def values_from_arrays(
     A `StateDict` from each state of `expected` to its value rebuilt from `arrays`.
     """
     loaded: dict[State, list[Any]] = {state: [] for state in expected}
-    for (spec, _), array in zip(specs, arrays, strict=True):
+    for (spec, leaf), array in zip(specs, arrays, strict=True):
         # Checkpoints written before entries recorded `weak_type` take the target's.
         weak = entries[spec.path].get("weak_type", spec.weak_type)
         if weak is True and spec.key_impl is None:
-            array = weakly_typed(array)
+            with made_where(leaf):
+                array = weakly_typed(array)
         loaded[spec.state].append(array)
     return state_dict_of(
         {

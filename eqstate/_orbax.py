@@ -44,6 +44,7 @@ from ._checkpoint_checks import (
 from ._checkpoint_match import check_entries, load_target
 from ._checkpoint_paths import (
     Leaf,
+    made_where,
     state_paths,
     stored_leaves,
     target_sharding,
@@ -410,9 +411,10 @@ def _restore_args(ocp: Any, specs: list[tuple[Leaf, Any]]) -> dict[str, Any]:
 
 
 def _value(spec: Leaf, leaf: Any, stored: Any) -> Any:
-    value = jnp.asarray(stored)
-    if spec.key_impl is not None:
-        value = jax.random.wrap_key_data(value, impl=spec.key_impl)
+    with made_where(leaf):
+        value = jnp.asarray(stored)
+        if spec.key_impl is not None:
+            value = jax.random.wrap_key_data(value, impl=spec.key_impl)
     if isinstance(stored, np.ndarray) and (sharding := target_sharding(leaf)):
         # As in the single-file format: only values tied to devices are placed.
         value = device_put(value, sharding)

@@ -748,6 +748,35 @@ def test_load_places_only_values_that_are_tied_to_devices(tmp_path):
     assert loaded[placed].committed and loaded[placed].devices() == {jax.devices()[1]}
 
 
+@pytest.mark.parametrize("backend", ["single-file", "orbax", "manager"])
+def test_load_makes_values_on_the_device_of_a_target_made_under_default_device(
+    tmp_path, backend
+):
+    device = jax.devices()[2]
+    with jax.default_device(device):
+        model = {
+            "w": es.ParamState(jnp.arange(4.0), name="w"),
+            "n": es.State(jnp.array(3), name="n"),  # weakly typed
+            "key": es.State(jr.key(0), name="key"),
+        }
+    path = tmp_path / "model"
+    if backend == "manager":
+        with es.CheckpointManager(path) as manager:
+            manager.save(1, es.values_of(model), model=model)
+            loaded = manager.load(model)
+    else:
+        es.save(path, es.values_of(model), model=model, backend=backend)
+        loaded = es.load(path, model, backend=backend)
+    for state in model.values():
+        value = loaded[state]
+        assert value.devices() == {device} and not value.committed, state
+    assert loaded[model["n"]].weak_type
+    assert tree_bitwise_equal(
+        [jr.key_data(loaded[model["key"]]), loaded[model["w"]]],
+        [jr.key_data(model["key"].value), model["w"].value],
+    )
+
+
 def _raw_checkpoint(header: bytes, data: bytes = b"") -> bytes:
     """A file with a valid magic, version and header checksum around `header`."""
     head = struct.pack("<8sIQ", b"\x93EQSTATE", 1, len(header)) + header
