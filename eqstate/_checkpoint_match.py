@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jaxtyping import PyTree
 
 from ._checkpoint_paths import Leaf, state_paths
@@ -68,6 +69,15 @@ def _mismatch(path: str, target: str, needed: list, extra: list) -> CheckpointEr
     return CheckpointError("\n".join(lines))
 
 
+# The dtypes JAX narrows to 32 bits while 64-bit types are off.
+_64_BIT = frozenset({"int64", "uint64", "float64", "complex128"})
+
+
+def _held_as(dtype: Any) -> np.dtype:
+    """The dtype JAX holds values of `dtype` as (narrowed while 64-bit types are off)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
+
+
 def check_entries(
     path: str, target: str, specs: list[Leaf], entries: list[dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
@@ -84,14 +94,15 @@ def check_entries(
     for spec in specs:
         entry = by_path[spec.path]
         found = (entry["dtype"], tuple(entry["shape"]), entry.get("key_impl"))
-        held = jax.dtypes.canonicalize_dtype(spec.dtype)
+        held = _held_as(spec.dtype)
         if found != (spec.dtype.name, spec.shape, spec.key_impl):
             problems.append(
                 f"`{spec.path}` holds {_array_summary(*found)}, but "
                 f"{state_label(spec.state)} expects "
                 f"{_array_summary(spec.dtype.name, spec.shape, spec.key_impl)}"
             )
-            narrowed |= jax.dtypes.canonicalize_dtype(entry["dtype"]).name == held.name
+            stored = entry["dtype"]
+            narrowed |= stored in _64_BIT and _held_as(stored) == held
         elif held != spec.dtype:
             problems.append(
                 f"`{spec.path}` holds {spec.dtype.name}, which JAX holds as {held.name} "
