@@ -869,12 +869,22 @@ class CheckpointManager:
         )
 
     def latest_step(self) -> int | None:
-        """The highest step saved (or being saved), or `None` if there is none."""
+        """The highest step saved (or being saved), or `None` if there is none. Steps
+        other managers or programs saved or removed count too."""
+        self._reread_steps()
         return self._manager.latest_step()
 
     def steps(self) -> tuple[int, ...]:
-        """Every step kept, in increasing order."""
+        """Every step kept, in increasing order, as the directory now holds them."""
+        self._reread_steps()
         return tuple(sorted(self._manager.all_steps()))
+
+    def _reread_steps(self) -> None:
+        """Lists the steps in the directory again (another manager or program may
+        have saved or removed some since), unless a save of this manager's is being
+        written, which Orbax would then leave out."""
+        if not self._closed and not self._manager.is_saving_in_progress():
+            self._manager.reload()
 
     def is_saving(self) -> bool:
         """Whether a save is still being written in the background."""

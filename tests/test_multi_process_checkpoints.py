@@ -2,6 +2,7 @@
 in one process; `test_multi_process.py` runs them across processes."""
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -474,3 +475,18 @@ def test_max_to_keep_may_be_a_numpy_integer(tmp_path):
         manager.save(1, es.values_of(w))
         manager.save(2, es.values_of(w))
     assert os.listdir(tmp_path) == ["2"]
+
+
+def test_a_manager_sees_the_steps_another_manager_saved_or_removed_since(tmp_path):
+    w = es.ParamState(jnp.zeros(3), name="w")
+    reader = es.CheckpointManager(tmp_path)  # made before any step is saved
+    with es.CheckpointManager(tmp_path, max_to_keep=2) as writer:
+        for step in (1, 2, 3):
+            w.value = jnp.full(3, float(step))
+            writer.save(step, es.values_of(w))
+    assert reader.steps() == (2, 3) and reader.latest_step() == 3
+    assert (reader.load(es.values_of(w))[w] == 3.0).all()
+    shutil.rmtree(tmp_path / "3")  # removed by hand, to free space say
+    assert reader.steps() == (2,) and reader.latest_step() == 2
+    assert (reader.load(es.values_of(w))[w] == 2.0).all()
+    reader.close()
