@@ -124,6 +124,12 @@ def write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
             "not exist. Create it first, e.g. with `os.makedirs(directory, "
             "exist_ok=True)`."
         )
+    if os.path.isdir(target):
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {path!r}: it is a directory. Pass the path "
+            "of a file, e.g. `os.path.join(directory, 'model.eqstate')`; a directory "
+            "of numbered checkpoints is written with `eqstate.CheckpointManager`."
+        )
     _remove_stale_temporaries(target)
     tmp = os.path.join(
         directory,

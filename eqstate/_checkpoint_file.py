@@ -58,7 +58,7 @@ from ._atomic_file import write_atomically
 from ._checkpoint_checks import check_savable
 from ._checkpoint_paths import Leaf
 from ._errors import CheckpointError
-from ._multi_process import require_fully_addressable, SAVE_FIX
+from ._multi_process import is_orbax_checkpoint, require_fully_addressable, SAVE_FIX
 from ._pretty_print import state_label
 
 
@@ -154,6 +154,12 @@ def _open_checkpoint(path: str) -> io.BufferedReader:
             "write one first with `eqstate.save`."
         ) from None
     except IsADirectoryError:
+        if is_orbax_checkpoint(path):
+            raise CheckpointError(
+                f"{path!r} is a checkpoint of the Orbax backend, not a single-file "
+                "one: load it with `backend='orbax'`, or leave `backend` unset to "
+                "pick the backend from the path."
+            ) from None
         raise CheckpointError(
             f"{path!r} is a directory, not a checkpoint file. Pass the path of the "
             "file written by `eqstate.save`; a directory of numbered checkpoints "

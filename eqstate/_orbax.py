@@ -717,7 +717,8 @@ class CheckpointManager:
 
         **Raises:**
 
-        [`eqstate.CheckpointError`][] if `directory` is a file.
+        [`eqstate.CheckpointError`][] if `directory` is a file, or cannot be created
+        or read.
         """
         if max_to_keep is not None and (
             isinstance(max_to_keep, bool)
@@ -748,7 +749,14 @@ class CheckpointManager:
             cleanup_tmp_directories=True,
             step_name_format=self._name_format,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as e:
+            raise CheckpointError(
+                f"Cannot keep checkpoints in {self.directory!r}: creating or reading "
+                f"it failed ({type(e).__name__}: {e}). Pass a directory this program "
+                "can create and write, on a file system with space."
+            ) from e
         self._closed = False
         self._closer = weakref.finalize(
             self, _close_dropped, self._manager, self.directory

@@ -1788,3 +1788,32 @@ def test_a_64_bit_checkpoint_loaded_with_64_bit_types_off_is_refused(tmp_path, b
         r"\(\) and dtype int32.*jax_enable_x64",
     ):
         es.load(path, model, backend=backend)
+
+
+def test_an_orbax_checkpoint_loaded_as_a_single_file_says_to_use_the_orbax_backend(
+    tmp_path,
+):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    es.save(tmp_path / "c", es.values_of(w), backend="orbax")
+    with pytest.raises(
+        es.CheckpointError, match=r"checkpoint of the Orbax backend.*backend='orbax'"
+    ):
+        es.load(tmp_path / "c", es.values_of(w), backend="single-file")
+
+
+def test_saving_onto_a_directory_says_to_pass_a_file_path_and_keeps_it(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "kept.txt").write_text("kept")
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    with pytest.raises(
+        es.CheckpointError, match=r"it is a directory. Pass the path of"
+    ):
+        es.save(tmp_path / "logs", es.values_of(w), backend="single-file")
+    assert os.listdir(tmp_path) == ["logs"]
+    assert os.listdir(tmp_path / "logs") == ["kept.txt"]
+
+
+def test_a_manager_whose_directory_cannot_be_made_raises_checkpoint_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(es.CheckpointError, match=r"creating or reading it failed"):
+        es.CheckpointManager(tmp_path / "afile" / "run")
