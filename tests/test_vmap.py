@@ -464,3 +464,19 @@ def test_axis_size_takes_numpy_and_jax_integers_as_jax_vmap(size):
         lambda: es.ParamState(jnp.zeros(2)), axis_size=size
     )()
     assert ensemble.value.shape == (3, 2)
+
+
+@pytest.mark.parametrize("axis", [1, -2, 3])
+def test_an_out_states_axis_out_of_range_names_the_state_and_the_range(axis):
+    a = es.State(jnp.zeros(2), name="a")
+
+    def f(x):
+        a.value = a.value + x
+
+    with pytest.raises(
+        ValueError,
+        match=rf"`out_states` puts the mapped axis of State 'a' \(f32\[2\]\) at {axis}, "
+        r"but its value has 1 axes: pass an axis from -1 to 0\.",
+    ):
+        es.transform.vmap(f, in_states={0: a}, out_states={axis: a})(jnp.ones(2))
+    assert (a.value == 0).all()

@@ -607,13 +607,24 @@ def _check_written_alike(state: State, value: Any) -> None:
         raise BatchAxisError(_UNDECLARED_BATCHED_WRITE.format(label=state_label(state)))
 
 
-def _out_state_axes(roles: _StateRoles, out_pairs: list) -> list[int]:
+def _out_state_axes(roles: _StateRoles, out_pairs: list, values: dict) -> list[int]:
     """The output axis of each written mapped state: from `out_states`, else its
-    input axis."""
-    axes = [axis_of(s, out_pairs) for s in roles.mapped_written]
-    return [
-        roles.mapped[s] if a is None else a for s, a in zip(roles.mapped_written, axes)
-    ]
+    input axis. Raises `ValueError` for an axis out of range for the state's value."""
+    axes = []
+    for state in roles.mapped_written:
+        axis = axis_of(state, out_pairs)
+        if axis is None:
+            axis = roles.mapped[state]
+        for leaf in jtu.tree_leaves(values[state]):
+            if not -leaf.ndim <= axis < leaf.ndim:
+                raise ValueError(
+                    f"`out_states` puts the mapped axis of "
+                    f"{state_label(state, values[state])} at {axis}, but its value "
+                    f"has {leaf.ndim} axes: pass an axis from {-leaf.ndim} to "
+                    f"{leaf.ndim - 1}."
+                )
+        axes.append(axis)
+    return axes
 
 
 def _call_vmapped(
@@ -647,7 +658,7 @@ def _call_vmapped(
             ),
             out_axes=(
                 arrays_only(out_axes),
-                _out_state_axes(roles, out_pairs),
+                _out_state_axes(roles, out_pairs, values),
                 None,
                 None,
                 0,
