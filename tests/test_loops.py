@@ -507,3 +507,26 @@ def test_scan_refuses_a_progress_bar_that_is_not_one():
         unchecked(es.transform.scan)(
             lambda c, x: (c, x), 0, jnp.ones(3), pbar="invalid"
         )
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vjp", "jit(grad)"])
+def test_reverse_mode_through_while_loop_points_to_bounded_while_loop(transform):
+    w = es.ParamState(jnp.array(2.0), name="w")
+
+    def f(x):
+        return es.transform.while_loop(lambda v: v < 10, lambda v: v * w.value, x)
+
+    T = es.transform
+    calls = {
+        "grad": lambda: T.grad(f, grad_states=w)(1.0),
+        "jacrev": lambda: T.jacrev(f, grad_states=w)(1.0),
+        "vjp": lambda: T.vjp(f, 1.0, grad_states=w)[1](1.0),
+        "jit(grad)": lambda: T.jit(T.grad(f, grad_states=w))(1.0),
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)Reverse-mode differentiation does not work.*"
+        r"`eqstate.transform.bounded_while_loop\(cond_fun, body_fun, init, max_steps\)`",
+    ):
+        calls[transform]()
+    assert w.value == 2.0

@@ -442,7 +442,7 @@ class _GradientTransform:
             self._check_inexact(diff)
         grad_values = diff.grad_values()
         differentiated = [part for part, _ in parts]
-        with diff.rules_see(), EQUINOX_ERRORS:
+        with diff.rules_see(), EQUINOX_ERRORS, _WHILE_LOOP_HINT:
             grads, (value, extras) = transformed(grad_values, *differentiated)
         aux = diff.finish(extras)
         single = self._single_arg
@@ -671,6 +671,29 @@ def _jax_vector_grad(
         return vjp_fn(_ones_like(value)), aux
 
     return transformed
+
+
+# What JAX raises when reverse mode meets a `while_loop`.
+_WHILE_LOOP_REFUSED = "Reverse-mode differentiation does not work for lax.while_loop"
+
+
+class _WhileLoopHint:
+    """`with _WHILE_LOOP_HINT:` adds eqstate's differentiable loop to JAX's error for
+    reverse-mode differentiation of a `while_loop`."""
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, ValueError) and _WHILE_LOOP_REFUSED in str(exc):
+            raise ValueError(
+                f"{exc}\n\nFor `eqstate.transform.while_loop`, use "
+                "`eqstate.transform.bounded_while_loop(cond_fun, body_fun, init, "
+                "max_steps)`, which reverse-mode differentiation supports."
+            ) from exc
+
+
+_WHILE_LOOP_HINT = _WhileLoopHint()
 
 
 @decorator_form
@@ -955,7 +978,7 @@ def vjp(
         full = [combine(d, rest) for d, (_, rest) in zip(differentiable, parts)]
         return pure(grad_values, *full)
 
-    with EQUINOX_ERRORS:
+    with EQUINOX_ERRORS, _WHILE_LOOP_HINT:
         out, vjp_fn, extras = jax.vjp(
             differentiated,
             diff.grad_values(),
@@ -965,7 +988,7 @@ def vjp(
     aux = diff.finish(extras)
 
     def state_vjp(cotangent: Any) -> Any:
-        with diff.rules_see():
+        with diff.rules_see(), EQUINOX_ERRORS, _WHILE_LOOP_HINT:
             cotangents = vjp_fn(cotangent)
         if grad_states is None:
             return cotangents[1:]
