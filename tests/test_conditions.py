@@ -161,8 +161,12 @@ def test_ifelse_needs_one_condition_per_branch():
 
 
 def test_branches_must_not_create_states():
-    with pytest.raises(ValueError, match="branch 1 of a conditional creates states"):
+    with pytest.raises(ValueError, match="`true_fun` of `cond` creates states"):
         es.transform.cond(True, lambda: es.State(0.0).name, lambda: None)
+    with pytest.raises(ValueError, match="`false_fun` of `cond` creates states"):
+        es.transform.cond(True, lambda: None, lambda: es.State(0.0).name)
+    with pytest.raises(ValueError, match="branch 1 of a conditional creates states"):
+        es.transform.switch(0, [lambda: None, lambda: es.State(0.0).name])
 
 
 def test_branches_with_different_outputs_fail_and_keep_values():
@@ -370,7 +374,7 @@ def test_an_eager_branch_that_fails_leaves_the_states_as_they_were():
 @pytest.mark.parametrize("disable_jit", (False, True))
 def test_a_branch_may_not_create_states_eagerly_or_not(disable_jit):
     # The same error with or without `jax.disable_jit()`, which runs the branch eagerly.
-    match = r"branch 1 of a conditional creates states \(State 'made'\)"
+    match = r"`true_fun` of `cond` creates states \(State 'made'\)"
     with jax.disable_jit(disable_jit), pytest.raises(es.NewStateError, match=match):
         es.transform.cond(
             True, lambda: es.State(jnp.zeros(2), name="made").name, lambda: None

@@ -70,20 +70,28 @@ def switch(
         raise ValueError("`switch` needs at least one branch.")
     if not all(callable(b) for b in branches):
         raise TypeError("`branches` must be a sequence of functions.")
+    names = [f"branch {i} of a conditional" for i in range(len(branches))]
+    return _switch(index, branches, operands, names)
+
+
+def _switch(
+    index: Any, branches: Sequence[Callable], operands: tuple, names: Sequence[str]
+) -> Any:
+    """`switch`, whose errors call each branch by its name in `names`."""
     _check_index(index)
     # As `jax.lax.switch`: to int32 first (a large index wraps), then clamp. Also the
     # compiled program of a top-level call (see `staged`) takes no larger integer.
     index = jax.lax.convert_element_type(index, jnp.int32)
     if jit_disabled() and not _context.has_tracer(index):
         chosen = min(max(int(index), 0), len(branches) - 1)
-        with guarded(f"branch {chosen} of a conditional"):
+        with guarded(names[chosen]):
             return branches[chosen](*operands)
     traced = [
         Discovery(b, operands, name=getattr(b, "__name__", f"branch {i}"))
         for i, b in enumerate(branches)
     ]
-    for i, t in enumerate(traced):
-        t.refuse_new_states(f"branch {i} of a conditional")
+    for name, t in zip(names, traced):
+        t.refuse_new_states(name)
     values: dict[State, Any] = {}
     for t in traced:
         values.update(zip(t.states, t.values))
@@ -212,7 +220,8 @@ def cond(
     """
     if not (callable(true_fun) and callable(false_fun)):
         raise TypeError("`cond` needs two functions, `true_fun` and `false_fun`.")
-    return switch(_branch_index(pred), [false_fun, true_fun], *operands)
+    names = ["`false_fun` of `cond`", "`true_fun` of `cond`"]
+    return _switch(_branch_index(pred), [false_fun, true_fun], operands, names)
 
 
 _NOT_EXACTLY_ONE = (
