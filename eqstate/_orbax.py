@@ -707,13 +707,11 @@ class CheckpointManager:
             A manager dropped without it (say, the local of a function that
             returned) waits for its saves and closes then; one in a reference cycle
             is closed by a background thread of eqstate's once the garbage
-            collector drops it. One
-            whose saves are still being written when the program ends is waited for
-            then on Python 3.11; from Python 3.12 on, Python refuses the threads
-            Orbax then needs, so its last save may be lost (eqstate says so on
-            stderr) and Orbax's waiting threads may hold the program's exit up for
-            minutes.
-            (Keyword only argument.)
+            collector drops it. One whose saves are still being written when the
+            program ends is waited for then on Python 3.11; from Python 3.12 on,
+            Python refuses the threads Orbax then needs, so its last save may be
+            lost (eqstate says so on stderr) and Orbax's waiting threads may hold
+            the program's exit up for minutes. (Keyword only argument.)
 
         **Raises:**
 
