@@ -389,16 +389,36 @@ def test_managers_collected_in_a_cycle_finish_their_saves_without_deadlock(tmp_p
         assert os.listdir(tmp_path / str(run)) == ["1"]
 
 
-_COLLECTED_HOLDING_A_THREADING_LOCK = """
+# A manager saving `size` zeros, dropped in a reference cycle: only a garbage
+# collection closes it.
+_DROPPED_IN_A_CYCLE_WHILE_SAVING = """
 import gc, os, sys, threading, time
 import eqstate as es
 import jax.numpy as jnp
 
-w = es.ParamState(jnp.zeros(1000), name="w")
+w = es.ParamState(jnp.zeros({size}), name="w")
 manager = es.CheckpointManager(sys.argv[1])
 manager.cycle = manager
 manager.save(1, es.values_of(w))
 del manager
+"""
+
+
+def _run_and_check_the_save(script: str, tmp_path) -> None:
+    ended = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    assert "may be incomplete" not in ended.stderr
+    assert os.listdir(tmp_path) == ["1"]
+
+
+_COLLECTED_HOLDING_A_THREADING_LOCK = (
+    _DROPPED_IN_A_CYCLE_WHILE_SAVING.format(size=1000)
+    + """
 # Collected where a thread that ends or starts holds this lock (Python 3.11, 3.12),
 # which a new thread needs before it reports that it started.
 with threading._shutdown_locks_lock:
@@ -408,6 +428,7 @@ with threading._shutdown_locks_lock:
 while os.listdir(sys.argv[1]) != ["1"]:
     time.sleep(0.01)
 """
+)
 
 
 @pytest.mark.skipif(
@@ -415,32 +436,18 @@ while os.listdir(sys.argv[1]) != ["1"]:
     reason="from Python 3.13 on, threads start and end without this lock",
 )
 def test_a_manager_collected_while_threading_holds_a_lock_does_not_deadlock(tmp_path):
-    ended = subprocess.run(
-        [sys.executable, "-c", _COLLECTED_HOLDING_A_THREADING_LOCK, str(tmp_path)],
-        check=True,
-        timeout=120,
-        capture_output=True,
-        text=True,
-    )
-    assert "may be incomplete" not in ended.stderr
-    assert os.listdir(tmp_path) == ["1"]
+    _run_and_check_the_save(_COLLECTED_HOLDING_A_THREADING_LOCK, tmp_path)
 
 
-_COLLECTED_THEN_ENDS = """
-import gc, sys, threading
-import eqstate as es
-import jax.numpy as jnp
-
-w = es.ParamState(jnp.ones(32_000_000), name="w")
-manager = es.CheckpointManager(sys.argv[1])
-manager.cycle = manager
-manager.save(1, es.values_of(w))
-del manager
+_COLLECTED_THEN_ENDS = (
+    _DROPPED_IN_A_CYCLE_WHILE_SAVING.format(size=32_000_000)
+    + """
 # Collected in a daemon thread, as in Orbax's own, just before the program ends.
 collector = threading.Thread(target=gc.collect, daemon=True)
 collector.start()
 collector.join()
 """
+)
 
 
 @pytest.mark.skipif(
@@ -449,15 +456,7 @@ collector.join()
     "finish a save: documented under `CheckpointManager(async_save=...)`",
 )
 def test_a_manager_collected_just_before_the_program_ends_keeps_its_save(tmp_path):
-    ended = subprocess.run(
-        [sys.executable, "-c", _COLLECTED_THEN_ENDS, str(tmp_path)],
-        check=True,
-        timeout=120,
-        capture_output=True,
-        text=True,
-    )
-    assert "may be incomplete" not in ended.stderr
-    assert os.listdir(tmp_path) == ["1"]
+    _run_and_check_the_save(_COLLECTED_THEN_ENDS, tmp_path)
 
 
 @pytest.mark.parametrize("max_to_keep", [0, -1, 1.5, "2", True])
