@@ -24,7 +24,7 @@ from .._run import states_of
 from .._state import is_state, ParamState, State
 from .._state_dict import state_dict_of, StateDict
 from .._training import inexact_part
-from ._common import partition, select_states
+from ._common import ErrorsRaisedAs, partition, select_states
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._equinox_errors import EQUINOX_ERRORS
@@ -677,23 +677,18 @@ def _jax_vector_grad(
 _WHILE_LOOP_REFUSED = "Reverse-mode differentiation does not work for lax.while_loop"
 
 
-class _WhileLoopHint:
-    """`with _WHILE_LOOP_HINT:` adds eqstate's differentiable loop to JAX's error for
-    reverse-mode differentiation of a `while_loop`."""
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
-        if isinstance(exc, ValueError) and _WHILE_LOOP_REFUSED in str(exc):
-            raise ValueError(
-                f"{exc}\n\nFor `eqstate.transform.while_loop`, use "
-                "`eqstate.transform.bounded_while_loop(cond_fun, body_fun, init, "
-                "max_steps)`, which reverse-mode differentiation supports."
-            ) from exc
+def _hint_bounded_while_loop(exc: BaseException) -> None:
+    """Adds eqstate's differentiable loop to JAX's error for reverse-mode
+    differentiation of a `while_loop`."""
+    if isinstance(exc, ValueError) and _WHILE_LOOP_REFUSED in str(exc):
+        raise ValueError(
+            f"{exc}\n\nFor `eqstate.transform.while_loop`, use "
+            "`eqstate.transform.bounded_while_loop(cond_fun, body_fun, init, "
+            "max_steps)`, which reverse-mode differentiation supports."
+        ) from exc
 
 
-_WHILE_LOOP_HINT = _WhileLoopHint()
+_WHILE_LOOP_HINT = ErrorsRaisedAs(_hint_bounded_while_loop)
 
 
 @decorator_form

@@ -21,6 +21,24 @@ from ._split_args import same_static, Static
 compat.hide_from_tracebacks(__file__)
 
 
+class ErrorsRaisedAs:
+    """`with ErrorsRaisedAs(translate):` passes an exception raised in the block to
+    `translate`, which raises a clearer one in its place, or returns to let it go
+    on."""
+
+    __slots__ = ("_translate",)
+
+    def __init__(self, translate: Callable[[BaseException], None]):
+        self._translate = translate
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None:
+            self._translate(exc)
+
+
 def abstract(tree: Any) -> Any:
     """Replaces every array leaf with a `jax.ShapeDtypeStruct`."""
 

@@ -4,6 +4,8 @@
 import equinox as eqx
 import jax
 
+from ._common import ErrorsRaisedAs
+
 
 # What running a compiled program raises for a failed callback (JAX reports some
 # runtime errors as `ValueError`).
@@ -31,18 +33,11 @@ def raise_equinox_error(exc: BaseException) -> None:
     ) from None
 
 
-class _EquinoxErrors:
-    """`with EQUINOX_ERRORS:` turns a failed `eqx.error_if` check raised in the block
-    into `eqx.EquinoxRuntimeError` (`raise_equinox_error`)."""
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(
-        self, kind: type | None, exc: BaseException | None, tb: object
-    ) -> None:
-        if isinstance(exc, RUNTIME_ERRORS):
-            raise_equinox_error(exc)
+def _raise_equinox_runtime_error(exc: BaseException) -> None:
+    if isinstance(exc, RUNTIME_ERRORS):
+        raise_equinox_error(exc)
 
 
-EQUINOX_ERRORS = _EquinoxErrors()
+# `with EQUINOX_ERRORS:` turns a failed `eqx.error_if` check raised in the block into
+# `eqx.EquinoxRuntimeError`.
+EQUINOX_ERRORS = ErrorsRaisedAs(_raise_equinox_runtime_error)
