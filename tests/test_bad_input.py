@@ -722,7 +722,8 @@ def vmap_filter_vmap_axes():
 @case(
     "`cond` branches returning equal Python values of other types",
     TypeError,
-    r"Static\(True\)",
+    r"`false_fun` of `cond` returns 1 at `output.flag`, but `true_fun` of `cond` "
+    r"returns True",
 )
 def cond_static_outputs_of_other_types():
     import equinox as eqx
@@ -737,6 +738,23 @@ def cond_static_outputs_of_other_types():
         return Flagged(flag)
 
     return lambda: es.transform.cond(True, lambda: bump(True), lambda: bump(1)), [s]
+
+
+@case(
+    "`cond` branches returning different handles",
+    TypeError,
+    r"`false_fun` of `cond` returns State 'b' as its output, but `true_fun` of "
+    r"`cond` returns State 'a'",
+)
+def cond_different_handles():
+    a, b = es.State(jnp.array(0), name="a"), es.State(jnp.array(0), name="b")
+
+    def pick(chosen):
+        a.value = a.value + 1
+        return chosen
+
+    pred = jnp.array(True)
+    return lambda: es.transform.cond(pred, lambda: pick(a), lambda: pick(b)), [a, b]
 
 
 @case("a legacy uint32 key for a RandomState", TypeError, "typed PRNG key")

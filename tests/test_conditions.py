@@ -208,12 +208,41 @@ def test_branches_returning_static_values_that_are_equal_but_not_the_same_fail(s
     # `jax.lax.cond` refuses them too; picking one would return a branch's value
     # whatever the predicate.
     a, b = static
+    match = (
+        rf"`false_fun` of `cond` returns {b!r} at `output.flag`, but `true_fun` of "
+        rf"`cond` returns {a!r}: .* Return arrays"
+    )
     for pred in (True, jnp.array(True)):
-        with pytest.raises(TypeError, match=r"Static\("):
+        with pytest.raises(TypeError, match=match):
             es.transform.cond(pred, lambda: _Out(a), lambda: _Out(b))
-    with pytest.raises(TypeError, match=r"Static\("):
+    with pytest.raises(TypeError, match=rf"branch 0 .* returns {a!r} at `output.flag`"):
         es.transform.switch(1, [lambda: _Out(a), lambda: _Out(b)])
     assert es.transform.cond(True, lambda: _Out(a), lambda: _Out(a)).flag is a
+
+
+@pytest.mark.parametrize("traced_pred", [False, True])
+def test_branches_returning_different_handles_fail_naming_the_branches_and_states(
+    traced_pred,
+):
+    a, b = es.State(jnp.zeros(2), name="a"), es.State(jnp.zeros(2), name="b")
+
+    def choose(pred):
+        return es.transform.cond(pred, lambda: (a.value, a), lambda: (a.value, b))
+
+    match = (
+        r"`false_fun` of `cond` returns State 'b' at `output\[1\]`, but `true_fun` "
+        r"of `cond` returns State 'a'.* Return the state's value \(`state.value`\)"
+    )
+    with pytest.raises(TypeError, match=match):
+        if traced_pred:
+            es.transform.jit(choose)(jnp.array(True))
+        else:
+            choose(jnp.array(True))
+    with pytest.raises(TypeError, match=r"returns an array at `output\['s'\]`"):
+        es.transform.cond(True, lambda: {"s": a}, lambda: {"s": a.value})
+    with pytest.raises(TypeError, match="branch 2 of a conditional returns State 'b'"):
+        es.transform.switch(2, [lambda: a, lambda: a, lambda: b])
+    assert es.transform.cond(True, lambda: a, lambda: a) is a
 
 
 def test_branches_returning_the_same_nan_python_float_are_the_same():

@@ -106,6 +106,22 @@ def changed_static(before: Any, after: Any) -> tuple[str, Any, Any] | None:
     return None
 
 
+class _Traced:
+    def __repr__(self) -> str:
+        return "an array"
+
+
+_TRACED = _Traced()
+
+
+def static_skeleton(hidden: Any) -> Any:
+    """A tree hidden by `hide_static`, each traced leaf replaced by one placeholder
+    (shown as "an array"): what `changed_static` compares, holding no tracer."""
+    return jtu.tree_map(
+        lambda x: x if _is_static(x) else _TRACED, hidden, is_leaf=_is_static
+    )
+
+
 def merge_leading_axes(tree: Any) -> Any:
     """Every leaf of shape `(a, b, ...)` reshaped to `(a * b, ...)`: the outputs of a
     loop over chunks, as one loop would stack them (also when a trailing axis has

@@ -15,8 +15,16 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Bool, Integer, Real
 
 from .. import _context, _jax_compat as compat
+from .._pretty_print import state_label
 from .._state import State
-from ._common import hide_static, show_static, strong, WeakCarry
+from ._common import (
+    changed_static,
+    hide_static,
+    show_static,
+    static_skeleton,
+    strong,
+    WeakCarry,
+)
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
 from ._staged import staged
@@ -105,7 +113,11 @@ def _switch(
     at_entry = WeakCarry(entry)
     weak = WeakCarry(entry)
 
-    def make_branch(t: Discovery, fun: Callable) -> Callable:
+    # Each branch's name and output as `static_skeleton` has it, to name a handle
+    # that differs.
+    skeletons: list[tuple[str, Any]] = []
+
+    def make_branch(t: Discovery, fun: Callable, name: str) -> Callable:
         @ft.wraps(fun)  # JAX's errors (outputs that differ) name the user's function.
         def branch(written_values, *ops):
             current = dict(zip(written, at_entry.restored(written_values)))
@@ -114,25 +126,65 @@ def _switch(
             for i, s in enumerate(written):
                 if s in updates:
                     weak.written(i, updates[s])
-            return hide_static(out), strong(
-                [updates.get(s, current[s]) for s in written]
-            )
+            out = hide_static(out)
+            skeletons.append((name, static_skeleton(out)))
+            return out, strong([updates.get(s, current[s]) for s in written])
 
         return branch
 
-    out, new_values = staged(
-        lambda index, entry, operands: jax.lax.switch(
+    try:
+        out, new_values = staged(
+            lambda index, entry, operands: jax.lax.switch(
+                index,
+                [make_branch(*tbn) for tbn in zip(traced, branches, names)],
+                entry,
+                *operands,
+            ),
             index,
-            [make_branch(t, b) for t, b in zip(traced, branches)],
-            entry,
-            *operands,
-        ),
-        index,
-        strong(entry),
-        hide_static(operands),
-    )
+            strong(entry),
+            hide_static(operands),
+        )
+    except TypeError:
+        _raise_if_static_outputs_differ(skeletons)
+        raise
     traced[0].commit(dict(zip(written, weak.restored(new_values))))
     return show_static(out)
+
+
+def _raise_if_static_outputs_differ(skeletons: list[tuple[str, Any]]) -> None:
+    """Raises `TypeError` naming the branches and the values if two branches return
+    different handles (or other leaves that are not traced) at one place, which JAX
+    reports as outputs of different structures."""
+    if not skeletons:
+        return
+    (first, skeleton), *others = skeletons
+    for name, other in others:
+        changed = changed_static(skeleton, other)
+        if changed is not None:
+            path, mine, theirs = changed
+            handles = isinstance(mine, State) or isinstance(theirs, State)
+            raise TypeError(
+                f"{first} returns {_shown(mine)} {_at(path)}, but {name} returns "
+                f"{_shown(theirs)}: the branches of a conditional must return the same "
+                "handles, and the same values that are not traced (strings, Python "
+                "fields of a Module, where `1`, `1.0` and `True` differ), at each "
+                "place. "
+                + (_RETURN_VALUES if handles else "Return arrays (`jnp.asarray`).")
+            ) from None
+
+
+_RETURN_VALUES = (
+    "Return the state's value (`state.value`) instead, or choose between the handles "
+    "outside the conditional."
+)
+
+
+def _shown(x: Any) -> str:
+    return state_label(x) if isinstance(x, State) else repr(x)
+
+
+def _at(path: str) -> str:
+    return f"at `output{path}`" if path else "as its output"
 
 
 def _check_index(index: Any) -> None:
