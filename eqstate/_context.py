@@ -212,10 +212,23 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     if new.shape == old.shape and weak and _promotion_keeps(old.dtype, new):
         # Weakly typed in, weakly typed out: `x.value = 3` on a state made from
         # `1.0` keeps it promoting as a Python float does, as `x.value = 3.0` would.
-        _refuse_broken_cast(state, given, old.dtype)  # `300` for a uint8 state
+        # `300` for a uint8 state, also as an array made from it (`StateDict({u: 300})`).
+        _refuse_broken_cast(state, _on_host(given), old.dtype)
         converted = new.astype(old.dtype)
         return compat.weakly_typed(converted) if is_weak(old) else converted
     raise _mismatch(state, old, new)
+
+
+def _on_host(x: Any) -> Any:
+    """`x` as a NumPy array if it is a JAX array (not a tracer) that this process
+    holds whole, so that `_refuse_broken_cast` checks it; else `x`."""
+    if (
+        isinstance(x, jax.Array)
+        and not isinstance(x, Tracer)
+        and x.is_fully_addressable
+    ):
+        return np.asarray(x)
+    return x
 
 
 def _array_to_write(state: Any, new: Any) -> Any:

@@ -171,6 +171,38 @@ def test_a_python_int_the_state_dtype_cannot_hold_is_refused(
 
 
 @pytest.mark.parametrize("how", _HOW)
+@pytest.mark.parametrize(
+    "dtype, number, broken",
+    [("uint8", 300, "44"), ("uint8", -1, "255"), ("float16", 70000.0, "inf")],
+)
+def test_an_array_made_from_a_python_number_the_state_cannot_hold_is_refused(
+    how, dtype, number, broken
+):
+    # `jnp.asarray(300)` is weakly typed, as the number it was made from, and so is the
+    # value of a StateDict or a state made from `300`: each would take the state's
+    # dtype, and break, as the number itself would.
+    u = es.State(jnp.array(5, dtype), name="u")
+    made = [
+        jnp.asarray(number),
+        es.StateDict({u: number})[u],
+        es.State(number).value,
+    ]
+    for value in made:
+        assert value.weak_type
+        with pytest.raises(
+            es.StateValueError, match=rf"State 'u' the value .* become {broken}\)"
+        ):
+            _write_value(u, value, how)
+        assert u.value == 5
+    with pytest.raises(es.StateValueError, match="State 'u'"):
+        es.assign(es.StateDict({u: number}))
+    assert u.value == 5
+    _write_value(u, jnp.asarray(7), how)  # A value that fits is written.
+    u.value = jnp.asarray(7)
+    assert u.value == 7 and u.value.dtype == dtype
+
+
+@pytest.mark.parametrize("how", _HOW)
 def test_a_numpy_value_that_narrowing_breaks_is_refused(how):
     # With 64-bit types off, JAX converts NumPy's int64 to int32, wrapping 2**32 + 5.
     assert not jax.config.jax_enable_x64
