@@ -285,6 +285,23 @@ def _check_single_key(state: RandomState, key: Any) -> None:
         )
 
 
+def shared_by_members(state: State) -> bool:
+    """Whether every member of an ensemble shares `state`'s one value: a
+    `NonBatchState`, or a state `vmap_new_states` replicated rather than stacked
+    (tagged `INIT_NO_BATCHING`, or selected by its `state_to_exclude`)."""
+    return isinstance(state, NonBatchState) or state._replicated is True
+
+
+def why_shared(state: State) -> str:
+    """What makes `state` shared (see `shared_by_members`), for error messages."""
+    if isinstance(state, NonBatchState):
+        return "a NonBatchState is shared whole by every lane"
+    return (
+        "`vmap_new_states` replicated it (tagged `INIT_NO_BATCHING`, or selected by "
+        "`state_to_exclude`): every member shares its one value"
+    )
+
+
 # Held while a key is read, split and advanced in eager code, so that threads drawing
 # from one random state (the default one in the world) never get the same key.
 KEY_LOCK = threading.RLock()

@@ -891,6 +891,37 @@ def test_shard_map_filter_leaves_a_non_batch_state_whole_and_a_function_decides(
     assert tree_allclose(by_function(), jnp.arange(float(N)))
 
 
+@pytest.mark.parametrize("tag", ["INIT_NO_BATCHING", "hyper"])
+def test_shard_map_spec_for_every_state_leaves_a_replicated_state_whole(tag):
+    # As a NonBatchState: what `vmap_new_states` replicated (tagged INIT_NO_BATCHING
+    # or selected by `state_to_exclude`) is shared whole by every member.
+    members, shared = es.transform.vmap_new_states(
+        lambda: (
+            es.ParamState(es.random.normal((3,)), name="members"),
+            es.State(jnp.arange(float(N)), name="shared", tag=tag),
+        ),
+        axis_size=N,
+        state_to_exclude="hyper",
+    )()
+    assert shared.value.shape == (N,)
+
+    @es.transform.shard_map(
+        mesh=_mesh("ens"), in_specs=(), out_specs=P("ens"), state_specs=P("ens")
+    )
+    def step():
+        return members.value.sum(1) + shared.value.sum()
+
+    assert tree_allclose(step(), members.value.sum(1) + shared.value.sum())
+    with pytest.raises(ValueError, match=r"'shared'.*replicated it.*never split"):
+        es.transform.shard_map(
+            lambda: shared.value,
+            mesh=_mesh("ens"),
+            in_specs=(),
+            out_specs=P(),
+            state_specs={shared: P("ens")},
+        )
+
+
 def test_shard_map_refuses_a_spec_that_splits_a_non_batch_state_it_names():
     shared = es.NonBatchState(jnp.zeros(N), name="shared")
     for whole in (P(), P(None)):  # specs that do not split it are taken

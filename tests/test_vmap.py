@@ -431,16 +431,29 @@ def test_a_shared_state_written_under_a_batched_predicate_is_refused_saying_why(
     assert c.value == 0
 
 
-def test_in_states_never_maps_a_non_batch_state_it_selects():
+_SHARED = {
+    "NonBatchState": lambda value: es.NonBatchState(value, name="scale"),
+    "INIT_NO_BATCHING": lambda value: es.State(
+        value, name="scale", tag=es.transform.INIT_NO_BATCHING
+    ),
+    "state_to_exclude": lambda value: es.State(value, name="scale", tag="hyper"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_SHARED))
+def test_in_states_never_maps_a_state_shared_by_the_members_it_selects(kind):
     # The ensemble recipe `in_states={0: es.states_of(ensemble)}`: each lane sees a
-    # member's `w` and the whole shared `scale`.
+    # member's `w` and the whole shared `scale`, whose leading axis has the size of
+    # the ensemble (mapped, each lane would see one element of it).
     ensemble = es.transform.vmap_new_states(
         lambda: {
             "w": es.ParamState(es.random.normal((4,)), name="w"),
-            "scale": es.NonBatchState(jnp.arange(4.0), name="scale"),
+            "scale": _SHARED[kind](jnp.arange(4.0)),
         },
         axis_size=4,
+        state_to_exclude="hyper",
     )()
+    assert ensemble["scale"].value.shape == (4,)
 
     def predict(member):
         return member["w"].value * member["scale"].value
@@ -455,6 +468,31 @@ def test_in_states_naming_a_non_batch_state_alone_is_an_error():
     for in_states in (shared, {0: shared}):
         with pytest.raises(ValueError, match="names NonBatchState 'shared'"):
             es.transform.vmap(lambda x: x + shared.value, in_states=in_states)
+
+
+def test_in_states_never_maps_what_vmap2_new_states_replicated():
+    def ctor():
+        w = es.ParamState(es.random.normal((3,)), name="w")
+        scale = es.State(jnp.arange(3.0), name="scale", tag="INIT_NO_BATCHING")
+        return w, scale
+
+    (w, scale), states = es.transform.vmap2_new_states(ctor, axis_size=3)()
+    assert states[scale].shape == (3,)
+    with es.scope(states):
+        lanes = es.transform.vmap(
+            lambda: jnp.sum(w.value * scale.value), in_states={0: states}
+        )()
+    assert tree_bitwise_equal(lanes, jnp.sum(states[w] * states[scale], axis=1))
+
+
+def test_in_states_naming_a_replicated_state_alone_is_an_error():
+    ensemble = es.transform.vmap_new_states(
+        lambda: es.State(jnp.arange(3.0), name="shared", tag="hyper"),
+        axis_size=3,
+        state_to_exclude="hyper",
+    )()
+    with pytest.raises(ValueError, match=r"names State 'shared'.*replicated it"):
+        es.transform.vmap(lambda x: x + ensemble.value, in_states={0: ensemble})
 
 
 @pytest.mark.parametrize("size", [np.int64(3), np.int32(3), jnp.int32(3)])

@@ -16,7 +16,7 @@ from .._pretty_print import state_label
 from .._run import run
 from .._shapes import shape_dtype
 from .._sharding import check_divisible, spec_rule
-from .._state import NonBatchState, State
+from .._state import shared_by_members, State, why_shared
 from .._state_dict import state_dict_of
 from ._common import hide_static, show_static
 from ._decorator import decorator_form
@@ -86,13 +86,14 @@ class _ShardView(View):
 
 def _state_spec_rule(state_specs: Any) -> Callable[[State, Any], PartitionSpec]:
     """`state_specs` as a function of `(state, value)`; unmatched states, and
-    `NonBatchState`s unless a function splits them, are replicated."""
-    _refuse_named_non_batch(state_specs)
+    states shared by an ensemble's members (`shared_by_members`) unless a function
+    splits them, are replicated."""
+    _refuse_named_shared(state_specs)
     rule = spec_rule(PartitionSpec() if state_specs is None else state_specs)
     a_function_decides = callable(state_specs)
 
     def spec_of(state: State, value: Any) -> PartitionSpec:
-        if isinstance(state, NonBatchState) and not a_function_decides:
+        if shared_by_members(state) and not a_function_decides:
             # Shared by every lane of an ensemble, so one spec for all (`P("ens")`
             # for members stacked on axis 0) must not split it.
             return PartitionSpec()
@@ -111,19 +112,20 @@ def _state_spec_rule(state_specs: Any) -> Callable[[State, Any], PartitionSpec]:
     return spec_of
 
 
-def _refuse_named_non_batch(state_specs: Any) -> None:
-    """Raises `ValueError` for a `NonBatchState` named as a key of `state_specs`: it
-    is never split by a `PartitionSpec` or a filter."""
+def _refuse_named_shared(state_specs: Any) -> None:
+    """Raises `ValueError` for a state shared by an ensemble's members (see
+    `shared_by_members`) named as a key of `state_specs` with a spec that splits it:
+    it is never split by a `PartitionSpec` or a filter."""
     if not isinstance(state_specs, Mapping):
         return
     for key, spec in state_specs.items():
         splits = spec is not None and any(axes is not None for axes in spec)
-        if isinstance(key, NonBatchState) and splits:
+        if isinstance(key, State) and shared_by_members(key) and splits:
             raise ValueError(
-                f"`state_specs` gives {state_label(key)} {spec!r}, but a NonBatchState "
-                "is shared whole by every lane and never split by a spec. Make it "
-                "another kind of state if it holds one value per shard, or decide "
-                "per state with a function `(state, value) -> PartitionSpec`."
+                f"`state_specs` gives {state_label(key)} {spec!r}, but "
+                f"{why_shared(key)}, so it is never split by a spec. Make it another "
+                "kind of state if it holds one value per shard, or decide per state "
+                "with a function `(state, value) -> PartitionSpec`."
             )
 
 
@@ -306,8 +308,10 @@ def shard_map(
     - `state_specs`: how each state is split across the mesh: a `PartitionSpec` for
         all, `{filter: PartitionSpec}` (first match), or `(state, value) ->
         PartitionSpec | None`. Unmatched states are replicated (`PartitionSpec()`),
-        and so are [`eqstate.NonBatchState`][]s, which a `PartitionSpec` or a filter
-        never splits (as `vmap` never maps them); only a function can split one.
+        and so are [`eqstate.NonBatchState`][]s and the states `vmap_new_states`
+        replicated (tagged [`eqstate.transform.INIT_NO_BATCHING`][] or selected by
+        its `state_to_exclude`), which a `PartitionSpec` or a filter never splits
+        (as `vmap` never maps them); only a function can split one.
         State values are moved to their sharding before the call, and written
         states come back with it.
 
@@ -327,8 +331,8 @@ def shard_map(
         such a state then holds a different value on each device under a replicated
         sharding, as `jax.shard_map` returns it: what later reads see is undefined
         (each device computes with its own copy). Reduce it first.
-    - `ValueError` if `state_specs` maps a `NonBatchState` handle to a spec that
-        splits it.
+    - `ValueError` if `state_specs` maps the handle of a `NonBatchState`, or of a
+        state `vmap_new_states` replicated, to a spec that splits it.
     - `ValueError` if `in_specs` has not one entry per positional argument, or if a
         `PartitionSpec` (of `in_specs` or `state_specs`) names an axis not in `mesh`.
     - `TypeError` if called with keyword arguments.

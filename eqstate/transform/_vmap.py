@@ -17,7 +17,13 @@ from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
 from .._shapes import is_key, key_impl_of, shape_dtype
-from .._state import NonBatchState, RandomState, split_and_advance, State
+from .._state import (
+    RandomState,
+    shared_by_members,
+    split_and_advance,
+    State,
+    why_shared,
+)
 from .._state_dict import StateDict
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
@@ -216,23 +222,23 @@ def parse_state_axes(spec: Any, what: str) -> list[tuple[int, Callable]]:
     return [(0, to_predicate(spec))]
 
 
-def _refuse_named_non_batch(in_states: Any) -> None:
-    """Raises `ValueError` for a `NonBatchState` given alone as a filter of
-    `in_states`: it is never mapped, so asking for it is a mistake (one selected
-    among others, by a filter or with the states of an ensemble, is left unmapped)."""
+def _refuse_named_shared(in_states: Any) -> None:
+    """Raises `ValueError` for a state shared by the members of an ensemble (see
+    `shared_by_members`) given alone as a filter of `in_states`: it is never mapped,
+    so asking for it is a mistake (one selected among others, by a filter or with the
+    states of an ensemble, is left unmapped)."""
     specs = in_states.values() if isinstance(in_states, dict) else [in_states]
     for spec in specs:
-        if isinstance(spec, NonBatchState):
+        if isinstance(spec, State) and shared_by_members(spec):
             raise ValueError(
-                f"`in_states` names {state_label(spec)}, but a NonBatchState is "
-                "never given a batch axis: every lane sees its whole value. Leave it "
-                "out of `in_states`, or make it another kind of state if it holds "
-                "one value per lane."
+                f"`in_states` names {state_label(spec)}, but {why_shared(spec)}, so "
+                "it is never given a batch axis: every lane sees its whole value. "
+                "Leave it out of `in_states`."
             )
 
 
 def axis_of(state: State, pairs: list[tuple[int, Callable]]) -> int | None:
-    if isinstance(state, NonBatchState):
+    if shared_by_members(state):
         return None  # Never given a batch axis, even where a filter selects it.
     return next((axis for axis, p in pairs if p((), state)), None)
 
@@ -359,10 +365,12 @@ def vmap(
         0); filters as in [`eqstate.filters`][], e.g. `{0: ensemble_states}`. Only
         the matching states the function reads or writes are mapped (and give the
         axis size): with no mapped argument and none of them used, pass `axis_size`.
-        [`eqstate.NonBatchState`][]s are never mapped, even where a filter selects
-        them (`es.states_of(ensemble)`): every lane sees their whole value, as every
-        member of an ensemble built by `vmap_new_states` shares it. One named alone
-        (`in_states={0: shared}`) raises `ValueError`.
+        [`eqstate.NonBatchState`][]s, and the states `vmap_new_states` replicated
+        (tagged [`eqstate.transform.INIT_NO_BATCHING`][] or selected by its
+        `state_to_exclude`), are never mapped, even where a filter selects them
+        (`es.states_of(ensemble)`): every lane sees their whole value, as every
+        member of the ensemble shares it. One named alone (`in_states={0: shared}`)
+        raises `ValueError`.
     - `out_states`: the axis of mapped states in the output, as `{axis: filter}`;
         by default their input axis. A state must keep its shape.
 
@@ -387,7 +395,7 @@ def vmap(
         ```
     """
     axis_size = checked_axis_size(axis_size)
-    _refuse_named_non_batch(in_states)
+    _refuse_named_shared(in_states)
     mapped_axis = ft.partial(axis_of, pairs=parse_state_axes(in_states, "in_states"))
     out_pairs = parse_state_axes(out_states, "out_states")
     traces_of = _traces_by_size(fun, axis_name)
