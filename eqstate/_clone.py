@@ -210,6 +210,16 @@ def mark_build(state: State, build: Build, *, built: bool) -> None:
     object.__setattr__(state, "_builds", state._builds | {(build, built)})
 
 
+def stacked_by_its_last_build(state: State) -> bool:
+    """Whether the last `vmap_new_states` call that returned `state` built it,
+    stacking one value per member (not replicated, and not tied whole into the
+    members of a later build)."""
+    if not state._builds or state._replicated:
+        return False
+    _, built = max(state._builds, key=lambda pair: pair[0].serial)
+    return built
+
+
 def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     """Member `index` of an ensemble, as a standalone model with its own states.
 

@@ -470,6 +470,63 @@ def test_in_states_naming_a_non_batch_state_alone_is_an_error():
             es.transform.vmap(lambda x: x + shared.value, in_states=in_states)
 
 
+class _Member(eqx.Module):
+    w: es.ParamState
+    b: jax.Array
+
+    def __init__(self):
+        self.w = es.ParamState(es.random.normal((3,)), name="w")
+        self.b = es.random.normal(())
+
+    def __call__(self, x):
+        return jnp.sum(self.w.value * x) + self.b
+
+
+def test_an_ensemble_mapped_by_in_axes_alone_is_an_error_naming_its_states():
+    # As `eqx.filter_vmap` maps a model's arrays: the stacked states would reach every
+    # lane whole (each lane summing every member's weights), not one member's.
+    ensemble = es.transform.vmap_new_states(_Member, axis_size=3)()
+    xs = jnp.arange(9.0).reshape(3, 3)
+    mapped = es.transform.vmap(lambda m, x: m(x), in_axes=(0, 0))
+    with pytest.raises(
+        ValueError,
+        match=r"`vmap` maps argument 0\.w, which holds ParamState 'w' \(f32\[3,3\]\): "
+        r"its value has an axis 0 of size 3.*in_states=\{0: es.states_of\(model\)\}",
+    ):
+        mapped(ensemble, xs)
+    declared = es.transform.vmap(
+        lambda m, x: m(x), in_axes=(0, 0), in_states={0: es.states_of(ensemble)}
+    )(ensemble, xs)
+    one_by_one = jnp.stack([es.member(ensemble, i)(xs[i]) for i in range(3)])
+    assert tree_bitwise_equal(declared, one_by_one)
+    # Passed whole (`None`), or as a keyword argument with `in_states`, it is fine.
+    whole = es.transform.vmap(lambda m, x: m.w.value.sum() + x.sum(), in_axes=(None, 0))
+    assert whole(ensemble, xs).shape == (3,)
+    with pytest.raises(ValueError, match=r"maps keyword argument 'm'\.w"):
+        es.transform.vmap(lambda x, *, m: m(x))(xs, m=ensemble)
+
+
+def test_keyword_arguments_give_the_axis_size_and_are_checked_against_the_others():
+    # As `jax.vmap`: keyword arguments are mapped along axis 0.
+    twice = es.transform.vmap(lambda *, y: y * 2)
+    assert tree_bitwise_equal(
+        twice(y=jnp.arange(3.0)), jax.vmap(lambda y: y * 2)(jnp.arange(3.0))
+    )
+    with pytest.raises(
+        ValueError, match=r"sizes \(argument 0: 3, keyword argument 'y': 4\)"
+    ):
+        es.transform.vmap(lambda x, *, y: x + y.sum())(jnp.ones(3), y=jnp.ones(4))
+    s = es.State(jnp.arange(3.0), name="s")
+    with pytest.raises(
+        ValueError, match=r"State 's' \(f32\[3\]\): 3, keyword argument 'y': 4"
+    ):
+        es.transform.vmap(lambda *, y: y * s.value, in_states={0: s})(y=jnp.ones(4))
+    with pytest.raises(
+        ValueError, match="keyword argument 'y' along axis 0, but it has"
+    ):
+        es.transform.vmap(lambda x, *, y: x + y)(jnp.ones(3), y=jnp.float32(2))
+
+
 def test_in_states_never_maps_what_vmap2_new_states_replicated():
     def ctor():
         w = es.ParamState(es.random.normal((3,)), name="w")

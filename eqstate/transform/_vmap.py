@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
+from .._clone import stacked_by_its_last_build
 from .._custom_types import AxisSpec, Filter, MISSING
 from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
@@ -106,11 +107,12 @@ def axis_size_of(
     axis_size: int | None,
     extra: dict[str, int] | None = None,
     *,
+    kwargs: dict | None = None,
     required: bool = True,
 ) -> Any:
     """The size of the mapped axis, shared by `axis_size` (if given, already checked,
-    or inferred: it may be 0), every mapped argument, and every entry of `extra` (e.g.
-    mapped states)."""
+    or inferred: it may be 0), every mapped argument (the arrays of `kwargs` along
+    axis 0), and every entry of `extra` (e.g. mapped states)."""
     sizes: dict[str, int] = {} if axis_size is None else {"axis_size": axis_size}
     sizes.update(extra or {})
     for i, (axis, arg) in enumerate(zip(axes, args)):
@@ -120,6 +122,8 @@ def axis_size_of(
             arg,
             is_leaf=lambda x: x is None,
         )
+    for name, arg in (kwargs or {}).items():
+        sizes.update(_sizes_along(0, arg, f"keyword argument {name!r}"))
     return _the_one_size(sizes, required)
 
 
@@ -133,11 +137,19 @@ def _sizes_along(axis: int | None, subtree: Any, where: str) -> dict[str, int]:
         if shape is None:
             continue
         if not -len(shape) <= axis < len(shape):
+            keyword = where.startswith("keyword")
             raise ValueError(
-                f"`in_axes` maps {where}{jtu.keystr(path)} along axis {axis}, but it "
-                f"has shape {tuple(shape)}, without that axis. Give it the mapped "
-                "axis, or broadcast it to every lane with `None` as its entry of "
-                "`in_axes`."
+                f"`{'vmap' if keyword else 'in_axes'}` maps {where}"
+                f"{jtu.keystr(path)} along axis {axis}, but it has shape "
+                f"{tuple(shape)}, without that axis. Give it the mapped axis, or "
+                + (
+                    "pass it positionally with `None` as its entry of `in_axes` "
+                    "(keyword arguments are mapped along axis 0, as in `jax.vmap`), "
+                    "or close over it."
+                    if keyword
+                    else "broadcast it to every lane with `None` as its entry of "
+                    "`in_axes`."
+                )
             )
         sizes[f"{where}{jtu.keystr(path)}"] = shape[axis]
     return sizes
@@ -370,7 +382,10 @@ def vmap(
         `state_to_exclude`), are never mapped, even where a filter selects them
         (`es.states_of(ensemble)`): every lane sees their whole value, as every
         member of the ensemble shares it. One named alone (`in_states={0: shared}`)
-        raises `ValueError`.
+        raises `ValueError`. `in_axes` maps the arrays of an argument, never the
+        states its handles name: an ensemble passed with `in_axes=0` whose states,
+        stacked by `vmap_new_states`, `in_states` leaves out raises `ValueError`
+        (every lane would see every member's value).
     - `out_states`: the axis of mapped states in the output, as `{axis: filter}`;
         by default their input axis. A state must keep its shape.
 
@@ -464,7 +479,7 @@ def _discover_lane(
     # None if only states are mapped: their values give the size. Computed first,
     # as it checks that every mapped argument has its mapped axis.
     _refuse_mapped_numbers(axes, args)
-    size = axis_size_of((*axes, 0), (*args, kwargs), axis_size, required=False)
+    size = axis_size_of(axes, args, axis_size, kwargs=kwargs, required=False)
     lane_args = tuple(_lane_args(a, ax) for a, ax in zip(args, axes))
     lane_kwargs = {k: _lane_args(v, 0) for k, v in kwargs.items()}
 
@@ -481,7 +496,7 @@ def _discover_lane(
         # Only states are mapped, so their values give the size: find them with
         # a stand-in size, then trace again with the real one.
         first = discover(1)
-        size = _lane_count(axes, args, None, _state_sizes(first, mapped_axis))
+        size = _lane_count(axes, args, kwargs, None, _state_sizes(first, mapped_axis))
     traced = discover(size)
     traced.refuse_new_states("`vmap` (use `vmap_new_states` to create states)")
     return traced
@@ -653,7 +668,9 @@ def _call_vmapped(
     roles = _state_roles(traced, values, mapped_axis)
     if traced.trace.has_custom_rules:
         _context.mapped_in_rules([*roles.mapped, *roles.randoms])
-    size = _lane_count(axes, args, axis_size, _state_sizes(traced, mapped_axis))
+    sizes = _state_sizes(traced, mapped_axis)
+    size = _lane_count(axes, args, kwargs, axis_size, sizes)
+    _refuse_stacked_handles_left_whole(axes, args, kwargs, values, roles, size)
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
     with EQUINOX_ERRORS:
         out, new_mapped, new_broadcast, alike, per_lane = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
@@ -685,12 +702,81 @@ def _call_vmapped(
     return out
 
 
+def _refuse_stacked_handles_left_whole(
+    axes: tuple,
+    args: tuple,
+    kwargs: dict,
+    values: dict[State, Any],
+    roles: "_StateRoles",
+    size: int,
+) -> None:
+    """Raises `ValueError` for a handle in a mapped argument whose state the function
+    uses, that `in_states` does not map, that `vmap_new_states` stacked, and whose
+    value has the mapped axis with `size` entries: an ensemble passed with `in_axes=0`
+    as to `eqx.filter_vmap`, whose states would reach every lane whole. (A state made
+    otherwise, or tied whole into every member, may be meant to be shared.)"""
+
+    def check(axis: int | None, subtree: Any, where: str) -> None:
+        if axis is None:
+            return
+        for path, leaf in jtu.tree_leaves_with_path(subtree):
+            if (
+                not isinstance(leaf, State)
+                or leaf not in values
+                or leaf in roles.mapped
+                or not stacked_by_its_last_build(leaf)
+            ):
+                continue
+            value = values[leaf]
+            leaves = jtu.tree_leaves(value)
+            if leaves and all(_has_axis_of_size(x, axis, size) for x in leaves):
+                raise ValueError(
+                    _STACKED_HANDLE_LEFT_WHOLE.format(
+                        where=f"{where}{jtu.keystr(path)}",
+                        label=state_label(leaf, value),
+                        axis=axis,
+                        size=size,
+                    )
+                )
+
+    for i, (axis, arg) in enumerate(zip(axes, args)):
+        jtu.tree_map(
+            lambda a, sub, i=i: check(a, sub, f"argument {i}"),
+            axis,
+            arg,
+            is_leaf=lambda x: x is None,
+        )
+    for name, arg in kwargs.items():
+        check(0, arg, f"keyword argument {name!r}")
+
+
+def _has_axis_of_size(x: Any, axis: int, size: int) -> bool:
+    shape = jnp.shape(x)
+    return -len(shape) <= axis < len(shape) and shape[axis] == size
+
+
+_STACKED_HANDLE_LEFT_WHOLE = (
+    "`vmap` maps {where}, which holds {label}: its value has an axis {axis} of size "
+    "{size}, as if stacked like the mapped arrays, but a state is mapped only if "
+    "`in_states` selects it, so every lane would see its whole value. Map it with "
+    "`in_states` (e.g. `in_states={{{axis}: es.states_of(model)}}` for all of a "
+    "model's states), or, if every lane must see it whole, make it a `NonBatchState` "
+    "or pass it outside the mapped argument."
+)
+
+
 def _lane_count(
-    axes: tuple, args: tuple, axis_size: int | None, state_sizes: dict[str, int]
+    axes: tuple,
+    args: tuple,
+    kwargs: dict,
+    axis_size: int | None,
+    state_sizes: dict[str, int],
 ) -> int:
     """The size of the mapped axis, from `axis_size`, the mapped arguments and the
     mapped states the function uses."""
-    size = axis_size_of(axes, args, axis_size, state_sizes, required=False)
+    size = axis_size_of(
+        axes, args, axis_size, state_sizes, kwargs=kwargs, required=False
+    )
     if size is None:
         raise ValueError(_NOTHING_MAPPED)
     return size
