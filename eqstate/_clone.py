@@ -69,9 +69,10 @@ def clone(tree: _T) -> _T:
     that are not handles (arrays of `eqx.nn` layers, static fields) are kept as they
     are: JAX arrays are immutable, so sharing them is safe. A `StateDict` in `tree`
     (e.g. a module field) or held in a value (an optimiser's state, a snapshot of the
-    best weights) is keyed by the new handles in place of the handles of `tree`, so
-    that it refers to the clone's states, not to the original's; its keys naming
-    states that `tree` does not hold stay as they are. Each new handle counts as
+    best weights), and a `dict` keyed by handles (per-state settings), are keyed by
+    the new handles in place of the handles of `tree`, so that they refer to the
+    clone's states, not to the original's; their keys naming states that `tree` does
+    not hold stay as they are. Each new handle counts as
     created right after its original, so a `StateDict` holding the clone's states
     (with other states or not) flattens like one holding the originals' (Equinox's
     serialisation matches leaves by that order), under `jit` too.

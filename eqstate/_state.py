@@ -150,6 +150,18 @@ class State(Generic[_Value]):
 
     __hash__ = object.__hash__
 
+    # Handles sort in creation order (see `creation_order`), so that a dict keyed by
+    # handles (`es.assign({w: ..., b: ...})`) is a PyTree: JAX sorts dict keys.
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, State):
+            return NotImplemented
+        return self._order < other._order
+
+    def __gt__(self, other: object) -> bool:
+        if not isinstance(other, State):
+            return NotImplemented
+        return self._order > other._order
+
     def __bool__(self) -> NoReturn:
         # Else `if done:`, with `.value` forgotten, would always be taken.
         raise TypeError(

@@ -528,23 +528,37 @@ def _canonical_order(sd: StateDict) -> tuple[_Handles, bool]:
 
 def rekeyed(tree: Any, handles: Mapping[State, State]) -> Any:
     """`tree` with every `StateDict` in it (at any depth, e.g. inside an optimiser's
-    state) keyed by `handles[s]` in place of each state `s` of `handles`; other keys
-    and every leaf are kept. For values moving to new handles (`eqstate.clone`, the
-    fresh handles of states a transform created), so that they keep referring to
-    the states they belong with."""
+    state), and every `dict` with a handle among its keys, keyed by `handles[s]` in
+    place of each state `s` of `handles`; other keys and every leaf are kept. For
+    values moving to new handles (`eqstate.clone`, the fresh handles of states a
+    transform created), so that they keep referring to the states they belong
+    with."""
 
     def one(x: Any) -> Any:
-        if not isinstance(x, StateDict):
-            return x
-        return state_dict_of(
-            {handles.get(s, s): rekeyed(v, handles) for s, v in x._values.items()}
-        )
+        if isinstance(x, StateDict):
+            return state_dict_of(
+                {handles.get(s, s): rekeyed(v, handles) for s, v in x._values.items()}
+            )
+        if _keyed_by_handles(x):
+            return type(x)(
+                (handles.get(k, k) if isinstance(k, State) else k, rekeyed(v, handles))
+                for k, v in x.items()
+            )
+        return x
 
-    return jtu.tree_map(one, tree, is_leaf=_is_state_dict)
+    return jtu.tree_map(one, tree, is_leaf=_is_keyed_by_handles)
 
 
-def _is_state_dict(x: Any) -> bool:
-    return isinstance(x, StateDict)
+def _keyed_by_handles(x: Any) -> bool:
+    """Whether `x` is a `dict` (or `OrderedDict`) with a handle among its keys."""
+    return type(x) in _DICTS and any(isinstance(k, State) for k in x)
+
+
+_DICTS = (dict, collections.OrderedDict)
+
+
+def _is_keyed_by_handles(x: Any) -> bool:
+    return isinstance(x, StateDict) or _keyed_by_handles(x)
 
 
 # StateDicts flatten in the creation order of their handles, so that dictionaries of

@@ -1,6 +1,7 @@
 """`eqstate.clone`, `eqstate.member`, `copy.deepcopy` and Equinox serialisation of
 models holding handles."""
 
+import collections
 import copy
 import os
 import tempfile
@@ -657,6 +658,35 @@ def test_clone_of_a_state_dict_alone_raises_and_shows_how_to_clone_it_with_its_m
         es.clone(model.initial)
     twin, initial = es.clone((model, model.initial))
     assert initial.states == (twin.h,)
+
+
+class _PerStateScale(eqx.Module):
+    w: es.ParamState
+    b: es.ParamState
+    scale: dict  # per-parameter settings, keyed by handles
+    ordered: collections.OrderedDict
+
+    def __init__(self):
+        self.w = es.ParamState(jnp.ones(3), name="w")
+        self.b = es.ParamState(jnp.zeros(()), name="b")
+        self.scale = {self.w: 0.1, self.b: 1.0}
+        self.ordered = collections.OrderedDict([(self.b, 3.0)])
+
+
+def test_clone_and_member_key_a_dict_keyed_by_handles_by_the_new_handles():
+    # As a StateDict in the tree: the copy's settings must refer to its own states,
+    # else `for s, k in copy.scale.items(): s.value *= k` would change the original.
+    model = _PerStateScale()
+    twin = es.clone(model)
+    assert set(twin.scale) == {twin.w, twin.b} and twin.scale[twin.w] == 0.1
+    assert type(twin.ordered) is collections.OrderedDict
+    assert list(twin.ordered) == [twin.b]
+    for state, factor in twin.scale.items():
+        state.value = state.value * factor + 1
+    assert (model.w.value == 1).all() and model.b.value == 0
+    ensemble = es.transform.vmap_new_states(_PerStateScale, axis_size=2)()
+    one = es.member(ensemble, 1)
+    assert set(one.scale) == {one.w, one.b}
 
 
 def test_clone_keeps_a_state_dict_whose_states_are_not_in_the_tree():

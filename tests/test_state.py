@@ -51,6 +51,24 @@ def test_handles_hash_and_compare_by_identity():
     assert not a == EqualToAll()
 
 
+def test_handles_sort_in_creation_order_so_dicts_keyed_by_them_are_pytrees():
+    a = es.State(jnp.zeros(2), name="a")
+    b = es.State(jnp.ones(3), name="b")
+    assert sorted([b, a]) == [a, b] and a < b and b > a and not b < a
+    with pytest.raises(TypeError):
+        _ = a < 1  # pyright: ignore[reportOperatorIssue]
+    # JAX sorts dict keys: two handles used to fail ("Comparator raised exception").
+    updates = {b: jnp.full(3, 2.0), a: jnp.full(2, 5.0)}
+    assert jtu.tree_structure(updates) == jtu.tree_structure({a: 0, b: 0})
+    doubled = jax.tree.map(lambda x: 2 * x, updates)
+    assert (doubled[a] == 10).all() and (doubled[b] == 4).all()
+    es.transform.jit(es.assign)(updates)
+    assert (a.value == 5).all() and (b.value == 2).all()
+    es.transform.jit(lambda d: es.assign(d))({a: jnp.ones(2), b: jnp.zeros(3)})
+    assert (a.value == 1).all() and (b.value == 0).all()
+    assert jax.jit(lambda d: d[a] + 1)(updates).tolist() == [6.0, 6.0]
+
+
 def test_handle_is_a_pytree_leaf():
     s = es.ParamState(jnp.zeros(2))
     tree = {"a": s, "b": [s, 1.0]}
