@@ -15,8 +15,9 @@ from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError, StateValueError
 from ._filters import to_predicate
 from ._placement import device_put_apart
-from ._pretty_print import first_and_more, state_dict_doc, state_label
-from ._state import creation_order, State
+from ._pretty_print import first_and_more, state_dict_doc, state_label, value_summary
+from ._shapes import is_key
+from ._state import creation_order, RandomState, State
 from ._state_rule import per_state_rule
 
 
@@ -82,8 +83,10 @@ class StateDict(_MappingBase):
         - `values`: the contents, a mapping (or iterable of pairs) from handles to
             PyTrees of arrays. Each leaf is converted with `jnp.array` (NumPy arrays
             are copied; a value the array cannot hold, such as a NumPy `int64`
-            beyond `int32` with 64-bit types off, raises `StateValueError`), except
-            `jax.ShapeDtypeStruct`s, kept as they are: an abstract dictionary (as
+            beyond `int32` with 64-bit types off, raises `StateValueError`, and so
+            does a value of a `RandomState` that is not made of typed PRNG keys,
+            such as a legacy `uint32[2]` key), except `jax.ShapeDtypeStruct`s, kept
+            as they are: an abstract dictionary (as
             `eqstate.transform.eval_shape` returns) can be split, merged and rebuilt
             like any other. (Typed to also accept what
             optax returns, e.g. `optax.apply_updates(params, updates)`: a
@@ -387,7 +390,7 @@ def _sources(values: Mapping) -> dict[State, Mapping]:
 def _dict_value(state: State, value: Any) -> Any:
     """`value` with its leaves as JAX arrays, or `StateValueError` naming `state`."""
     try:
-        return to_dict_value(state, value)
+        converted = to_dict_value(state, value)
     except TypeError as error:
         raise StateValueError(
             f"Cannot hold {value!r} (a {type(value).__name__}) for "
@@ -398,6 +401,16 @@ def _dict_value(state: State, value: Any) -> Any:
             "`jax.tree.map(lambda v: 'adam', params)`: `StateDict(...)`, `set`, "
             "`update` and `|` take only values JAX can make arrays of."
         ) from None
+    leaves = jtu.tree_leaves(converted)
+    if isinstance(state, RandomState) and not (leaves and all(map(is_key, leaves))):
+        # Else a draw would take a legacy `uint32[2]` key for a batch of two keys.
+        raise StateValueError(
+            f"{state_label(state)} holds typed PRNG keys, but this StateDict gives it "
+            f"{value_summary(converted)}. Give it a key from `jax.random.key` (a "
+            "legacy `uint32[2]` key from `jax.random.PRNGKey` converts with "
+            "`jax.random.wrap_key_data`)."
+        )
+    return converted
 
 
 def _pairs(values: Any) -> Iterable[tuple[Any, Any]]:

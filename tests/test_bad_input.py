@@ -762,6 +762,16 @@ def legacy_key():
     return lambda: es.RandomState(jnp.zeros(2, jnp.uint32)), []
 
 
+@case(
+    "a legacy uint32 key for a RandomState, in a StateDict",
+    es.StateValueError,
+    r"RandomState 'rng' holds typed PRNG keys, but this StateDict gives it u32\[2\]",
+)
+def legacy_key_in_state_dict():
+    rng = es.RandomState(0, name="rng")
+    return lambda: es.StateDict({rng: jax.random.PRNGKey(1)}), [rng]
+
+
 @case("a dropout rate outside [0, 1)", ValueError, "must be in")
 def dropout_rate():
     return lambda: es.random.dropout_mask(1.5, (2,)), []

@@ -331,3 +331,19 @@ def test_seeding_with_an_integer_array_keeps_the_prng_implementation(traced):
         jax.random.key_data(rng.value),
         jax.random.key_data(jax.random.key(5, impl="rbg")),
     )
+
+
+def test_a_state_dict_gives_a_random_state_only_typed_keys():
+    # A legacy `uint32[2]` key (or a seed) in a StateDict would reach the draws of
+    # `es.run` as a batch of two keys (or fail inside JAX).
+    rng = es.RandomState(0, name="rng")
+    for value in (jax.random.PRNGKey(1), 5, jnp.zeros((), jnp.uint32)):
+        with pytest.raises(es.StateValueError, match="RandomState 'rng' holds typed"):
+            es.StateDict({rng: value})
+        with pytest.raises(es.StateValueError, match="RandomState 'rng' holds typed"):
+            es.StateDict().update({rng: value})
+    keys = jax.random.split(jax.random.key(1), 3)
+    assert es.StateDict({rng: keys})[rng].shape == (3,)
+    one = es.StateDict({rng: jax.random.key(1)})
+    _, draw = es.run(lambda: jax.random.normal(rng.split_key()), one)
+    assert draw.shape == ()
