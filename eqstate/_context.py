@@ -197,11 +197,20 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
         raise TraceContextError(LEAKED_TRACER_WRITE.format(label=state_label(state)))
     if isinstance(old, jax.ShapeDtypeStruct):
         return _check_abstract_leaf(state, old, new)
-    given, new = new, _array_to_write(state, new)
     if not isinstance(old, jax.Array):
         # A StateDict made by `jax.tree.map` or `jax.device_get` may hold Python
         # scalars or NumPy arrays: check against the array that `old` stands for.
         old = _to_array(old)
+    if type(new) is int and _beyond_default_int(new) and _scalar_number(old):
+        # Too large for JAX's default integer (int32 with 64-bit types off), but maybe
+        # not for the state: `3_000_000_000` for a uint32 state, `2**40` for float32.
+        if not _fits(new, old.dtype):
+            raise StateValueError(
+                f"Cannot give {state_label(state)} the value {new}: its dtype, "
+                f"{old.dtype}, cannot hold it. Write a value that {old.dtype} holds."
+            )
+        return jnp.asarray(new, old.dtype)
+    given, new = new, _array_to_write(state, new)
     weak = is_weak(new)
     if new.shape == old.shape and new.dtype == old.dtype:
         # A Python scalar written to a strongly typed state leaves it strong: the
@@ -217,6 +226,27 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
         converted = new.astype(old.dtype)
         return compat.weakly_typed(converted) if is_weak(old) else converted
     raise _mismatch(state, old, new)
+
+
+def _beyond_default_int(number: int) -> bool:
+    """Whether JAX's default integer type (int32 with 64-bit types off) cannot hold
+    `number`."""
+    default = jnp.iinfo(jax.dtypes.canonicalize_dtype(jnp.int64))
+    return not default.min <= number <= default.max
+
+
+def _scalar_number(x: Any) -> bool:
+    dtype = x.dtype
+    return x.shape == () and (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    )
+
+
+def _fits(number: int, dtype: Any) -> bool:
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return int(info.min) <= number <= int(info.max)
+    return abs(number) <= float(jnp.finfo(dtype).max)
 
 
 def _on_host(x: Any) -> Any:

@@ -245,8 +245,40 @@ def test_a_python_int_too_large_for_jax_is_refused_naming_the_state():
         es.StateValueError, match="State 'step' the value 1099511627776"
     ):
         step.value = 2**40
-    with pytest.raises(ValueError, match=r"State 'step' .*jax_enable_x64"):
+    with pytest.raises(ValueError, match=r"State 'step' .*int32, cannot hold it"):
         es.values_of(step).set(step, 2**40)
+    # Where no state tells the dtype, 64-bit types would hold it.
+    with pytest.raises(ValueError, match=r"State 'new' .*jax_enable_x64"):
+        es.StateDict({es.State(0, name="new"): 2**40})
+
+
+@pytest.mark.parametrize("how", _HOW)
+@pytest.mark.parametrize(
+    "dtype, number", [("uint32", 3_000_000_000), ("float32", 2**40), ("int32", 2**40)]
+)
+def test_a_python_int_beyond_int32_that_the_state_dtype_holds_is_written(
+    how, dtype, number
+):
+    # JAX's default integer is int32 (64-bit types off): the state's dtype decides.
+    u = es.State(jnp.zeros((), dtype), name="u")
+    if dtype == "int32":
+        with pytest.raises(es.StateValueError, match="its dtype, int32, cannot"):
+            _write_value(u, number, how)
+        return
+    _write_value(u, number, how)
+    written = es.values_of(u).set(u, number)[u]
+    assert written.dtype == dtype and int(written) == number
+
+
+def test_a_python_int_that_the_state_dtype_cannot_hold_names_the_dtype():
+    for dtype, number in [("uint32", 2**33), ("uint32", -(2**40)), ("float16", 2**40)]:
+        u = es.State(jnp.zeros((), dtype), name="u")
+        with pytest.raises(
+            es.StateValueError,
+            match=rf"State 'u' the value {number}: its dtype, {dtype}, cannot hold it",
+        ):
+            u.value = number
+        assert u.value == 0
 
 
 def test_a_state_made_from_a_value_its_array_cannot_hold_is_refused():
