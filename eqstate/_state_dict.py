@@ -6,11 +6,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
-from ._context import check_write, to_dict_value
+from ._context import check_write, is_weak, to_dict_value
 from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError, StateValueError
 from ._filters import to_predicate
@@ -165,7 +166,7 @@ class StateDict(_MappingBase):
                 "dictionary holds; to add a state, use `.update({state: value})` "
                 "(or `|`)."
             )
-        checked = check_write(state, self[state], value)
+        checked = _checked_write(state, self[state], value)
         values = self._values
         if type(values) is dict:
             return state_dict_of({**values, state: checked})
@@ -190,7 +191,7 @@ class StateDict(_MappingBase):
             if old is MISSING:
                 values[state] = _dict_value(state, value)
             else:
-                values[state] = check_write(state, old, value)
+                values[state] = _checked_write(state, old, value)
         return state_dict_of(values)
 
     def _lazy_update(self, other: Mapping) -> "StateDict":
@@ -206,7 +207,7 @@ class StateDict(_MappingBase):
         for state, source in theirs.items():
             _check_key(state)
             if state in sources:
-                value = check_write(state, sources[state][state], source[state])
+                value = _checked_write(state, sources[state][state], source[state])
                 sources[state] = {state: value}
             elif isinstance(other, StateDict):
                 sources[state] = source
@@ -385,6 +386,26 @@ def _sources(values: Mapping) -> dict[State, Mapping]:
     if isinstance(values, _Lazy):
         return dict(values._sources)
     return dict.fromkeys(values, values)
+
+
+def _checked_write(state: State, old: Any, value: Any) -> Any:
+    """`check_write`, which also takes an abstract value (of `jax.ShapeDtypeStruct`s,
+    as `eqstate.transform.eval_shape` returns) in place of a concrete one of its
+    shapes and dtypes: kept abstract, as a concrete value replaces an abstract one."""
+    if _is_abstract(value) and not _is_abstract(old):
+        check_write(state, jtu.tree_map(_abstract_leaf, old), value)
+        return value
+    return check_write(state, old, value)
+
+
+def _is_abstract(value: Any) -> bool:
+    leaves = jtu.tree_leaves(value)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
+    x = jnp.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=is_weak(x))
 
 
 def _dict_value(state: State, value: Any) -> Any:

@@ -349,6 +349,20 @@ def test_an_abstract_dict_can_be_split_merged_and_rebuilt():
     assert (shapes.set(w, jnp.zeros(2))[w] == 0).all()
     with pytest.raises(es.StateValueError, match=r"shape \(3,\).*ParamState 'w'"):
         shapes.set(w, jnp.zeros(3))
+    # The other way round: an abstract value replaces a concrete one, in any order.
+    concrete = es.values_of((w, n))
+    for mixed in (
+        concrete | shapes,
+        es.StateDict.merge(concrete, shapes),
+        concrete.update(shapes),
+        concrete.set(w, shapes[w]).set(n, shapes[n]),
+    ):
+        assert mixed[w] == shapes[w] and mixed[n] == shapes[n]
+    assert (es.StateDict.merge(concrete, params)[n] == n.value).all()
+    with pytest.raises(es.StateValueError, match=r"shape \(3,\).*ParamState 'w'"):
+        concrete.set(w, jax.ShapeDtypeStruct((3,), jnp.float32))
+    with pytest.raises(es.StateValueError, match=r"dtype int32 to ParamState 'w'"):
+        concrete | {w: jax.ShapeDtypeStruct((2,), jnp.int32)}
 
 
 def test_building_from_what_is_not_pairs_says_what_a_state_dict_takes():
