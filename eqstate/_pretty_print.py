@@ -38,9 +38,19 @@ def array_summary(x: Any) -> str:
     dtype = getattr(x, "dtype", None)
     if shape is None or dtype is None:
         return repr(x)
+    if isinstance(x, jax.Array) and _deleted(x):
+        # Donated: printing it must not fail, and should say why reading it will.
+        return f"{dtype_summary(dtype)}[{','.join(map(str, shape))}] (deleted)"
     if isinstance(x, jax.Array) and is_key(x):
         return f"key<{jax.random.key_impl(x)}>[{','.join(map(str, shape))}]"
     return f"{dtype_summary(dtype)}[{','.join(map(str, shape))}]"
+
+
+def _deleted(x: jax.Array) -> bool:
+    try:
+        return x.is_deleted()
+    except Exception:  # a tracer has no buffer to ask about
+        return False
 
 
 def value_summary(value: Any) -> str:

@@ -145,3 +145,13 @@ def test_a_value_whose_node_refuses_summaries_prints_its_leaves_flat():
     assert "_Gaussian(f32[2], f32[2])" in repr(es.values_of(g))
     with pytest.raises(AttributeError, match="Cannot set `foo` on State 'posterior'"):
         g.foo = 1  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_a_deleted_value_prints_as_deleted():
+    # Donated to another computation: reading it will fail, and printing says why.
+    w = es.State(jnp.ones(3), name="w")
+    w.value.delete()
+    assert repr(w) == "State(name='w', value=f32[3] (deleted))"
+    assert "f32[3] (deleted)" in repr(es.values_of(w))
+    w.value = jnp.zeros(3)
+    assert repr(w) == "State(name='w', value=f32[3])"
