@@ -927,3 +927,20 @@ def test_calls_in_an_enclosing_trace_and_in_traces_nested_in_it_keep_their_trace
     direct = count(lambda x: grad(x)[w].sum())
     branches = count(in_branch)
     assert count(lambda x: grad(x)[w].sum() + in_branch(x)) == direct + branches
+
+
+@pytest.mark.parametrize("grad_states", ["params", [], (), es.NonBatchState])
+def test_grad_states_selecting_nothing_without_argnums_is_an_error(grad_states):
+    w = es.ParamState(jnp.ones(2), name="w")
+
+    def loss(x):
+        return jnp.sum(w.value * x)
+
+    with pytest.raises(ValueError, match="selects none of the floating-point"):
+        es.transform.grad(loss, grad_states=grad_states)(jnp.ones(2))
+    # With `argnums`, the arguments are differentiated: generic code may give a
+    # filter that a model without such states does not match.
+    state_grads, x_grad = es.transform.grad(loss, grad_states=grad_states, argnums=0)(
+        jnp.ones(2)
+    )
+    assert len(state_grads) == 0 and (x_grad == 1).all()

@@ -1061,6 +1061,21 @@ def grad_integer_state():
     return lambda: es.transform.grad(f, grad_states=[step])(1.0), [step]
 
 
+@case(
+    "`grad_states` selecting no state the function uses, without `argnums`",
+    ValueError,
+    r"selects none of the floating-point states that loss uses.*nothing would be",
+)
+def grad_states_selecting_nothing():
+    w = es.ParamState(jnp.ones(2), name="w")
+
+    def loss(x):
+        return jnp.sum(w.value * x)
+
+    # A tag no state has: the gradients would be empty, and train nothing.
+    return lambda: es.transform.grad(loss, grad_states="params")(jnp.ones(2)), [w]
+
+
 @case("`vector_grad` of an integer state", TypeError, "names ParamState 'counts'")
 def vector_grad_integer_state():
     counts = es.ParamState(jnp.array([1, 2]), name="counts")

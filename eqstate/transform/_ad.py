@@ -212,6 +212,15 @@ def _warn_if_params_undifferentiated(
     return True
 
 
+_NOTHING_TO_DIFFERENTIATE = (
+    "`grad_states` selects none of the floating-point states that {name} uses, and "
+    "no `argnums` is given, so nothing would be differentiated (the gradients would "
+    "be empty, and an optimiser given them would train nothing). Check the filter "
+    "(a tag or kind that the states have), name the states, or pass `argnums` for "
+    "the arguments to differentiate."
+)
+
+
 def _split_aux(out: Any, name: str) -> tuple[Any, Any]:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError(
@@ -440,6 +449,8 @@ class _GradientTransform:
         )
         if not allow_int:
             self._check_inexact(diff)
+        if self._grad_states is not None and not positions and not diff.grad_states:
+            raise ValueError(_NOTHING_TO_DIFFERENTIATE.format(name=self._traces.name))
         grad_values = diff.grad_values()
         differentiated = [part for part, _ in parts]
         with diff.rules_see(), EQUINOX_ERRORS, _WHILE_LOOP_HINT:
@@ -536,9 +547,11 @@ def grad(
         differentiates every leaf of the states, as `jax.grad` does (`float0`
         gradients for integers).
     - `argnums`: the positional arguments to differentiate with respect to. Defaults
-        to `0` without `grad_states`, to none with them. Without `grad_states`, a
-        handle in them gets `None`, as in `eqx.filter_grad`; if the function uses
-        floating-point `ParamState`s they hold, `grad` warns once, naming them.
+        to `0` without `grad_states`, to none with them. As in `eqx.filter_grad`,
+        their leaves that are not floating-point arrays (integers, Python numbers)
+        get `None` rather than `jax.grad`'s `TypeError`. Without `grad_states`, a
+        handle in them gets `None` too; if the function uses floating-point
+        `ParamState`s they hold, `grad` warns once, naming them.
     - `has_aux`: `fun` returns `(value, aux)`.
     - `return_value`: also return the function's value.
     - `holomorphic`, `allow_int`: as in `jax.grad`. (Keyword only arguments.)
