@@ -647,6 +647,53 @@ def test_a_custom_vjp_backward_rule_reads_the_values_of_the_forward_pass(
         differentiate(writes_first, 2.0)
 
 
+def _surrogate_reading(threshold):
+    @jax.custom_vjp
+    def surrogate(x):
+        return jnp.sign(x)
+
+    surrogate.defvjp(
+        lambda x: (jnp.sign(x), x),
+        lambda x, g: (g * threshold.value / (1 + jnp.abs(x)),),
+    )
+    return surrogate
+
+
+@pytest.mark.upstream_leak(
+    reason="JAX keeps the tracer the rule closed over in the jaxpr it cannot compile"
+)
+@pytest.mark.parametrize("loop", ["scan", "for_loop", "nested jit"])
+def test_a_backward_rule_reading_a_state_in_a_loop_under_jit_says_what_to_do(loop):
+    # JAX traces the loop's backward pass apart, and cannot compile the traced value
+    # the rule closes over ("No constant handler"): outside `jit`, the value is an
+    # array, and the same loss differentiates.
+    threshold = es.State(jnp.array(3.0), name="threshold")
+    w = es.ParamState(jnp.array(0.5), name="w")
+    surrogate = _surrogate_reading(threshold)
+    xs = jnp.arange(1.0, 4.0)
+    body = {
+        "scan": lambda: es.transform.scan(
+            lambda c, x: (c, surrogate(w.value * x)), None, xs
+        )[1],
+        "for_loop": lambda: es.transform.for_loop(lambda x: surrogate(w.value * x), xs),
+        "nested jit": es.transform.jit(lambda: surrogate(w.value * xs)),
+    }[loop]
+
+    def loss():
+        return body().sum() + 0 * threshold.value
+
+    want = jnp.sum(3.0 * xs / (1 + 0.5 * xs))
+    grads = es.transform.grad(loss, grad_states=[w])
+    assert tree_allclose(grads()[w], want)
+    try:
+        got = es.transform.jit(grads)()
+    except es.TraceContextError as error:
+        assert re.search(r"(?s)custom_vjp.*state's value .* as an argument", str(error))
+    else:  # The two-pass fallback traces a nested `jit` where the rule can read.
+        assert tree_allclose(got[w], want)
+    assert w.value == 0.5 and threshold.value == 3.0
+
+
 def test_a_custom_rule_reading_a_written_state_or_writing_one_says_what_to_do():
     threshold = es.ParamState(jnp.array(0.3), name="threshold")
     spike = _surrogate_spike(threshold)

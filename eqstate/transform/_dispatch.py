@@ -34,6 +34,7 @@ from ._equinox_errors import EQUINOX_ERRORS, raise_equinox_error
 from ._function_traces import FunctionTraces
 from ._leaves import ArrayImpl, in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
+from ._rule_errors import raise_if_rule_closed_over_a_tracer, rule_closure_errors
 from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch, Static, unwrapped
 from ._trace import flat_jit, StaleTrace, sub_jaxprs, Trace
 from ._view import Overlay
@@ -663,6 +664,7 @@ class JitDispatch:
             raise exc
         if isinstance(exc, _JIT_REFUSALS):
             raise_equinox_error(exc)
+            raise_if_rule_closed_over_a_tracer(exc, self._name)
             self._raise_if_planned(exc, plan, args, kwargs)
         return self._call_unplanned(args, kwargs)
 
@@ -703,7 +705,7 @@ class JitDispatch:
         frame = _context.current_frame()
         call = self._traces.parse(args, kwargs)
         trace = self._traces.trace_for(call, frame)
-        with EQUINOX_ERRORS:
+        with EQUINOX_ERRORS, rule_closure_errors(self._name):
             if can_plan(trace):
                 done, out = self._call_planned(call, trace, frame, args, kwargs)
                 if done:
