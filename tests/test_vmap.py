@@ -539,7 +539,7 @@ def test_in_states_never_maps_what_vmap2_new_states_replicated():
         lanes = es.transform.vmap(
             lambda: jnp.sum(w.value * scale.value), in_states={0: states}
         )()
-    assert tree_bitwise_equal(lanes, jnp.sum(states[w] * states[scale], axis=1))
+    assert tree_bitwise_equal(lanes, jnp.sum(states[w] * states[scale][None], axis=1))
 
 
 def test_in_states_naming_a_replicated_state_alone_is_an_error():

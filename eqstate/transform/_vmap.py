@@ -419,10 +419,19 @@ def vmap(
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         axes = per_argument_axes(in_axes, len(args))
         traces_of_size = ft.partial(traces_of, axes=axes)
-        traced = _discover_lane(
-            fun, traces_of_size, args, kwargs, axes, mapped_axis,
-            axis_size=axis_size, axis_name=axis_name,
-        )  # fmt: skip
+        try:
+            traced = _discover_lane(
+                fun, traces_of_size, args, kwargs, axes, mapped_axis,
+                axis_size=axis_size, axis_name=axis_name,
+            )  # fmt: skip
+        except Exception:
+            # Likely the cause, if there is one: a lane saw a whole stacked value.
+            size = axis_size_of(axes, args, axis_size, kwargs=kwargs, required=False)
+            peek = _context.current_frame().peek
+            _refuse_stacked_handles_left_whole(
+                axes, args, kwargs, peek, mapped_axis, size
+            )
+            raise
         return _call_vmapped(
             traced, args, kwargs, axes, mapped_axis, out_pairs,
             out_axes=out_axes, axis_name=axis_name, axis_size=axis_size,
@@ -670,7 +679,8 @@ def _call_vmapped(
         _context.mapped_in_rules([*roles.mapped, *roles.randoms])
     sizes = _state_sizes(traced, mapped_axis)
     size = _lane_count(axes, args, kwargs, axis_size, sizes)
-    _refuse_stacked_handles_left_whole(axes, args, kwargs, values, roles, size)
+    used = lambda s: values.get(s, MISSING)  # noqa: E731
+    _refuse_stacked_handles_left_whole(axes, args, kwargs, used, mapped_axis, size)
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
     with EQUINOX_ERRORS:
         out, new_mapped, new_broadcast, alike, per_lane = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
@@ -706,15 +716,18 @@ def _refuse_stacked_handles_left_whole(
     axes: tuple,
     args: tuple,
     kwargs: dict,
-    values: dict[State, Any],
-    roles: "_StateRoles",
-    size: int,
+    value_of: Callable[[State], Any],
+    mapped_axis: Callable[[State], int | None],
+    size: int | None,
 ) -> None:
-    """Raises `ValueError` for a handle in a mapped argument whose state the function
-    uses, that `in_states` does not map, that `vmap_new_states` stacked, and whose
-    value has the mapped axis with `size` entries: an ensemble passed with `in_axes=0`
-    as to `eqx.filter_vmap`, whose states would reach every lane whole. (A state made
-    otherwise, or tied whole into every member, may be meant to be shared.)"""
+    """Raises `ValueError` for a handle in a mapped argument whose state has a value
+    (`value_of`, else `MISSING`), that `in_states` does not map, that
+    `vmap_new_states` stacked, and whose value has the mapped axis with `size`
+    entries: an ensemble passed with `in_axes=0` as to `eqx.filter_vmap`, whose states
+    would reach every lane whole. (A state made otherwise, or tied whole into every
+    member, may be meant to be shared.)"""
+    if size is None:
+        return
 
     def check(axis: int | None, subtree: Any, where: str) -> None:
         if axis is None:
@@ -722,12 +735,13 @@ def _refuse_stacked_handles_left_whole(
         for path, leaf in jtu.tree_leaves_with_path(subtree):
             if (
                 not isinstance(leaf, State)
-                or leaf not in values
-                or leaf in roles.mapped
+                or mapped_axis(leaf) is not None
                 or not stacked_by_its_last_build(leaf)
             ):
                 continue
-            value = values[leaf]
+            value = value_of(leaf)
+            if value is MISSING:
+                continue
             leaves = jtu.tree_leaves(value)
             if leaves and all(_has_axis_of_size(x, axis, size) for x in leaves):
                 raise ValueError(
