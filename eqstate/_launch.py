@@ -69,14 +69,31 @@ def _relay(stream: Any, prefix: str, out: Any, lock: threading.Lock) -> None:
 
 
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
-    """Kills every process still running, and its children, then reaps them all."""
+    """Kills every process and the processes it started (its process group), also
+    those of a process that has exited, then reaps them all."""
     for proc in procs:
-        if proc.poll() is None:
+        # Not yet reaped (see `_exit_code`): its id still names its group, and no
+        # other, even after it exited.
+        if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The return code of `proc` (`-N` if killed by signal N), or `None` while it
+    runs. It is not reaped, so `_kill` can still reach what it started."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+        return proc.poll()
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 @contextlib.contextmanager
@@ -112,6 +129,7 @@ def local_processes(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                errors="replace",  # A byte that is not UTF-8 must not stop the relay.
                 bufsize=1,
                 start_new_session=True,
             )
@@ -134,18 +152,27 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout: float | None = None) ->
     """Waits for every process. As soon as one fails (non-zero exit), or `timeout`
     seconds pass, kills the others. Returns the first non-zero exit code (124 on a
     timeout), else 0."""
+    return _wait(procs, timeout)[0]
+
+
+def _wait(
+    procs: Sequence[subprocess.Popen], timeout: float | None
+) -> tuple[int, dict[int, int]]:
+    """`wait_all`, which also gives the return code of each process found failed
+    when it stopped them, by rank (none on success or on a timeout)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        codes = [proc.poll() for proc in procs]
-        failed = [code for code in codes if code not in (None, 0)]
+        codes = [_exit_code(proc) for proc in procs]
+        failed = {i: code for i, code in enumerate(codes) if code not in (None, 0)}
         if failed:
             _kill(procs)
-            return failed[0]
+            return next(iter(failed.values())), failed
         if all(code == 0 for code in codes):
-            return 0
+            _kill(procs)  # What they started and left running, then reap them.
+            return 0, {}
         if deadline is not None and time.monotonic() > deadline:
             _kill(procs)
-            return 124
+            return 124, {}
         time.sleep(0.05)
 
 
@@ -187,10 +214,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(own)
     if args.num_processes < 1:
         parser.error("--num-processes must be at least 1")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        parser.error("--cpu-devices must be at least 1")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error("--timeout must be a positive number of seconds")
     if module is not None:
-        command = [sys.executable, "-m", module, *module_args]
+        command = [sys.executable, "-c", _CHILD, "-m", module, *module_args]
     elif args.program:
-        command = [sys.executable, *args.program]
+        command = [sys.executable, "-c", _CHILD, *args.program]
     else:
         parser.error("give a script to run (or -m module)")
     try:
@@ -200,9 +231,56 @@ def main(argv: Sequence[str] | None = None) -> int:
                 command, args.num_processes, cpu_devices=args.cpu_devices
             ) as procs,
         ):
-            return _exit_status(wait_all(procs, args.timeout))
+            code, failed = _wait(procs, args.timeout)
     except KeyboardInterrupt:
         return 130
+    return _exit_status(code, failed, args.timeout)
+
+
+# What each process runs in place of `python script.py` (or `python -m module`): the
+# program, as Python runs it, except that a failure exits at once, without the exit
+# handlers. JAX's `jax.distributed.shutdown`, run at exit, waits for the other
+# processes, which may wait for this one in a collective: a failed process would
+# never exit, and the launcher never learn that it failed. Inline, not a module of
+# eqstate: importing the package would import JAX before the program sets its
+# environment (`XLA_FLAGS`, say).
+_CHILD = """
+import os, runpy, sys, traceback
+
+def run():
+    if sys.argv[1] == "-m":
+        sys.argv = sys.argv[2:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[1:]
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+
+def own_frames(tb):
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename == "<string>"
+        or tb.tb_frame.f_globals.get("__name__") == "runpy"
+    ):
+        tb = tb.tb_next
+    return tb
+
+def exit_now(code):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+try:
+    run()
+except SystemExit as done:
+    if done.code is None or done.code == 0:
+        raise
+    if not isinstance(done.code, int):
+        print(done.code, file=sys.stderr)
+    exit_now(done.code if isinstance(done.code, int) else 1)
+except BaseException as error:
+    traceback.print_exception(type(error), error, own_frames(error.__traceback__))
+    exit_now(1)
+"""
 
 
 # Signals that stop the launcher from outside (`kill`, `timeout`, a scheduler, a
@@ -261,12 +339,26 @@ def _split_at_module(argv: list[str]) -> tuple[list[str], str | None, list[str]]
     return argv, None, []
 
 
-def _exit_status(code: int) -> int:
-    """The launcher's exit status for a process's return code: a process killed by
-    signal N (code -N) gives 128 + N, as a shell reports it, and a message naming
-    the signal."""
-    if code >= 0:
+def _exit_status(code: int, failed: dict[int, int], timeout: float | None) -> int:
+    """The launcher's exit status, `code` (the return code of the first process that
+    failed, or 124 on a timeout), with a message saying which processes failed and
+    how (`failed`: their return codes by rank): a process killed by signal N (code
+    -N) gives 128 + N, as a shell reports it."""
+    if not failed:
+        if code == 124:
+            print(
+                f"eqstate.launch: still running after --timeout {timeout:g} s; "
+                "every process was killed",
+                file=sys.stderr,
+            )
         return code
+    how = ", ".join(f"process {rank} {_how(c)}" for rank, c in failed.items())
+    print(f"eqstate.launch: {how}; the others were killed", file=sys.stderr)
+    return code if code >= 0 else 128 - code
+
+
+def _how(code: int) -> str:
+    if code >= 0:
+        return f"exited with status {code}"
     name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
-    print(f"eqstate.launch: a process was killed by signal {name}", file=sys.stderr)
-    return 128 - code
+    return f"was killed by signal {name}"

@@ -709,3 +709,122 @@ def test_launcher_ignoring_sighup_as_under_nohup_goes_on_through_it(tmp_path):
     with _launched_job(tmp_path, 3, ignoring_sighup) as (launcher, _):
         launcher.send_signal(signal.SIGHUP)
         assert launcher.wait(timeout=60) == 0  # the job ran to its end
+
+
+def _launch_script(tmp_path, source, *options, timeout=90):
+    """Runs `source` as a script under the launcher with `options`; the result."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    command = [sys.executable, "-m", "eqstate.launch", *options, str(script)]
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        start_new_session=True,
+        cwd=tmp_path,
+    )
+
+
+def test_launcher_stops_a_job_whose_process_raises_while_the_other_waits_for_it(
+    tmp_path,
+):
+    # At exit, JAX's `jax.distributed.shutdown` of the failed process waits for the
+    # other, which waits for it in a collective: the failure must end the job at once,
+    # not after JAX's shutdown timeout (minutes).
+    start = time.monotonic()
+    result = _launch_script(
+        tmp_path,
+        "import jax\n"
+        "jax.distributed.initialize()\n"
+        "import jax.numpy as jnp\n"
+        "from jax.experimental import multihost_utils\n"
+        "multihost_utils.sync_global_devices('started')\n"
+        "if jax.process_index() == 1:\n"
+        "    raise RuntimeError('rank 1 failed')\n"
+        "multihost_utils.sync_global_devices('never reached by rank 1')\n",
+        "-n",
+        "2",
+        "--cpu-devices",
+        "1",
+    )
+    assert time.monotonic() - start < 60
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "process 1 exited with status 1" in result.stderr
+    # The traceback starts in the program, as `python job.py` shows it.
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[1]")]
+    tail = lines[lines.index("[1] Traceback (most recent call last):") :]
+    assert "job.py" in tail[1] and tail[-1] == "[1] RuntimeError: rank 1 failed"
+    assert "runpy" not in result.stdout and "<string>" not in result.stdout
+
+
+def test_launcher_kills_what_a_failed_process_started_and_relays_any_bytes(tmp_path):
+    helper = tmp_path / "helper-pid"
+    result = _launch_script(
+        tmp_path,
+        "import os, subprocess, sys, time\n"
+        "rank = os.environ['SLURM_PROCID']\n"
+        "sys.stdout.buffer.write(b'caf\\xe9 from ' + rank.encode() + b'\\n')\n"
+        "sys.stdout.flush()\n"
+        "if rank == '1':\n"
+        "    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"    open({str(helper)!r}, 'w').write(str(p.pid))\n"
+        "    sys.exit(3)\n"
+        "time.sleep(120)\n",
+        "-n",
+        "2",
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "process 1 exited with status 3" in result.stderr
+    assert "[1] caf\ufffd from 1" in result.stdout  # a byte that is not UTF-8
+    assert _ended(int(helper.read_text()))
+
+
+def test_launcher_finds_modules_next_to_the_script_and_ends_what_it_left(tmp_path):
+    (tmp_path / "sibling.py").write_text("VALUE = 42\n")
+    helper = tmp_path / "helper-pid"
+    result = _launch_script(
+        tmp_path,
+        "import os, subprocess, sys, sibling\n"
+        "print('sibling', sibling.VALUE, sys.argv[1:], __name__, flush=True)\n"
+        "if os.environ['SLURM_PROCID'] == '0':\n"
+        "    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"    open({str(helper)!r}, 'w').write(str(p.pid))\n",
+        "-n",
+        "2",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[0] sibling 42 [] __main__" in result.stdout
+    assert _ended(int(helper.read_text()))
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended: gone, or a zombie that no one reaped (its
+    parent ended first, and in a container, process 1 may not reap orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = pathlib.Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (("--cpu-devices", "0"), "--cpu-devices must be at least 1"),
+        (("--timeout", "0"), "--timeout must be a positive number"),
+        (("--timeout", "-1"), "--timeout must be a positive number"),
+    ],
+)
+def test_launcher_refuses_options_out_of_range(tmp_path, options, message):
+    result = _launch_script(tmp_path, "print('ran')\n", *options)
+    assert result.returncode == 2 and message in result.stderr
+    assert "ran" not in result.stdout
+
+
+def test_launcher_says_when_it_stopped_a_job_at_its_timeout(tmp_path):
+    result = _launch_script(tmp_path, "import time\ntime.sleep(60)\n", "--timeout", "2")
+    assert result.returncode == 124
+    assert "still running after --timeout 2 s" in result.stderr
