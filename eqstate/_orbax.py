@@ -185,7 +185,9 @@ def _save_args(
     _refuse_what_orbax_cannot_save(leaves)
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
-    for (spec, _), array, checksum in zip(leaves, arrays, checksums(arrays)):
+    sums = checksums(arrays)
+    _refuse_values_that_differ_across_processes(leaves, arrays, sums)
+    for (spec, _), array, checksum in zip(leaves, arrays, sums):
         entry: dict[str, Any] = {
             "path": spec.path,
             "dtype": spec.dtype.name,
@@ -209,6 +211,34 @@ def _save_args(
         # has no `state` item.
         items[_STATE_ITEM] = ocp.args.PyTreeSave(tree)
     return ocp.args.Composite(**items), entries
+
+
+def _refuse_values_that_differ_across_processes(
+    leaves: list, arrays: list[jax.Array], sums: list[int]
+) -> None:
+    """Raises `CheckpointError` if an array each process holds apart (not one array
+    across them) has another value in some process, by its checksum: the checkpoint
+    would keep process 0's, and every other process would load it as its own (a
+    random state seeded by rank, a data loader's position). Every process takes part
+    (one small all-gather), and all raise alike."""
+    if jax.process_count() == 1 or not arrays:
+        return
+    from jax.experimental import multihost_utils
+
+    local = [x.is_fully_addressable for x in arrays]
+    mine = np.array([c if own else 0 for c, own in zip(sums, local)], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    differs = np.flatnonzero((every != every[:1]).any(axis=0))
+    if differs.size:
+        spec, _ = leaves[differs[0]]
+        raise CheckpointError(
+            f"The value at {spec.path!r} differs between processes: each holds its "
+            "own (not one array across them), and a checkpoint keeps one value per "
+            "state, process 0's, which every process would load. Give every process "
+            "the same value (seed a `RandomState` alike in every process), or hold "
+            "one value per process in an array across them "
+            "(`jax.make_array_from_process_local_data`). Nothing was written."
+        )
 
 
 def _bits(dtype: np.dtype) -> int:

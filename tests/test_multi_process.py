@@ -256,6 +256,32 @@ def _orbax_checks(report, workdir, mesh, gather, check):
             return str(e)
         return None
 
+    @check("orbax_values_that_differ_between_processes")
+    def _():
+        # A value each process holds apart, seeded by rank: a checkpoint would keep
+        # process 0's, and give it to every process.
+        import jax
+
+        rank = jax.process_index()
+        local = {
+            "rng": es.RandomState(100 + rank, name="rng"),
+            "step": es.State(jnp.int32(7), name="step"),  # the same everywhere
+        }
+        path = os.path.join(workdir, "per-process")
+        errors = []
+        for manager in (False, True):
+            try:
+                if manager:
+                    with es.CheckpointManager(path + "-run") as saver:
+                        saver.save(1, es.values_of(local), model=local)
+                else:
+                    es.save(path, es.values_of(local), model=local)
+            except es.CheckpointError as e:
+                errors.append(str(e))
+        same = {"step": local["step"]}
+        es.save(path + "-same", es.values_of(same), model=same)
+        return {"errors": errors, "written": os.path.exists(path)}
+
     @check("manager")
     def _():
         directory = os.path.join(workdir, "run")
@@ -558,6 +584,13 @@ def test_orbax_mismatch_gives_eqstates_error_in_every_process(run):
         assert "does not match the model" in message
         assert "`w` holds shape (16,) and dtype float32" in message
         assert "expects shape (6,)" in message
+
+
+def test_orbax_refuses_a_value_that_differs_between_processes(run):
+    for result in _both(run, "orbax_values_that_differ_between_processes"):
+        assert len(result["errors"]) == 2 and not result["written"]
+        for error in result["errors"]:
+            assert "The value at 'rng' differs between processes" in error
 
 
 def test_manager_keeps_the_last_two_and_resumes_from_the_latest(run):
