@@ -241,6 +241,21 @@ def _refuse_values_that_differ_across_processes(
         )
 
 
+def _process_0s(step: int | None) -> int | None:
+    """Process 0's `step` (a non-negative integer or `None`), in every process."""
+    if jax.process_count() == 1:
+        return step
+    from jax.experimental import multihost_utils
+
+    # Two int32 words: 64-bit types may be off.
+    words = divmod(0 if step is None else step + 1, 2**30)
+    high, low = np.asarray(
+        multihost_utils.broadcast_one_to_all(np.array(words, np.int32))
+    ).tolist()
+    agreed = high * 2**30 + low
+    return None if agreed == 0 else agreed - 1
+
+
 def _bits(dtype: np.dtype) -> int:
     if jnp.issubdtype(dtype, jnp.integer):
         return jnp.iinfo(dtype).bits
@@ -865,7 +880,9 @@ class CheckpointManager:
         - `model_or_states`, `model`: the target, as in [`eqstate.load`][]. Its
             current values give the expected shapes and dtypes, and the sharding
             each loaded array gets. (`model` is a keyword only argument.)
-        - `step`: which checkpoint; `None` for the latest. (Keyword only argument.)
+        - `step`: which checkpoint; `None` for the latest: in a program of several
+            processes, the latest that process 0 sees, in every process (another
+            program may save while they look). (Keyword only argument.)
 
         **Returns:**
 
@@ -884,13 +901,17 @@ class CheckpointManager:
         self._manager.wait_until_finished()
         steps = self.steps()
         if step is None:
-            if not steps:
+            # Another program may save meanwhile: every process loads the step that
+            # process 0 sees as the latest (it may be new to the others' listing).
+            latest = _process_0s(steps[-1] if steps else None)
+            if latest is None:
                 raise CheckpointError(
                     f"No checkpoint in {self.directory!r} yet. Check "
                     "`manager.latest_step() is not None` before loading, and start "
                     "from scratch otherwise."
                 )
-            step = steps[-1]
+            step = latest
+            self._reread_steps()
         else:
             step = _as_step(step, self.directory)
             if step not in steps:

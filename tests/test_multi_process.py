@@ -282,6 +282,16 @@ def _orbax_checks(report, workdir, mesh, gather, check):
         es.save(path + "-same", es.values_of(same), model=same)
         return {"errors": errors, "written": os.path.exists(path)}
 
+    @check("latest_step_of_process_0")
+    def _():
+        # What `CheckpointManager.load` loads when the processes list the directory
+        # at different moments, while another program saves: process 0's latest.
+        import jax
+        from eqstate._orbax import _process_0s
+
+        rank = jax.process_index()
+        return [_process_0s(v) for v in (rank, 2**40 + rank, None if rank else 5)]
+
     @check("manager")
     def _():
         directory = os.path.join(workdir, "run")
@@ -591,6 +601,11 @@ def test_orbax_refuses_a_value_that_differs_between_processes(run):
         assert len(result["errors"]) == 2 and not result["written"]
         for error in result["errors"]:
             assert "The value at 'rng' differs between processes" in error
+
+
+def test_every_process_loads_the_step_process_0_sees_as_the_latest(run):
+    for result in _both(run, "latest_step_of_process_0"):
+        assert result == [0, 2**40, 5]
 
 
 def test_manager_keeps_the_last_two_and_resumes_from_the_latest(run):
