@@ -209,7 +209,8 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
                 f"Cannot give {state_label(state)} the value {new}: its dtype, "
                 f"{old.dtype}, cannot hold it. Write a value that {old.dtype} holds."
             )
-        return jnp.asarray(new, old.dtype)
+        converted = jnp.asarray(new, old.dtype)
+        return compat.weakly_typed(converted) if is_weak(old) else converted
     given, new = new, _array_to_write(state, new)
     weak = is_weak(new)
     if new.shape == old.shape and new.dtype == old.dtype:

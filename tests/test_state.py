@@ -268,6 +268,10 @@ def test_a_python_int_beyond_int32_that_the_state_dtype_holds_is_written(
     _write_value(u, number, how)
     written = es.values_of(u).set(u, number)[u]
     assert written.dtype == dtype and int(written) == number
+    if dtype == "float32":  # A weakly typed state stays weak, as for any number.
+        weak = es.State(1.0, name="weak")
+        _write_value(weak, number, how)
+        assert es.values_of(weak).set(weak, number)[weak].weak_type
 
 
 def test_a_python_int_that_the_state_dtype_cannot_hold_names_the_dtype():
