@@ -85,10 +85,11 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
 def _exit_code(proc: subprocess.Popen) -> int | None:
     """The return code of `proc` (`-N` if killed by signal N), or `None` while it
     runs. It is not reaped, so `_kill` can still reach what it started."""
-    if proc.returncode is not None:
-        return proc.returncode
+    waitid = getattr(os, "waitid", None)  # not on every platform (older macOS)
+    if proc.returncode is not None or waitid is None:
+        return proc.poll()
     try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        info = waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped elsewhere
         return proc.poll()
     if info is None or info.si_pid == 0:
