@@ -3,7 +3,7 @@
 import dataclasses
 import functools as ft
 import operator
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, SupportsIndex
 
 import equinox as eqx
@@ -115,23 +115,27 @@ def axis_size_of(
     axis 0), and every entry of `extra` (e.g. mapped states)."""
     sizes: dict[str, int] = {} if axis_size is None else {"axis_size": axis_size}
     sizes.update(extra or {})
-    for i, (axis, arg) in enumerate(zip(axes, args)):
-        jtu.tree_map(
-            lambda a, sub, i=i: sizes.update(_sizes_along(a, sub, f"argument {i}")),
-            axis,
-            arg,
-            is_leaf=lambda x: x is None,
-        )
-    for name, arg in (kwargs or {}).items():
-        sizes.update(_sizes_along(0, arg, f"keyword argument {name!r}"))
+    for axis, subtree, where in _mapped_parts(axes, args, kwargs):
+        sizes.update(_sizes_along(axis, subtree, where))
     return _the_one_size(sizes, required)
 
 
-def _sizes_along(axis: int | None, subtree: Any, where: str) -> dict[str, int]:
+def _mapped_parts(
+    axes: tuple, args: tuple, kwargs: dict | None = None
+) -> Iterator[tuple[int, Any, str]]:
+    """`(axis, subtree, where)` for each part of a call's arguments that `vmap` maps:
+    those the prefixes `axes` map (see `mapped_subtrees`), and every keyword argument,
+    along axis 0, as in `jax.vmap`; `where` names the argument."""
+    for i, (axis, arg) in enumerate(zip(axes, args)):
+        for a, subtree in mapped_subtrees(axis, arg):
+            yield a, subtree, f"argument {i}"
+    for name, arg in (kwargs or {}).items():
+        yield 0, arg, f"keyword argument {name!r}"
+
+
+def _sizes_along(axis: int, subtree: Any, where: str) -> dict[str, int]:
     """The length of axis `axis` of every array in `subtree`, by its path."""
     sizes: dict[str, int] = {}
-    if axis is None:
-        return sizes
     for path, leaf in jtu.tree_leaves_with_path(subtree):
         shape = getattr(leaf, "shape", None)
         if shape is None:
@@ -159,19 +163,16 @@ def _refuse_mapped_numbers(axes: tuple, args: tuple) -> None:
     """Raises `ValueError`, as `jax.vmap` does, if `in_axes` maps a Python number
     given as an argument or in a list, tuple or dict (a field of a Module, such as a
     layer's `inference` flag, reaches every lane as it is)."""
-    for i, (axis, arg) in enumerate(zip(axes, args)):
-        mapped = mapped_subtrees(axis, arg)
-        for a, sub in mapped:
-            for path, leaf in jtu.tree_leaves_with_path(sub, is_leaf=_is_module):
-                if isinstance(leaf, (bool, int, float, complex)):
-                    where = f"argument {i}{jtu.keystr(path)}"
-                    raise ValueError(
-                        f"`in_axes` maps {where} along axis {a}, but it is a Python "
-                        f"{type(leaf).__name__} ({leaf!r}), which has no axes (as in "
-                        "`jax.vmap`). Broadcast it to every lane with `None` as its "
-                        "entry of `in_axes` (e.g. `in_axes=(0, None)`), or pass an "
-                        "array holding one value per lane."
-                    )
+    for a, subtree, where in _mapped_parts(axes, args):
+        for path, leaf in jtu.tree_leaves_with_path(subtree, is_leaf=_is_module):
+            if isinstance(leaf, (bool, int, float, complex)):
+                raise ValueError(
+                    f"`in_axes` maps {where}{jtu.keystr(path)} along axis {a}, but it "
+                    f"is a Python {type(leaf).__name__} ({leaf!r}), which has no axes "
+                    "(as in `jax.vmap`). Broadcast it to every lane with `None` as its "
+                    "entry of `in_axes` (e.g. `in_axes=(0, None)`), or pass an array "
+                    "holding one value per lane."
+                )
 
 
 def _is_module(x: Any) -> bool:
@@ -728,10 +729,7 @@ def _refuse_stacked_handles_left_whole(
     member, may be meant to be shared.)"""
     if size is None:
         return
-
-    def check(axis: int | None, subtree: Any, where: str) -> None:
-        if axis is None:
-            return
+    for axis, subtree, where in _mapped_parts(axes, args, kwargs):
         for path, leaf in jtu.tree_leaves_with_path(subtree):
             if (
                 not isinstance(leaf, State)
@@ -752,16 +750,6 @@ def _refuse_stacked_handles_left_whole(
                         size=size,
                     )
                 )
-
-    for i, (axis, arg) in enumerate(zip(axes, args)):
-        jtu.tree_map(
-            lambda a, sub, i=i: check(a, sub, f"argument {i}"),
-            axis,
-            arg,
-            is_leaf=lambda x: x is None,
-        )
-    for name, arg in kwargs.items():
-        check(0, arg, f"keyword argument {name!r}")
 
 
 def _has_axis_of_size(x: Any, axis: int, size: int) -> bool:
