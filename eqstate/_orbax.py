@@ -911,7 +911,8 @@ class CheckpointManager:
                     "from scratch otherwise."
                 )
             step = latest
-            self._reread_steps()
+            if step not in steps:  # Saved since this process listed the directory.
+                self._reread_steps()
         else:
             step = _as_step(step, self.directory)
             if step not in steps:
