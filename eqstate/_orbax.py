@@ -24,6 +24,7 @@ import importlib
 import operator
 import os
 import queue
+import shutil
 import sys
 import threading
 import weakref
@@ -741,6 +742,9 @@ class CheckpointManager:
         - `directory`: where the checkpoints go, one subdirectory per step. It is
             created if missing. Only subdirectories that are checkpoints count as
             steps: others, even named by a number, are neither loaded nor deleted.
+            What a save that never finished (a crash) left is removed at this
+            manager's first save, not before: a manager that only reads never
+            touches a save another program is writing.
             With several processes, every process must see it (a shared file
             system, or a bucket Orbax can write).
         - `max_to_keep`: keep only the last this many checkpoints (a positive
@@ -788,8 +792,9 @@ class CheckpointManager:
             max_to_keep=None if max_to_keep is None else int(max_to_keep),
             enable_async_checkpointing=async_save,
             create=True,
-            # What a crash mid-save left behind is never a checkpoint: remove it.
-            cleanup_tmp_directories=True,
+            # Orbax would remove unfinished saves in a background thread, racing
+            # with saves other managers are writing; `save` removes them instead.
+            cleanup_tmp_directories=False,
             step_name_format=self._name_format,
         )
         try:
@@ -801,6 +806,7 @@ class CheckpointManager:
                 "can create and write, on a file system with space."
             ) from e
         self._closed = False
+        self._unfinished_saves_removed = False
         self._closer = weakref.finalize(
             self, _close_dropped, self._manager, self.directory
         )
@@ -864,6 +870,7 @@ class CheckpointManager:
         _refuse_to_replace(step_path, f"checkpoint {step}", (fix, fix))
         args, _ = _save_args(self._ocp, states, model)
         with _saving(step_path):
+            self._remove_unfinished_saves()
             self._manager.save(step, args=args, force=True)
 
     def load(
@@ -967,6 +974,19 @@ class CheckpointManager:
             self._closed = True
             self._closer.detach()
             _UNCLOSED.discard(self._closer)
+
+    def _remove_unfinished_saves(self) -> None:
+        """Removes what saves that never finished (a crash) left in the directory.
+
+        Done at the first save, not when the manager is made: a manager made only
+        to read would otherwise remove the save another program is writing.
+        """
+        if self._unfinished_saves_removed:
+            return
+        if jax.process_index() == 0:
+            for name in self._ocp.step.tmp_checkpoints(self.directory):
+                shutil.rmtree(os.path.join(self.directory, name))
+        self._unfinished_saves_removed = True
 
     def _refuse_if_closed(self, what: str) -> None:
         if self._closed:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import eqstate as es
 import jax
@@ -352,6 +353,39 @@ def test_a_step_another_manager_saved_is_not_replaced(tmp_path):
     with es.CheckpointManager(tmp_path) as manager:
         assert manager.steps() == (1, 2, 3)
         assert (manager.load(es.values_of(w), step=1)[w] == jnp.arange(3.0)).all()
+
+
+def _unfinished_save(directory, step):
+    """Makes what a save of `step` looks like while it is written (or after a crash)."""
+    path = directory / f"{step}.orbax-checkpoint-tmp"
+    (path / "eqstate.orbax-checkpoint-tmp").mkdir(parents=True)
+    return path
+
+
+def test_making_a_manager_removes_no_save_another_program_is_writing(tmp_path):
+    with es.CheckpointManager(tmp_path) as manager:
+        manager.save(1, es.values_of(es.ParamState(jnp.zeros(2), name="w")))
+    writing = _unfinished_save(tmp_path, 2)
+    reader = es.CheckpointManager(tmp_path)
+    deadline = time.monotonic() + 1.0  # long enough for a removal in the background
+    while time.monotonic() < deadline and writing.exists():
+        time.sleep(0.01)
+    assert reader.steps() == (1,)
+    reader.close()
+    assert writing.exists()
+
+
+def test_the_first_save_removes_what_an_interrupted_save_left(tmp_path):
+    w = es.ParamState(jnp.arange(2.0), name="w")
+    left = _unfinished_save(tmp_path, 1)
+    with es.CheckpointManager(tmp_path) as manager:
+        assert manager.steps() == ()
+        manager.save(2, es.values_of(w))
+        assert manager.steps() == (2,)
+        assert not left.exists()
+    assert sorted(os.listdir(tmp_path)) == ["2"]
+    with es.CheckpointManager(tmp_path) as manager:
+        assert (manager.load(es.values_of(w))[w] == jnp.arange(2.0)).all()
 
 
 _DROPPED_IN_A_CYCLE = """
