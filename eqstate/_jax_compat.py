@@ -13,6 +13,9 @@ makes eqstate slower or its errors less precise, never wrong:
 - a `scan`'s parameters that describe how its values are grouped (`FLAT_TREES`, JAX
   0.12) are compared by value in the keys of top-level programs; without it each call
   of such a loop compiles again.
+- the key of eqstate's cache of traces holds JAX's trace context (`trace_context`:
+  the configuration and the mapped axes `jax.jit` keys by). Without it no trace is
+  reused, so every call traces again.
 - JAX's caches of the traces nested in an eqstate trace (a `jax.jit` function, a
   `lax.scan` body) are keyed by an era of eqstate's (`enter_trace_era`), which
   changes when one of them reads a state, so that such a trace is never reused by
@@ -164,6 +167,37 @@ def _trace_context_state() -> Any:
 
 
 _TRACE_CONTEXT = _trace_context_state()
+
+
+def _jax_trace_context() -> "Callable[[], Any]":
+    try:  # JAX 0.8 to 0.12.
+        config: Any = importlib.import_module("jax._src.config")
+        config.trace_context()
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover
+        return object
+    own = _TRACE_CONTEXT
+    if own is None:  # pragma: no cover - depends on the JAX release
+        return config.trace_context
+
+    def trace_context() -> Any:
+        # Without eqstate's era, which keys JAX's caches apart, not eqstate's: its
+        # traces take the states' values as inputs, so one made at top level still
+        # serves a call nested in a trace.
+        previous = own.swap_local(None)
+        try:
+            return config.trace_context()
+        finally:
+            own.set_local(previous)
+
+    return trace_context
+
+
+trace_context: "Callable[[], Any]" = _jax_trace_context()
+"""What `jax.jit` keys its cache of traces by besides the arguments: the
+configuration a trace depends on (64-bit mode, promotion rules, matmul precision,
+PRNG options) and the names and sizes of the axes mapped around it. A hashable value,
+equal between two calls that would trace alike; a new object on each call where this
+JAX does not tell (no trace is then reused)."""
 # The era of the traces JAX caches inside eqstate's frames, per thread (JAX's caches
 # are shared between threads); a new one begins whenever a raw transform nested in
 # such a frame reads a state (see `new_trace_era`). Every era is a new number.

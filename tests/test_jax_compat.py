@@ -274,6 +274,34 @@ def test_trace_eras_key_jax_caches_of_traces_apart():
     assert len(runs) == 3
 
 
+def test_trace_context_follows_configuration_and_mapped_axes_but_not_eras():
+    outside = compat.trace_context()
+    assert hash(outside) == hash(compat.trace_context())
+    assert compat.trace_context() == outside
+    with jax.enable_x64(True):
+        assert compat.trace_context() != outside
+    with jax.numpy_rank_promotion("raise"):
+        assert compat.trace_context() != outside
+    assert compat.trace_context() == outside
+    seen = []
+
+    def f(x):
+        seen.append(compat.trace_context())
+        return x
+
+    for n in (2, 3, 2):
+        jax.vmap(f, axis_name="i")(jnp.ones(n))
+    assert seen[0] == seen[2] != seen[1]
+    assert outside not in seen
+    previous = compat.enter_trace_era()
+    try:
+        compat.new_trace_era()
+        assert compat.trace_context() == outside
+        assert isinstance(compat._TRACE_CONTEXT.value, int)  # left as it was
+    finally:
+        compat.leave_trace_era(previous)
+
+
 def test_trace_eras_are_apart_between_threads():
     eras = []
 

@@ -596,6 +596,62 @@ def test_equal_static_values_of_other_types_trace_apart(how):
         assert got.dtype == want.dtype and (got == want).all(), (scale, got, want)
 
 
+def test_a_jitted_function_under_vmaps_of_other_sizes_sees_each_axis_size():
+    # The size of a named axis is fixed when the function is traced, as in `jax.jit`:
+    # a trace made under a `vmap` of 2 must not serve one of 4 (a last short batch).
+    calls = es.ShortTermState(jnp.array(0), name="calls")
+
+    @es.transform.jit
+    def centred(x):
+        calls.value = calls.value + 1
+        return x - jax.lax.pmean(x, "batch")
+
+    for n in (2, 4, 2, 3):
+        x = jnp.arange(float(n))
+        got = es.transform.vmap(centred, axis_name="batch")(x)
+        assert got == pytest.approx(x - x.mean()), (n, got)
+    assert calls.value == 4
+
+    # Read only, under a raw `vmap`.
+    scale = es.ParamState(jnp.float32(1.0), name="scale")
+    per_lane = es.transform.jit(lambda x: scale.value * x / jax.lax.axis_size("i"))
+    for n in (2, 4):
+        got = jax.vmap(per_lane, axis_name="i")(jnp.ones(n))
+        assert got == pytest.approx(jnp.full(n, 1 / n)), (n, got)
+
+
+def test_a_jitted_function_follows_jax_configuration_changed_between_calls():
+    # `jax.jit` keys its traces by the configuration they depend on; so does eqstate.
+    total = es.ShortTermState(jnp.float32(0), name="total")
+
+    def add(x):
+        total.value = total.value + jnp.sum(x)
+        return jnp.arange(2.0) + x
+
+    jitted = es.transform.jit(add)
+    function = es.transform.StatefulFunction(add)
+
+    def jaxpr(x):
+        return str(function.make_jaxpr(x).get_jaxpr(function.get_arg_cache_key(x)))
+
+    x = jnp.ones((2,), jnp.float32)
+    assert jitted(x).dtype == jnp.float32
+    assert "f64" not in jaxpr(x)
+    with jax.enable_x64(True):
+        assert jitted(x).dtype == jax.jit(lambda x: jnp.arange(2.0) + x)(x).dtype
+        assert jitted(x).dtype == jnp.float64
+        assert "f64" in jaxpr(x)
+    assert jitted(x).dtype == jnp.float32
+    assert "f64" not in jaxpr(x)
+    assert total.value == 8.0
+    with jax.numpy_rank_promotion("raise"):
+        with pytest.raises(ValueError, match="could not be broadcast"):
+            jitted(jnp.ones((3, 1)))
+    with jax.numpy_dtype_promotion("strict"):
+        with pytest.raises(ValueError, match="promotion"):  # TypePromotionError
+            jitted(jnp.ones(2, jnp.bfloat16))
+
+
 def test_a_state_dict_returned_by_a_jitted_build_is_keyed_by_the_returned_handles():
     def make():
         model = {"w": es.ParamState(jnp.ones(2))}

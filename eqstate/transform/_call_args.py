@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from .._jax_compat import trace_context
 from ._leaves import in_module, is_traced, jax_jit_sees_as_eqstate, signature
 
 
@@ -168,7 +169,10 @@ class ArgParser:
         # `True` are equal, but may trace differently (dtypes, `is True`).
         typed = tuple((i, type(v), v) for i, v in static)
         typed_kw = tuple((k, type(v), v) for k, v in static_kw)
-        key = (typed, typed_kw, treedef, tuple(sigs))
+        # JAX's configuration and mapped axes too, as `jax.jit` keys its traces: a
+        # trace made with 64-bit mode off, or under a `vmap` of another size, is
+        # not one for this call.
+        key = (typed, typed_kw, treedef, tuple(sigs), trace_context())
         return CallArgs(
             key,
             dynamic,
