@@ -856,6 +856,29 @@ def test_vjp_of_a_mixed_state_gives_none_at_its_integer_leaves_as_grad_does(
         assert state_ct[count].dtype == jax.dtypes.float0
 
 
+@pytest.mark.parametrize("n", [3, jnp.array(3), np.int8(3), True])
+def test_jvp_of_an_integer_argument_takes_float0_or_none_and_refuses_other_tangents(
+    n,
+):
+    # As `jax.jvp`: a float tangent for an integer primal is refused, not dropped.
+    scale = es.ParamState(jnp.float32(2.0), name="scale")
+
+    def f(x, n):
+        return scale.value * x * n
+
+    x, tx = jnp.arange(3.0), jnp.ones(3)
+    want = jax.jvp(lambda x: 2.0 * x * n, (x,), (tx,))
+    zero = np.zeros(np.shape(n), jax.dtypes.float0)
+    for tangent in (zero, None):
+        got = es.transform.jvp(f, (x, n), (tx, tangent))
+        assert tree_allclose(got, want)
+    for bad in (1.0, jnp.ones(np.shape(n)), np.ones(np.shape(n), np.int32)):
+        with pytest.raises(TypeError, match=r"primals\[1\].*`float0`"):
+            es.transform.jvp(f, (x, n), (tx, bad))
+        with pytest.raises(TypeError):
+            jax.jvp(lambda x, n: x * n, (x, n), (tx, bad))
+
+
 def test_jvp_refuses_a_complex_tangent_for_a_real_state_rather_than_dropping_it():
     w = es.ParamState(jnp.array([1.0, 2.0]), name="w")
     x = jnp.array([3.0, 4.0])

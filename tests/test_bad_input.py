@@ -1122,6 +1122,23 @@ def jvp_integer_tangent():
 
 
 @case(
+    "a floating-point tangent for an integer argument of `jvp`",
+    TypeError,
+    r"dtype float32 for primals\[1\]\['n'\].*integer.*`float0`",
+)
+def jvp_float_tangent_for_an_integer():
+    w = _w()
+
+    def f(x, options):
+        w.value = w.value + x
+        return x * options["n"]
+
+    primals = (jnp.ones(3), {"n": jnp.array(3)})
+    tangents = (jnp.ones(3), {"n": jnp.array(1.0)})
+    return lambda: es.transform.jvp(f, primals, tangents), [w]
+
+
+@case(
     "`apply_updates` with an update to a state the model does not hold",
     es.StateValueError,
     r"ParamState 'teacher', which `model` does not hold.*trainable",

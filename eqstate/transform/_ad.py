@@ -109,16 +109,58 @@ def split_differentiable(tree: Any, allow_int: bool = False) -> tuple[Any, Any]:
     )
 
 
-def _tangent_like(tangent: Any, primal: Any) -> Any:
-    """The part of `tangent` for the differentiable part of `primal`, where it has
-    `primal`'s structure (e.g. a model's handles in both); else `tangent`."""
+def _tangent_like(index: int, tangent: Any, primal: Any) -> Any:
+    """The part of `tangent` for the differentiable part of `primal` (argument
+    `index`), where it has `primal`'s structure (e.g. a model's handles in both);
+    else `tangent`.
+
+    **Raises:**
+
+    `TypeError`, as `jax.jvp` does, for a floating-point tangent, or an array one
+    other than `float0`, given to an integer or boolean leaf (setting it aside would
+    drop it).
+    """
     if jtu.tree_structure(tangent) != jtu.tree_structure(primal):
         return tangent
     leaves = jtu.tree_leaves(tangent)
+    with_paths = jtu.tree_leaves_with_path(primal)
     chosen = jtu.tree_leaves(split_differentiable(primal)[0], is_leaf=_is_none)
+    for t, (path, p), c in zip(leaves, with_paths, chosen):
+        if c is None and _has_no_tangent(p) and _is_a_nonzero_tangent(t):
+            where = f"primals[{index}]{jtu.keystr(path)}"
+            raise TypeError(
+                f"jvp was given a tangent of dtype {jnp.result_type(t)} for "
+                f"{where}, which has the integer or boolean dtype "
+                f"{jnp.result_type(p)}: as in `jax.jvp`, such a primal has no "
+                "tangent, and only a `float0` tangent (or `None`) is taken for it. "
+                f"To differentiate along {where}, pass it as a floating-point "
+                "value (e.g. `3.0`, or `x.astype(float)`)."
+            )
     return jtu.tree_unflatten(
         jtu.tree_structure(primal),
         [t if c is not None else None for t, c in zip(leaves, chosen)],
+    )
+
+
+def _has_no_tangent(primal_leaf: Any) -> bool:
+    """Whether a leaf JAX differentiates with a `float0` tangent: an integer or a
+    boolean (a Python one, or an array)."""
+    if isinstance(primal_leaf, (bool, int, np.integer, np.bool_)):
+        return True
+    if not isinstance(primal_leaf, (jax.Array, np.ndarray)):
+        return False
+    dtype = primal_leaf.dtype
+    return jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
+
+
+def _is_a_nonzero_tangent(tangent_leaf: Any) -> bool:
+    # A Python int or bool is taken: what `eqx.combine` puts back where a model's
+    # non-array leaves are (its tangent built from `eqx.filter(model, eqx.is_array)`).
+    if isinstance(tangent_leaf, (float, complex)):
+        return True
+    return (
+        isinstance(tangent_leaf, (jax.Array, np.ndarray, np.generic))
+        and tangent_leaf.dtype != jax.dtypes.float0
     )
 
 
@@ -1104,7 +1146,10 @@ def jvp(
         out, tangent_out, extras = jax.jvp(
             differentiated,
             (grad_values, *(d for d, _ in parts)),
-            (state_tangent_values, *map(_tangent_like, tangents, primals)),
+            (
+                state_tangent_values,
+                *map(_tangent_like, range(len(primals)), tangents, primals),
+            ),
             has_aux=True,
         )
     aux = diff.finish(extras)
