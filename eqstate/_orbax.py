@@ -559,6 +559,9 @@ def _as_step(step: Any, directory: str) -> int:
 # that a manager a function made and forgot to close finishes its saves then, while
 # Python can still start the threads Orbax needs (from 3.12 on it cannot at exit).
 _UNCLOSED: "set[weakref.finalize]" = set()
+# The Orbax managers of this process, and their directories: a manager's first save
+# removes no unfinished save while another of them is writing one there.
+_ORBAX_MANAGERS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 # Managers the garbage collector dropped, waiting for `_close_queued` to close them
 # (see `_close_dropped`); `None` tells that thread to stop.
 _DROPPED: "queue.SimpleQueue[tuple[Any, str] | None]" = queue.SimpleQueue()
@@ -743,7 +746,8 @@ class CheckpointManager:
             created if missing. Only subdirectories that are checkpoints count as
             steps: others, even named by a number, are neither loaded nor deleted.
             What a save that never finished (a crash) left is removed at this
-            manager's first save, not before: a manager that only reads never
+            manager's first save (or a later one, while another manager of this
+            program is writing there), not before: a manager that only reads never
             touches a save another program is writing.
             With several processes, every process must see it (a shared file
             system, or a bucket Orbax can write).
@@ -805,6 +809,7 @@ class CheckpointManager:
                 f"it failed ({type(e).__name__}: {e}). Pass a directory this program "
                 "can create and write, on a file system with space."
             ) from e
+        _ORBAX_MANAGERS[self._manager] = self.directory
         self._closed = False
         self._unfinished_saves_removed = False
         self._closer = weakref.finalize(
@@ -979,10 +984,17 @@ class CheckpointManager:
         """Removes what saves that never finished (a crash) left in the directory.
 
         Done at the first save, not when the manager is made: a manager made only
-        to read would otherwise remove the save another program is writing.
+        to read would otherwise remove the save another program is writing. Put
+        off to a later save while another manager of this process writes one there.
         """
-        if self._unfinished_saves_removed:
+        if self._unfinished_saves_removed or any(
+            other is not self._manager
+            and where == self.directory
+            and other.is_saving_in_progress()
+            for other, where in list(_ORBAX_MANAGERS.items())
+        ):
             return
+        self._manager.wait_until_finished()  # as Orbax's `save` does next
         if jax.process_index() == 0:
             for name in self._ocp.step.tmp_checkpoints(self.directory):
                 shutil.rmtree(os.path.join(self.directory, name))

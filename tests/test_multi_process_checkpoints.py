@@ -375,6 +375,24 @@ def test_making_a_manager_removes_no_save_another_program_is_writing(tmp_path):
     assert writing.exists()
 
 
+def test_a_first_save_removes_no_save_another_manager_is_writing(tmp_path):
+    w = es.ParamState(jnp.arange(2.0), name="w")
+    writing = es.CheckpointManager(tmp_path)
+    writing.save(1, es.values_of(w))
+    writing.wait_until_finished()
+    in_flight = _unfinished_save(tmp_path, 2)
+    # As while its save of step 2 is written in the background:
+    writing._manager.is_saving_in_progress = lambda: True
+    with es.CheckpointManager(tmp_path) as other:
+        other.save(3, es.values_of(w))
+        assert in_flight.exists()
+        writing._manager.is_saving_in_progress = lambda: False
+        other.save(4, es.values_of(w))  # its save is done: what is left is a crash's
+        assert not in_flight.exists()
+        assert other.steps() == (1, 3, 4)
+    writing.close()
+
+
 def test_the_first_save_removes_what_an_interrupted_save_left(tmp_path):
     w = es.ParamState(jnp.arange(2.0), name="w")
     left = _unfinished_save(tmp_path, 1)
