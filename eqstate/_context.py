@@ -93,13 +93,17 @@ def cast_breaks(value: Any, dtype: Any) -> tuple[Any, Any] | None:
         return None
     with np.errstate(over="ignore", invalid="ignore"):
         cast = value.astype(dtype)
-        back = cast.astype(value.dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
-        broken = (np.isfinite(value) & ~np.isfinite(back)) | (
-            (value != 0) & (back == 0)
-        )
+        # Part by part: `1e-50 + 1j` to complex64 must not lose its real part.
+        broken = np.zeros(value.shape, bool)
+        for part in (np.real, np.imag):
+            given, kept = part(value), part(cast)
+            broken |= (np.isfinite(given) & ~np.isfinite(kept)) | (
+                (given != 0) & (kept == 0)
+            )
     else:
-        broken = back != value
+        with np.errstate(over="ignore", invalid="ignore"):
+            broken = cast.astype(value.dtype) != value
     if not broken.any():
         return None
     first = tuple(np.argwhere(broken)[0]) if value.ndim else ()

@@ -2,6 +2,7 @@ import copy
 import gc
 import pickle
 import typing
+import warnings
 import weakref
 
 import eqstate as es
@@ -283,6 +284,26 @@ def test_a_python_int_that_the_state_dtype_cannot_hold_names_the_dtype():
         ):
             u.value = number
         assert u.value == 0
+
+
+def test_a_complex_number_whose_part_the_state_dtype_cannot_hold_is_refused():
+    z = es.State(jnp.zeros((), jnp.complex64), name="z")
+    for number in (1e-50 + 1j, 1 + 1e-50j, complex(1e39, 0)):
+        with pytest.raises(es.StateValueError, match=r"State 'z' .*complex64 cannot"):
+            z.value = number
+        assert z.value == 0
+    z.value = 0.1 + 2j  # only rounded
+    assert z.value == jnp.complex64(0.1 + 2j)
+
+
+def test_a_real_number_written_to_a_complex_state_warns_nothing():
+    z = es.State(jnp.zeros((), jnp.complex64), name="z")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        z.value = 2
+        assert z.value == 2
+        z.value = 1.5
+    assert z.value == jnp.complex64(1.5)
 
 
 def test_a_state_made_from_a_value_its_array_cannot_hold_is_refused():
