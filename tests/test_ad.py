@@ -879,6 +879,24 @@ def test_jvp_of_an_integer_argument_takes_float0_or_none_and_refuses_other_tange
             jax.jvp(lambda x, n: x * n, (x, n), (tx, bad))
 
 
+@pytest.mark.parametrize("name", ["grad", "jacrev", "jacfwd", "hessian"])
+def test_derivatives_along_integer_arguments_alone_are_none(name):
+    # Equinox's convention, as `grad` follows: `None` where nothing is differentiated.
+    # (JAX's Jacobians take no empty input.)
+    calls = es.ShortTermState(jnp.array(0), name="calls")
+    transform = getattr(es.transform, name)
+
+    def f(n):
+        calls.value = calls.value + 1
+        if name == "grad":
+            return n * 2.0
+        return {"a": n * 2.0, "b": jnp.ones(2) * n}
+
+    got = transform(f)(3)
+    assert got == (None if name == "grad" else {"a": None, "b": None})
+    assert calls.value == 1  # the write is kept once, as for any derivative
+
+
 def test_jvp_refuses_a_complex_tangent_for_a_real_state_rather_than_dropping_it():
     w = es.ParamState(jnp.array([1.0, 2.0]), name="w")
     x = jnp.array([3.0, 4.0])

@@ -495,8 +495,18 @@ class _GradientTransform:
             raise ValueError(_NOTHING_TO_DIFFERENTIATE.format(name=self._traces.name))
         grad_values = diff.grad_values()
         differentiated = [part for part, _ in parts]
+        inputs = (grad_values, *differentiated)
         with diff.rules_see(), EQUINOX_ERRORS, _WHILE_LOOP_HINT:
-            grads, (value, extras) = transformed(grad_values, *differentiated)
+            if jtu.tree_leaves(inputs):
+                grads, (value, extras) = transformed(*inputs)
+            else:
+                # Only integers (`None` derivatives, as `grad` gives): JAX's
+                # Jacobians take no empty input, so every entry is made empty here.
+                value, extras = with_value(*inputs)[1]
+                grads = inputs
+                if self._output_first:
+                    out_def = jtu.tree_structure(value)
+                    grads = out_def.unflatten([inputs] * out_def.num_leaves)
         aux = diff.finish(extras)
         single = self._single_arg
         if self._output_first:
