@@ -212,6 +212,21 @@ def jaxpr_call_none():
     return lambda: sf.jaxpr_call([None]), [w]
 
 
+@case(
+    "`jaxpr_call` with a Python int beyond the default integer type",
+    es.StateValueError,
+    r"position 0 .* Python int 1099511627776.*int32, cannot hold",
+)
+def jaxpr_call_int_too_large():
+    count = es.State(jnp.array(0, jnp.int32), name="count")
+
+    def step():
+        count.value = count.value + 1
+
+    sf = es.transform.StatefulFunction(step).make_jaxpr()
+    return lambda: sf.jaxpr_call([2**40]), [count]
+
+
 @case("`jaxpr_call` with a wrongly shaped value", es.StateValueError, r"is f32\[5\]")
 def jaxpr_call_shape():
     w = _w()

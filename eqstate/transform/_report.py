@@ -4,7 +4,9 @@ no longer fit it, and checks of the values a caller passes for them."""
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.tree_util as jtu
+import numpy as np
 
 from .. import _context
 from .._custom_types import MISSING, PyTreeDef
@@ -80,6 +82,23 @@ def refuse_new_states(trace: Trace, what: str, instead: str) -> None:
     if trace.new_states:
         labels = ", ".join(state_label(s) for s in trace.new_states)
         raise NewStateError(f"{what} creates states ({labels}). {instead}")
+
+
+def refuse_ints_too_large(values: Sequence[Any]) -> None:
+    """Raises `StateValueError` for a Python int among `values` (state values passed
+    as a sequence) that JAX's default integer type cannot hold: before the states
+    are known, nothing gives it a wider dtype."""
+    default = np.iinfo(jax.dtypes.canonicalize_dtype(int))
+    for i, value in enumerate(values):
+        for leaf in jtu.tree_leaves(value):
+            if type(leaf) is int and not default.min <= leaf <= default.max:
+                raise StateValueError(
+                    f"The value at position {i} of `jaxpr_call`'s state values "
+                    f"holds the Python int {leaf}, which JAX's default integer type, "
+                    f"{default.dtype}, cannot hold. Pass an array of the state's "
+                    "dtype (e.g. `np.uint32(...)`), or a StateDict `{state: value}`, "
+                    "whose numbers take their states' dtypes."
+                )
 
 
 def check_sequence(name: str, trace: Trace, values: Sequence[Any]) -> bool:

@@ -20,7 +20,13 @@ from ._call_args import ArgParser, CallArgs
 from ._dispatch import JitDispatch
 from ._function_traces import FunctionTraces
 from ._leaves import aval_signature, struct, unflatten_each
-from ._report import check_sequence, misfits, refuse_new_states, states_table
+from ._report import (
+    check_sequence,
+    misfits,
+    refuse_ints_too_large,
+    refuse_new_states,
+    states_table,
+)
 from ._trace import StaleTrace, Trace
 
 
@@ -544,6 +550,7 @@ class StatefulFunction:
         return state_dict_of(result), out
 
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
+        refuse_ints_too_large(values)
         trace = self._trace_for_sequence(call, values)
         self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="jaxpr_call"))
