@@ -123,8 +123,9 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
     Each sum is cast to the state's dtype, as `optax.apply_updates` casts it (a
     float32 update to a bfloat16 parameter gives bfloat16). An update that the
     state's dtype cannot hold, complex for a real state or inexact for an integer
-    one, is refused rather than truncated, as is one of another shape, and so is an
-    update to a state that `model` does not hold.
+    one, is refused rather than truncated, as is an integer update of a wider dtype
+    than its integer state's (the sum could wrap around), one of another shape, and
+    an update to a state that `model` does not hold.
 
     **Arguments:**
 
@@ -246,6 +247,13 @@ def _add(state: Any, value: Any, update: Any) -> Any:
             f"casting it back to {value.dtype} would drop what that dtype cannot hold "
             "(an imaginary part, a fraction). Compute the updates in the state's "
             "dtype, or give the state a dtype that holds them."
+        )
+    if _kind(value.dtype) in "bi" and summed != value.dtype:
+        raise StateValueError(
+            f"Cannot apply an update of dtype {jnp.result_type(update)} to "
+            f"{state_label(state)} (dtype {value.dtype}): the sum is {summed}, and "
+            f"casting it back to {value.dtype} would wrap around where it does not "
+            f"fit (250 + 10 as uint8 is 4). Compute the updates in {value.dtype}."
         )
     return (value + update).astype(value.dtype)
 

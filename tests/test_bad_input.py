@@ -1197,6 +1197,17 @@ def apply_updates_float_to_int():
     return lambda: es.apply_updates({"n": n}, (updates, None)), [n]
 
 
+@case(
+    "`apply_updates` with a wider integer update to an integer state",
+    es.StateValueError,
+    r"dtype int32 to ShortTermState 'n' \(dtype uint8\).*wrap around",
+)
+def apply_updates_wider_int():
+    n = es.ShortTermState(jnp.array([250, 1], jnp.uint8), name="n")
+    updates = es.StateDict({n: jnp.array([10, -2], jnp.int32)})
+    return lambda: es.apply_updates({"n": n}, (updates, None)), [n]
+
+
 @case("`jit` donating an argument the function lacks", ValueError, r"donate_argnums")
 def jit_donate_out_of_range():
     return lambda: es.transform.jit(lambda x: x, donate_argnums=5), []
