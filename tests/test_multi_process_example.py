@@ -63,8 +63,9 @@ def test_resumed_run_ends_like_an_uninterrupted_one_and_one_process(tmp_path):
     assert "final loss" not in watch.getvalue()  # it was cut short
 
     resumed = _train(crashed)
-    # The kill lands after checkpoint 40; on a fast machine a later one may be out too.
-    assert re.search(r"resumed from checkpoint (40|80|120)\n", resumed), resumed[-4000:]
+    # The kill lands after checkpoint 40; a later one may be out too (a slow kill).
+    found = re.search(r"resumed from checkpoint (\d+)\n", resumed)
+    assert found and int(found[1]) % 40 == 0 and int(found[1]) >= 40, resumed[-4000:]
     assert _final_loss(resumed) == pytest.approx(uninterrupted, rel=1e-6)
 
     single = subprocess.run(

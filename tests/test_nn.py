@@ -379,7 +379,7 @@ def test_dropout_draws_from_and_advances_the_default_key(getkey):
 
 def test_dropout_keep_rate_and_scale():
     dropout = enn.Dropout(0.3)
-    y = dropout(jnp.ones(200_000))
+    y = dropout(jnp.ones(200_000), key=jr.key(0))  # a fixed key: never flaky
     kept = y != 0
     # Five standard deviations of the mean of 200_000 Bernoulli(0.7) draws is ~0.005.
     assert abs(kept.mean() - 0.7) < 0.005
