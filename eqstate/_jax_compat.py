@@ -179,12 +179,17 @@ def _jax_trace_context() -> "Callable[[], Any]":
     if own is None:  # pragma: no cover - depends on the JAX release
         return config.trace_context
 
-    def trace_context() -> Any:
+    extend_axes = getattr(_core, "extend_axis_env_nd", None)
+
+    def trace_context(axis_env: Any = None) -> Any:
         # Without eqstate's era, which keys JAX's caches apart, not eqstate's: its
         # traces take the states' values as inputs, so one made at top level still
         # serves a call nested in a trace.
         previous = own.swap_local(None)
         try:
+            if axis_env and extend_axes is not None:
+                with extend_axes(axis_env):
+                    return config.trace_context()
             return config.trace_context()
         finally:
             own.set_local(previous)
@@ -192,12 +197,13 @@ def _jax_trace_context() -> "Callable[[], Any]":
     return trace_context
 
 
-trace_context: "Callable[[], Any]" = _jax_trace_context()
+trace_context: "Callable[..., Any]" = _jax_trace_context()
 """What `jax.jit` keys its cache of traces by besides the arguments: the
 configuration a trace depends on (64-bit mode, promotion rules, matmul precision,
 PRNG options) and the names and sizes of the axes mapped around it. A hashable value,
 equal between two calls that would trace alike; a new object on each call where this
-JAX does not tell (no trace is then reused)."""
+JAX does not tell (no trace is then reused). `axis_env` (`(name, size)` pairs): as
+inside those axes too, as `jax.make_jaxpr(..., axis_env=axis_env)` traces."""
 # The era of the traces JAX caches inside eqstate's frames, per thread (JAX's caches
 # are shared between threads); a new one begins whenever a raw transform nested in
 # such a frame reads a state (see `new_trace_era`). Every era is a new number.

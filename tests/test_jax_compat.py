@@ -293,6 +293,9 @@ def test_trace_context_follows_configuration_and_mapped_axes_but_not_eras():
         jax.vmap(f, axis_name="i")(jnp.ones(n))
     assert seen[0] == seen[2] != seen[1]
     assert outside not in seen
+    # As inside the axes, from outside them (as `jax.make_jaxpr(axis_env=...)`).
+    assert compat.trace_context([("i", 2)]) == seen[0] != seen[1]
+    assert compat.trace_context([("i", 3)]) == seen[1]
     previous = compat.enter_trace_era()
     try:
         compat.new_trace_era()

@@ -125,6 +125,25 @@ def test_axis_name_collectives(getkey):
     assert tree_allclose(out, w.value / w.value.sum())
 
 
+def test_a_named_vmap_runs_the_python_once_per_call_and_sees_each_size(tracing_mode):
+    # The trace that finds the states (with the axis in scope) serves the mapped call.
+    # (The two-pass fallback runs the Python again to trace with values, by design.)
+    single_pass = tracing_mode == "single-pass"
+    runs, count = [], es.ShortTermState(jnp.array(0), name="count")
+
+    def f(x):
+        runs.append(None)
+        count.value = count.value + 1
+        return x / jax.lax.axis_size("i")
+
+    mapped = es.transform.vmap(f, axis_name="i")
+    for n in (2, 2, 4):
+        before = len(runs)
+        assert mapped(jnp.ones(n)) == pytest.approx(jnp.full(n, 1 / n))
+        assert len(runs) - before == 1 or not single_pass
+    assert count.value == 3
+
+
 def test_in_axes_none_and_keyword_arguments(getkey):
     out = es.transform.vmap(lambda x, y, *, z: x + y + z, in_axes=(0, None))(
         jnp.arange(3.0), 10.0, z=jnp.ones(3)

@@ -116,10 +116,13 @@ class ArgParser:
         negative = any(i < 0 for i in self.static_argnums)
         self.jax_keys_statics = not (negative and len(self.static_positions) > 1)
 
-    def parse(self, args: tuple, kwargs: dict) -> CallArgs:
+    def parse(
+        self, args: tuple, kwargs: dict, axis_env: Sequence | None = None
+    ) -> CallArgs:
         """Splits a call's arguments into its cache key and its traced leaves: array
         leaves and Python scalars are traced (see `is_traced`), static arguments and
-        other leaves are hashed into the key (handles by identity)."""
+        other leaves are hashed into the key (handles by identity). `axis_env`: the
+        named axes the call is traced inside besides those around it."""
         n = len(args)
         static_at: dict[int, Any] = {}
         for i in self.static_positions:
@@ -172,7 +175,7 @@ class ArgParser:
         # JAX's configuration and mapped axes too, as `jax.jit` keys its traces: a
         # trace made with 64-bit mode off, or under a `vmap` of another size, is
         # not one for this call.
-        key = (typed, typed_kw, treedef, tuple(sigs), trace_context())
+        key = (typed, typed_kw, treedef, tuple(sigs), trace_context(axis_env))
         return CallArgs(
             key,
             dynamic,

@@ -91,7 +91,7 @@ class FunctionTraces:
         return kept
 
     def parse(self, args: tuple, kwargs: dict) -> CallArgs:
-        return self.parser.parse(args, kwargs)
+        return self.parser.parse(args, kwargs, self.axis_env)
 
     # ------------------------------------------------------------------- lookups
 
