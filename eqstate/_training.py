@@ -248,12 +248,17 @@ def _add(state: Any, value: Any, update: Any) -> Any:
             "(an imaginary part, a fraction). Compute the updates in the state's "
             "dtype, or give the state a dtype that holds them."
         )
-    if _kind(value.dtype) in "bi" and summed != value.dtype:
+    given = getattr(update, "dtype", None)  # None: a Python number, weakly typed
+    if (
+        _kind(value.dtype) in "bi"
+        and given is not None
+        and not np.can_cast(given, value.dtype, casting="safe")
+    ):
         raise StateValueError(
-            f"Cannot apply an update of dtype {jnp.result_type(update)} to "
-            f"{state_label(state)} (dtype {value.dtype}): the sum is {summed}, and "
-            f"casting it back to {value.dtype} would wrap around where it does not "
-            f"fit (250 + 10 as uint8 is 4). Compute the updates in {value.dtype}."
+            f"Cannot apply an update of dtype {given} to {state_label(state)} "
+            f"(dtype {value.dtype}): casting the sum back to {value.dtype} would "
+            "wrap around where it does not fit (250 + 10 as uint8 is 4). Compute "
+            f"the updates in {value.dtype}."
         )
     return (value + update).astype(value.dtype)
 

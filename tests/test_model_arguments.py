@@ -884,6 +884,31 @@ def test_apply_updates_casts_a_sum_of_the_same_kind_to_the_state_dtype_as_optax(
     assert (w.value == want).all()
 
 
+@pytest.mark.parametrize(
+    "state_dtype, update, fits",
+    [
+        (jnp.int32, jnp.array([1, -1], jnp.int8), True),
+        (jnp.uint8, jnp.array([10, 10], jnp.int32), False),
+        (jnp.int32, jnp.array([3_000_000_000, 1], jnp.uint32), False),
+        (jnp.bool_, jnp.array([1, 0], jnp.int8), False),
+    ],
+)
+def test_apply_updates_refuses_an_integer_update_that_could_wrap_around(
+    state_dtype, update, fits
+):
+    n = es.ShortTermState(jnp.array([250, 1]).astype(state_dtype), name="n")
+    before = n.value
+    apply = lambda: es.apply_updates({"n": n}, (es.StateDict({n: update}), None))  # noqa: E731
+    if fits:
+        apply()
+        assert n.value.dtype == state_dtype
+        assert (n.value == before + update).all()
+    else:
+        with pytest.raises(es.StateValueError, match=r"dtype .* to ShortTermState 'n'"):
+            apply()
+        assert (n.value == before).all()
+
+
 class _Holder(eqx.Module):
     s: es.State
 
