@@ -879,6 +879,19 @@ def test_jvp_of_an_integer_argument_takes_float0_or_none_and_refuses_other_tange
             jax.jvp(lambda x, n: x * n, (x, n), (tx, bad))
 
 
+def test_jvp_of_a_key_argument_refuses_a_float_tangent():
+    def f(x, key):
+        return x * jr.uniform(key)
+
+    x, key = jnp.float32(2.0), jr.key(0)
+    zero = np.zeros((), jax.dtypes.float0)
+    assert tree_allclose(
+        es.transform.jvp(f, (x, key), (1.0, zero)), jax.jvp(f, (x, key), (1.0, zero))
+    )
+    with pytest.raises(TypeError, match=r"primals\[1\], which has the .* key dtype"):
+        es.transform.jvp(f, (x, key), (1.0, jnp.float32(1.0)))
+
+
 @pytest.mark.parametrize("name", ["grad", "jacrev", "jacfwd", "hessian"])
 def test_derivatives_along_integer_arguments_alone_are_none(name):
     # Equinox's convention, as `grad` follows: `None` where nothing is differentiated.

@@ -130,8 +130,9 @@ def _tangent_like(index: int, tangent: Any, primal: Any) -> Any:
             where = f"primals[{index}]{jtu.keystr(path)}"
             raise TypeError(
                 f"jvp was given a tangent of dtype {jnp.result_type(t)} for "
-                f"{where}, which has the integer or boolean dtype "
-                f"{jnp.result_type(p)}: as in `jax.jvp`, such a primal has no "
+                f"{where}, which has the integer, boolean or key dtype "
+                f"{p.dtype if hasattr(p, 'dtype') else type(p).__name__}: as in "
+                "`jax.jvp`, such a primal has no "
                 "tangent, and only a `float0` tangent (or `None`) is taken for it. "
                 f"To differentiate along {where}, pass it as a floating-point "
                 "value (e.g. `3.0`, or `x.astype(float)`)."
@@ -143,14 +144,14 @@ def _tangent_like(index: int, tangent: Any, primal: Any) -> Any:
 
 
 def _has_no_tangent(primal_leaf: Any) -> bool:
-    """Whether a leaf JAX differentiates with a `float0` tangent: an integer or a
-    boolean (a Python one, or an array)."""
+    """Whether a leaf JAX differentiates with a `float0` tangent: an integer, a
+    boolean (a Python one, or an array) or a key."""
     if isinstance(primal_leaf, (bool, int, np.integer, np.bool_)):
         return True
     if not isinstance(primal_leaf, (jax.Array, np.ndarray)):
         return False
     dtype = primal_leaf.dtype
-    return jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
+    return not jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _is_a_nonzero_tangent(tangent_leaf: Any) -> bool:
