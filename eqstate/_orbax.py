@@ -809,7 +809,7 @@ class CheckpointManager:
                 f"it failed ({type(e).__name__}: {e}). Pass a directory this program "
                 "can create and write, on a file system with space."
             ) from e
-        _ORBAX_MANAGERS[self._manager] = self.directory
+        _ORBAX_MANAGERS[self._manager] = os.path.realpath(self.directory)
         self._closed = False
         self._unfinished_saves_removed = False
         self._closer = weakref.finalize(
@@ -987,9 +987,10 @@ class CheckpointManager:
         to read would otherwise remove the save another program is writing. Put
         off to a later save while another manager of this process writes one there.
         """
+        here = os.path.realpath(self.directory)  # the same through any symlink
         if self._unfinished_saves_removed or any(
             other is not self._manager
-            and where == self.directory
+            and where == here
             and other.is_saving_in_progress()
             for other, where in list(_ORBAX_MANAGERS.items())
         ):

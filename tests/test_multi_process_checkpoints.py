@@ -375,15 +375,22 @@ def test_making_a_manager_removes_no_save_another_program_is_writing(tmp_path):
     assert writing.exists()
 
 
-def test_a_first_save_removes_no_save_another_manager_is_writing(tmp_path):
+@pytest.mark.parametrize("through_a_symlink", [False, True])
+def test_a_first_save_removes_no_save_another_manager_is_writing(
+    tmp_path, through_a_symlink
+):
     w = es.ParamState(jnp.arange(2.0), name="w")
+    other_path = tmp_path
+    if through_a_symlink:
+        other_path = tmp_path.parent / f"{tmp_path.name}-link"
+        other_path.symlink_to(tmp_path, target_is_directory=True)
     writing = es.CheckpointManager(tmp_path)
     writing.save(1, es.values_of(w))
     writing.wait_until_finished()
     in_flight = _unfinished_save(tmp_path, 2)
     # As while its save of step 2 is written in the background:
     writing._manager.is_saving_in_progress = lambda: True
-    with es.CheckpointManager(tmp_path) as other:
+    with es.CheckpointManager(other_path) as other:
         other.save(3, es.values_of(w))
         assert in_flight.exists()
         writing._manager.is_saving_in_progress = lambda: False
