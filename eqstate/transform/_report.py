@@ -95,9 +95,10 @@ def refuse_ints_too_large(values: Sequence[Any]) -> None:
                 raise StateValueError(
                     f"The value at position {i} of `jaxpr_call`'s state values "
                     f"holds the Python int {leaf}, which JAX's default integer type, "
-                    f"{default.dtype}, cannot hold. Pass an array of the state's "
-                    "dtype (e.g. `np.uint32(...)`), or a StateDict `{state: value}`, "
-                    "whose numbers take their states' dtypes."
+                    f"{default.dtype}, cannot hold. Pass it as an array of its "
+                    "state's dtype (e.g. `np.asarray(value, np.uint32)`), or pass a "
+                    "StateDict `{state: value}`, whose numbers take their states' "
+                    "dtypes."
                 )
 
 
