@@ -386,6 +386,62 @@ def test_shard_map_refuses_a_replicated_state_written_per_device():
     assert s.value == 0
 
 
+def _write_where(how, state, predicate):
+    """Adds 1 to `state` where `predicate` holds, with eqstate's `how`."""
+
+    def add():
+        state.value = state.value + 1.0
+
+    if how == "cond":
+        es.transform.cond(predicate, add, lambda: None)
+    elif how == "switch":
+        es.transform.switch(predicate.astype(jnp.int32), [lambda: None, add])
+    elif how == "while_loop":
+
+        def body(i):
+            add()
+            return i + 1
+
+        es.transform.while_loop(lambda i: i < predicate, body, jnp.array(0))
+    else:
+
+        def step(i):
+            add()
+            return i + 1
+
+        es.transform.bounded_while_loop(lambda i: i < predicate, step, jnp.array(0), 3)
+
+
+@pytest.mark.parametrize("how", ["cond", "switch", "while_loop", "bounded_while_loop"])
+def test_shard_map_refuses_a_replicated_state_written_under_a_predicate_per_device(
+    how,
+):
+    # Each branch writes alike, but the branch taken (the number of steps) differs
+    # between devices: JAX types the result from the branches alone.
+    s = es.State(jnp.array(0.0), name="replicated")
+    t = es.State(jnp.zeros(N), name="split")
+
+    def per_device(x):
+        _write_where(how, s, x[0] > N / 2)
+        return x
+
+    error, match = ValueError, r"State 'replicated' is written inside"
+    if how == "bounded_while_loop":  # a `scan`, whose carry JAX refuses (see below)
+        error, match = TypeError, r"(?s)carry input and carry output must have equal"
+    with pytest.raises(error, match=match):
+        _over_data(per_device)(jnp.arange(float(N)))
+    assert s.value == 0
+
+    def everywhere(x):
+        _write_where(how, s, jax.lax.psum(x[0], "data") > 0)  # the same on every device
+        _write_where(how, t, x[0] > N / 2)
+        return x
+
+    _over_data(everywhere, state_specs={t: P("data")})(jnp.arange(float(N)))
+    assert s.value == 1
+    assert (t.value == (jnp.arange(N) > N / 2)).all()
+
+
 def _load(name):
     """Imports an example. It sets `jax_num_cpu_devices` to the 8 the suite already has;
     JAX before 0.10 refuses any new setting once arrays exist, even an unchanged one,

@@ -5,8 +5,10 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.core import Tracer
 
 from .. import _jax_compat as compat
 from .._context import is_weak
@@ -228,3 +230,30 @@ def positive_int(value: Any, name: str, example: str = "") -> int:
     if size <= 0:
         raise ValueError(f"`{name}` must be a positive integer, got {size}.")
     return size
+
+
+def predicate_axes(predicate: Any) -> frozenset:
+    """Inside `jax.shard_map`, the mesh axes along which `predicate` (a conditional's
+    index, a `while_loop`'s condition) differs between devices; else none."""
+    if not compat.in_manual_axes():
+        return frozenset()
+    return compat.varying_axes(predicate)
+
+
+def varying_along(tree: Any, axes: frozenset) -> Any:
+    """`tree` (what a conditional or a `while_loop` gives: outputs, states' new values)
+    with its arrays typed as varying along the mesh axes `axes` too (see
+    `predicate_axes`). The branch taken, or the number of steps, may differ between
+    devices there, and so may the values, which JAX types from the branches alone: a
+    replicated state written there would be left differing between devices without
+    the error that `check_vma` gives."""
+    if not axes:
+        return tree
+
+    def varying(x: Any) -> Any:
+        if not isinstance(x, (jax.Array, Tracer)):
+            return x
+        missing = tuple(a for a in axes if a not in compat.varying_axes(x))
+        return compat.vary(x, missing)
+
+    return jtu.tree_map(varying, tree)

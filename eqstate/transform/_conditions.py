@@ -20,9 +20,11 @@ from .._state import State
 from ._common import (
     changed_static,
     hide_static,
+    predicate_axes,
     show_static,
     static_skeleton,
     strong,
+    varying_along,
     WeakCarry,
 )
 from ._discovery import Discovery
@@ -147,6 +149,7 @@ def _switch(
     except TypeError:
         _raise_if_static_outputs_differ(skeletons)
         raise
+    out, new_values = varying_along((out, new_values), predicate_axes(index))
     traced[0].commit(dict(zip(written, weak.restored(new_values))))
     return show_static(out)
 

@@ -27,8 +27,10 @@ from ._common import (
     abstract,
     changed_static,
     hide_static,
+    predicate_axes,
     show_static,
     strong,
+    varying_along,
     WeakCarry,
 )
 from ._conditions import cond
@@ -431,12 +433,14 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     traced_cond.refuse_new_states("`cond_fun` of `while_loop`")
     traced_body.refuse_new_states("`body_fun` of `while_loop`")
     carried = _Carried(traced_cond, traced_body)
+    predicate_varies: list[frozenset] = []  # along which mesh axes (`shard_map`)
 
     def loop_cond(carry):
         val, state_values = carry
         out, _, _ = traced_cond.evaluate(
             carried.values_for(traced_cond, state_values), (show_static(val),)
         )
+        predicate_varies.append(predicate_axes(out))
         return out
 
     def loop_body(carry):
@@ -452,6 +456,8 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
         lambda carry: jax.lax.while_loop(loop_cond, loop_body, carry),
         (hidden, carried.initial()),
     )
+    if predicate_varies:  # the number of steps may differ between devices
+        final, state_values = varying_along((final, state_values), predicate_varies[-1])
     traced_body.commit(carried.final(state_values))
     return show_static(final)
 
@@ -562,5 +568,11 @@ def bounded_while_loop(
             return _as_arrays(init_val)
         # The step that skips the body keeps `init_val` as given: a Python float.
         return _as_arrays(scan(step, init_val, None, length=max_steps)[0])
-    final, _ = scan(step, _promoted(body_fun, init_val), None, length=max_steps)
+    init = _promoted(body_fun, init_val)
+    if compat.in_manual_axes():
+        # Where the condition differs between devices, so does the number of steps
+        # each takes, and the carry with it (see `varying_along`).
+        axes = predicate_axes(_condition(cond_fun, init, "bounded_while_loop"))
+        init = show_static(varying_along(hide_static(init), axes))
+    final, _ = scan(step, init, None, length=max_steps)
     return final

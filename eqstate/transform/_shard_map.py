@@ -325,7 +325,9 @@ def shard_map(
     **Raises:**
 
     - `ValueError` naming the state if a replicated state is written with a value
-        that differs across devices (reduce it first, e.g. with `jax.lax.pmean`).
+        that differs across devices (reduce it first, e.g. with `jax.lax.pmean`),
+        also under an eqstate `cond`, `switch` or `while_loop` whose predicate
+        differs across devices.
         Only with `check_vma=True` (the default): with `check_vma=False` JAX does
         not record which values differ across devices, so nothing is checked, and
         such a state then holds a different value on each device under a replicated
