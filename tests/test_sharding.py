@@ -442,6 +442,34 @@ def test_shard_map_refuses_a_replicated_state_written_under_a_predicate_per_devi
     assert (t.value == (jnp.arange(N) > N / 2)).all()
 
 
+def test_jit_after_a_written_state_moved_to_other_devices_says_to_clear_its_cache():
+    s = es.State(jnp.arange(float(N)), name="s")
+    es.shard([s], _mesh(), P("x"))
+
+    @es.transform.jit
+    def step(x):
+        s.value = s.value * 2 + x
+        return s.value.sum()
+
+    step(1.0)
+    half = jax.make_mesh((N // 2,), ("x",), devices=jax.devices()[N // 2 :])
+    es.shard([s], half, P("x"))
+    moved = s.value
+    with pytest.raises(ValueError) as caught:
+        step(1.0)
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    assert (
+        f"State 's' on devices {list(range(N))} then, {list(range(N // 2, N))} now"
+        in note
+    )
+    assert "clear_cache()" in note
+    assert tree_bitwise_equal(s.value, moved)
+    step.clear_cache()
+    step(1.0)
+    assert (s.value == moved * 2 + 1).all()
+    assert s.value.sharding.device_set == set(jax.devices()[N // 2 :])
+
+
 def _load(name):
     """Imports an example. It sets `jax_num_cpu_devices` to the 8 the suite already has;
     JAX before 0.10 refuses any new setting once arrays exist, even an unchanged one,

@@ -443,6 +443,21 @@ def _note_state_devices(exc: Exception, plan: _Plan, frame: _context.Frame) -> N
     if not isinstance(exc, ValueError) or "incompatible devices" not in str(exc):
         return
     values = frame.read_many(plan.states)
+    moved = [
+        f"{state_label(s)} on devices {_constraint_device_ids(plan.out_constraints[s])} "
+        f"then, {_device_ids(v)} now"
+        for s, v in zip(plan.states, values)
+        if s in plan.out_constraints
+        and _constraint_device_ids(plan.out_constraints[s]) != _device_ids(v)
+    ]
+    if moved:
+        exc.add_note(
+            "A written state keeps the sharding it had when the function was first "
+            f"called, and these moved since: {'; '.join(moved)}. Call the jitted "
+            "function's `clear_cache()` after moving states, or give them "
+            "`state_shardings`."
+        )
+        return
     placed = "; ".join(
         f"{state_label(s)} on devices {_device_ids(v)}"
         for s, v in zip(plan.states, values)
@@ -451,6 +466,22 @@ def _note_state_devices(exc: Exception, plan: _Plan, frame: _context.Frame) -> N
         f"`eqstate_written` and `eqstate_read` are the call's states: {placed}. Put "
         "the arguments on their devices (`jax.device_put(x, state.value.sharding)`), "
         "or move the states (`eqstate.shard`, or `state.value = jax.device_put(...)`)."
+    )
+
+
+def _constraint_device_ids(sharding: Any) -> list[int]:
+    """The devices of a plan's sharding constraint (one sharding, or a PyTree of them
+    with `None` leaves)."""
+    leaves = jax.tree_util.tree_leaves(
+        sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    return sorted(
+        {
+            d.id
+            for s in leaves
+            if isinstance(s, jax.sharding.Sharding)
+            for d in s.device_set
+        }
     )
 
 
