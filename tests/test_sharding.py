@@ -470,6 +470,19 @@ def test_jit_after_a_written_state_moved_to_other_devices_says_to_clear_its_cach
     assert s.value.sharding.device_set == set(jax.devices()[N // 2 :])
 
 
+def test_shard_map_refusing_a_key_written_per_device_says_to_keep_it_the_same():
+    rng = es.RandomState(0, name="rng")
+
+    def f(x):
+        rng.value = jax.random.fold_in(rng.value, jax.lax.axis_index("data"))
+        return x
+
+    with pytest.raises(
+        ValueError, match=r"RandomState 'rng' is written .*the same on every device"
+    ):
+        _over_data(f)(jnp.arange(float(N)))
+
+
 def _load(name):
     """Imports an example. It sets `jax_num_cpu_devices` to the 8 the suite already has;
     JAX before 0.10 refuses any new setting once arrays exist, even an unchanged one,

@@ -14,7 +14,7 @@ from .._errors import BatchAxisError, StateNotFoundError, UnstableStatesError
 from .._multi_process import device_put
 from .._pretty_print import state_label
 from .._run import run
-from .._shapes import shape_dtype
+from .._shapes import is_key, shape_dtype
 from .._sharding import check_divisible, spec_rule
 from .._state import shared_by_members, State, why_shared
 from .._state_dict import state_dict_of
@@ -160,11 +160,18 @@ def _check_replicated_write(state: State, value: Any, spec: PartitionSpec) -> No
     varying = set().union(*(compat.varying_axes(x) for x in jtu.tree_leaves(value)))
     differs = varying - _axes_of(spec)
     if differs:
+        keys = any(is_key(x) for x in jtu.tree_leaves(value))
+        fix = (
+            "Write a key that is the same on every device (split the state's own "
+            "key, before folding in `jax.lax.axis_index`)"
+            if keys
+            else "Reduce it first (e.g. `jax.lax.pmean(value, axis)`)"
+        )
         raise BatchAxisError(
             f"{state_label(state)} is written inside `shard_map` with a value that "
             f"differs across devices along mesh axes {sorted(differs)}, but its "
-            f"PartitionSpec {spec} keeps one copy there. Reduce it first (e.g. "
-            "`jax.lax.pmean(value, axis)`), or split it with `state_specs`."
+            f"PartitionSpec {spec} keeps one copy there. {fix}, or split it with "
+            "`state_specs`."
         )
 
 
