@@ -178,11 +178,12 @@ def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
     return next(iter(sizes.values()))
 
 
-def mark_replicated(state: State, replicated: bool) -> None:
+def mark_replicated(state: State, replicated: bool | str) -> None:
     """Records on the handle whether `vmap_new_states` replicated `state` rather than
-    stacked it (its outermost call decides): `member` copies such states whole,
-    whatever `shared` says and whatever their tag became. The handles a jitted build
-    returns, and clones, are copies that keep the record."""
+    stacked it (its outermost call decides; `"INIT_NO_BATCHING"`: replicated for that
+    tag, which builds around it honour too, whatever tag it gets): `member` copies
+    such states whole, whatever `shared` says and whatever their tag became. The
+    handles a jitted build returns, and clones, are copies that keep the record."""
     object.__setattr__(state, "_replicated", replicated)
 
 

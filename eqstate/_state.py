@@ -52,7 +52,9 @@ class State(Generic[_Value]):
     """
 
     # `_replicated`: whether `vmap_new_states` gave every member this state's one value
-    # (True) or stacked a value per member (False); None for a state it never built.
+    # (True, or "INIT_NO_BATCHING" for that tag, which outer builds honour too even
+    # once `state_tag` replaced it) or stacked a value per member (False); None for a
+    # state it never built.
     # `_builds`: `(build, built)` pairs, one per `vmap_new_states` call that built the
     # state (`built` True) or returned it without building it (False; see
     # `eqstate.member`). Copies of the handle keep both.
@@ -301,7 +303,7 @@ def shared_by_members(state: State) -> bool:
     """Whether every member of an ensemble shares `state`'s one value: a
     `NonBatchState`, or a state `vmap_new_states` replicated rather than stacked
     (tagged `INIT_NO_BATCHING`, or selected by its `state_to_exclude`)."""
-    return isinstance(state, NonBatchState) or state._replicated is True
+    return isinstance(state, NonBatchState) or bool(state._replicated)
 
 
 def why_shared(state: State) -> str:

@@ -326,6 +326,34 @@ def test_state_to_exclude_sees_the_creators_tag_even_with_a_state_tag():
     assert lr.tag == "ensemble" and w.tag == "ensemble"
 
 
+@pytest.mark.parametrize("inner_tag", [None, "inner"])
+def test_a_state_tagged_init_no_batching_stays_replicated_in_every_enclosing_build(
+    inner_tag,
+):
+    # `state_tag` replaces the tag, but the state stays one the builds replicate.
+    def inner():
+        return es.State(
+            jnp.arange(2.0), name="shared", tag=es.transform.INIT_NO_BATCHING
+        )
+
+    def outer():
+        return es.transform.vmap_new_states(inner, axis_size=3, state_tag=inner_tag)()
+
+    shared = es.transform.vmap_new_states(outer, axis_size=4, state_tag="outer")()
+    assert shared.value.shape == (2,) and shared.tag == "outer"
+    assert (shared.value == jnp.arange(2.0)).all()
+    # Excluded by the inner build alone: the outer one stacks it, as any state.
+    excluded = es.transform.vmap_new_states(
+        lambda: es.transform.vmap_new_states(
+            lambda: es.State(jnp.zeros(2), name="kept", tag="keep"),
+            axis_size=3,
+            state_to_exclude="keep",
+        )(),
+        axis_size=4,
+    )()
+    assert excluded.value.shape == (4, 2)
+
+
 def _member_keys(shared: es.RandomState) -> dict:
     """Every key a lane hands out: to the default random state's draws, to two new
     random states seeded alike, and to a pre-existing random state it reads."""

@@ -224,7 +224,7 @@ class _LaneFrame(_context.Frame):
         why = _why_replicated(state, self.excluded)
         if why is not None:
             self.replicated[state] = why
-        mark_replicated(state, why is not None)
+        mark_replicated(state, INIT_NO_BATCHING if why == _TAGGED else why is not None)
         if self.tag is not None:
             retag(state, self.tag)
         # (`why`, not `_rekeyed`: the tag may have been replaced since.)
@@ -241,6 +241,9 @@ class _LaneFrame(_context.Frame):
         return self.parent.peek(state) if value is MISSING else value
 
 
+_TAGGED = f"tagged {INIT_NO_BATCHING!r}"
+
+
 def _why_replicated(
     state: State, excluded: Callable[[tuple, State], bool]
 ) -> str | None:
@@ -249,8 +252,10 @@ def _why_replicated(
     batches it."""
     if isinstance(state, NonBatchState):
         return "a NonBatchState"
-    if state.tag == INIT_NO_BATCHING:
-        return f"tagged {INIT_NO_BATCHING!r}"
+    # Also when an inner build replicated it for its tag, then gave it its own
+    # `state_tag`: the tag still holds for the builds around.
+    if state.tag == INIT_NO_BATCHING or state._replicated == INIT_NO_BATCHING:
+        return _TAGGED
     if excluded((), state):
         return "in `state_to_exclude`"
     return None
