@@ -193,7 +193,7 @@ class StatefulFunction:
         **Arguments:**
 
         - `cache_key`: a key from [`eqstate.transform.StatefulFunction.get_arg_cache_key`][],
-            or `()` for the most recent compilation.
+            or `()` for the most recently used trace.
 
         **Raises:**
 
@@ -208,12 +208,15 @@ class StatefulFunction:
         return out_shapes(self._traces.by_key(cache_key))
 
     def get_out_treedef(self, cache_key: Hashable = ()) -> PyTreeDef:
-        """The tree structure of `(out, state_vals)` (see `get_out_shapes`).
+        """The tree structure of `(out, state_vals)` as `get_out_shapes` gives them:
+        `out` as the function returns it, `state_vals` the values of the states the
+        pure form returns (see `state_returns`).
 
-        It describes what `jaxpr_call` returns, not the jaxpr's flat outputs: the
-        jaxpr outputs only the traced leaves of `out` (no strings, no handles of new
-        states), and then the new states' values, which the treedef leaves out. To
-        evaluate the jaxpr yourself and get `(state_vals, out)`, call `jaxpr_call`.
+        It is not the jaxpr's flat outputs: the jaxpr outputs only the traced leaves
+        of `out` (no strings, no handles of new states), and then the new states'
+        values, which the treedef leaves out. Nor is it what `jaxpr_call` returns:
+        `(state_vals, out)`, with a value for every state of `get_states()`,
+        whatever `state_returns` says (a state it leaves out keeps its value).
         """
         return jtu.tree_structure(self.get_out_shapes(cache_key))
 
@@ -223,7 +226,7 @@ class StatefulFunction:
 
     @property
     def states(self) -> tuple[State, ...]:
-        """The states of the most recent compilation: `get_states()`, the read and
+        """The states of the most recently used trace: `get_states()`, the read and
         written states of the reference API's `states`.
 
         **Raises:**
@@ -356,7 +359,7 @@ class StatefulFunction:
         **Arguments:**
 
         - `cache_key`: as for [`eqstate.transform.StatefulFunction.get_jaxpr`][];
-            `()` for the most recent compilation.
+            `()` for the most recently used trace.
 
         **Returns:**
 
