@@ -864,10 +864,10 @@ def test_jvp_of_an_integer_argument_takes_float0_or_none_and_refuses_other_tange
     scale = es.ParamState(jnp.float32(2.0), name="scale")
 
     def f(x, n):
-        return scale.value * x * n
+        return scale.value * x * jnp.asarray(n, x.dtype)
 
     x, tx = jnp.arange(3.0), jnp.ones(3)
-    want = jax.jvp(lambda x: 2.0 * x * n, (x,), (tx,))
+    want = jax.jvp(lambda x: 2.0 * x * jnp.asarray(n, x.dtype), (x,), (tx,))
     zero = np.zeros(np.shape(n), jax.dtypes.float0)
     for tangent in (zero, None):
         got = es.transform.jvp(f, (x, n), (tx, tangent))
@@ -876,7 +876,7 @@ def test_jvp_of_an_integer_argument_takes_float0_or_none_and_refuses_other_tange
         with pytest.raises(TypeError, match=r"primals\[1\].*`float0`"):
             es.transform.jvp(f, (x, n), (tx, bad))
         with pytest.raises(TypeError):
-            jax.jvp(lambda x, n: x * n, (x, n), (tx, bad))
+            jax.jvp(lambda x, n: x * jnp.asarray(n, x.dtype), (x, n), (tx, bad))
 
 
 def test_jvp_of_a_key_argument_refuses_a_float_tangent():
