@@ -169,17 +169,20 @@ def _trace_context_state() -> Any:
 _TRACE_CONTEXT = _trace_context_state()
 
 
-def _jax_trace_context() -> "Callable[[], Any]":
+def _never_equal(axis_env: Any = None) -> object:
+    return object()
+
+
+def _jax_trace_context() -> "Callable[..., Any]":
     try:  # JAX 0.8 to 0.12.
         config: Any = importlib.import_module("jax._src.config")
         config.trace_context()
     except (ImportError, AttributeError, TypeError):  # pragma: no cover
-        return object
+        return _never_equal
     own = _TRACE_CONTEXT
-    if own is None:  # pragma: no cover - depends on the JAX release
-        return config.trace_context
-
     extend_axes = getattr(_core, "extend_axis_env_nd", None)
+    if own is None:  # pragma: no cover - depends on the JAX release
+        return _never_equal
 
     def trace_context(axis_env: Any = None) -> Any:
         # Without eqstate's era, which keys JAX's caches apart, not eqstate's: its

@@ -305,6 +305,31 @@ def test_trace_context_follows_configuration_and_mapped_axes_but_not_eras():
         compat.leave_trace_era(previous)
 
 
+def test_without_a_trace_context_no_trace_is_reused_and_results_stay_right(
+    monkeypatch,
+):
+    import eqstate as es
+    from eqstate.transform import _call_args
+
+    assert compat._never_equal() != compat._never_equal([("i", 2)])
+    monkeypatch.setattr(_call_args, "trace_context", compat._never_equal)
+    runs, total = [], es.State(jnp.zeros(2), name="total")
+
+    @es.transform.jit
+    def add(x):
+        runs.append(None)
+        total.value = total.value + x
+        return total.value.sum()
+
+    for _ in range(3):
+        add(jnp.ones(2))
+    assert (total.value == 3).all()
+    scaled = es.transform.jit(lambda x: x * total.value / jax.lax.axis_size("i"))
+    for n in (2, 4):
+        got = es.transform.vmap(scaled, axis_name="i")(jnp.ones((n, 2)))
+        assert got == pytest.approx(jnp.full((n, 2), 3 / n))
+
+
 def test_trace_eras_are_apart_between_threads():
     eras = []
 
