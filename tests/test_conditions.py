@@ -346,10 +346,18 @@ def test_switch_takes_the_branch_jax_lax_switch_takes(index):
 def test_switch_takes_the_branch_jax_lax_switch_takes_under_disable_jit(index):
     branches = [lambda: 0, lambda: 1, lambda: 2]
     compiled = int(es.transform.switch(index, branches))
+
+    def jax_switch():
+        try:
+            return jax.lax.switch(index, branches)
+        except OverflowError:  # JAX 0.12.1 on: a Python int beyond int32
+            assert isinstance(index, int) and abs(index) >= 2**31
+            return compiled
+
     with jax.disable_jit():
         assert es.transform.switch(index, branches) == compiled
-        assert jax.lax.switch(index, branches) == compiled
-    assert jax.lax.switch(index, branches) == compiled
+        assert jax_switch() == compiled
+    assert jax_switch() == compiled
 
 
 @pytest.mark.parametrize("pred", (-1, 0.5, -0.25, jnp.float32(-0.5), jnp.int8(-3)))

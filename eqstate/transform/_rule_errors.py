@@ -2,19 +2,28 @@
 (a loop's, a nested `jit`'s) under `jit`: JAX cannot compile the traced value the rule
 closes over, and says only "No constant handler"; eqstate says what to do."""
 
+import jax
+
 from .. import _context
 from .._errors import TraceContextError
 from ._common import ErrorsRaisedAs
 
 
-_JAX_MESSAGE = "No constant handler for type"
+def _is_jax_error_for_a_closed_over_tracer(exc: BaseException) -> bool:
+    text = str(exc)
+    if isinstance(exc, jax.errors.UnexpectedTracerError):  # JAX 0.12.1 on
+        return "reached lowering as a constant" in text
+    return (  # JAX up to 0.12.0
+        isinstance(exc, TypeError)
+        and "No constant handler for type" in text
+        and "Tracer" in text
+    )
 
 
 def raise_if_rule_closed_over_a_tracer(exc: BaseException, name: str) -> None:
     """Raises `TraceContextError` in place of JAX's error for a traced value closed
     over by a custom rule (see the module documentation); returns for any other."""
-    text = str(exc)
-    if not (isinstance(exc, TypeError) and _JAX_MESSAGE in text and "Tracer" in text):
+    if not _is_jax_error_for_a_closed_over_tracer(exc):
         return
     if not _context.rule_reads():
         return  # No rule has read a state: another leak, which JAX's message names.
