@@ -8,6 +8,7 @@ cluster runs here unchanged, and nothing on the cluster side knows about eqstate
 """
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -151,30 +152,43 @@ def local_processes(
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float | None = None) -> int:
     """Waits for every process. As soon as one fails (non-zero exit), or `timeout`
-    seconds pass, kills the others. Returns the first non-zero exit code (124 on a
-    timeout), else 0."""
+    seconds pass, kills the others. Returns the exit code of the first process seen
+    to fail (124 on a timeout), else 0."""
     return _wait(procs, timeout)[0]
+
+
+# After a process fails, how long the others get to end on their own before they are
+# killed. A process waiting for the failed one in a collective often fails in turn,
+# within milliseconds, and may be seen to exit first (the failed one is still being
+# torn down): both are reported, so the report names the process that failed first.
+_FAILURE_GRACE = 1.0
 
 
 def _wait(
     procs: Sequence[subprocess.Popen], timeout: float | None
 ) -> tuple[int, dict[int, int]]:
-    """`wait_all`, which also gives the return code of each process found failed
-    when it stopped them, by rank (none on success or on a timeout)."""
+    """`wait_all`, which also gives the return code of each process that failed, by
+    rank, in the order they were seen to fail (none on success or on a timeout)."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    failed: dict[int, int] = {}
+    grace_end = math.inf
     while True:
         codes = [_exit_code(proc) for proc in procs]
-        failed = {i: code for i, code in enumerate(codes) if code not in (None, 0)}
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and rank not in failed:
+                failed[rank] = code
+                grace_end = min(grace_end, time.monotonic() + _FAILURE_GRACE)
         if failed:
-            _kill(procs)
-            return next(iter(failed.values())), failed
-        if all(code == 0 for code in codes):
+            if None not in codes or time.monotonic() > grace_end:
+                _kill(procs)
+                return next(iter(failed.values())), failed
+        elif all(code == 0 for code in codes):
             _kill(procs)  # What they started and left running, then reap them.
             return 0, {}
-        if deadline is not None and time.monotonic() > deadline:
+        elif deadline is not None and time.monotonic() > deadline:
             _kill(procs)
             return 124, {}
-        time.sleep(0.05)
+        time.sleep(0.01 if failed else 0.05)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -235,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             code, failed = _wait(procs, args.timeout)
     except KeyboardInterrupt:
         return 130
-    return _exit_status(code, failed, args.timeout)
+    return _exit_status(code, failed, args.timeout, args.num_processes)
 
 
 # What each process runs in place of `python script.py` (or `python -m module`): the
@@ -340,11 +354,13 @@ def _split_at_module(argv: list[str]) -> tuple[list[str], str | None, list[str]]
     return argv, None, []
 
 
-def _exit_status(code: int, failed: dict[int, int], timeout: float | None) -> int:
-    """The launcher's exit status, `code` (the return code of the first process that
-    failed, or 124 on a timeout), with a message saying which processes failed and
-    how (`failed`: their return codes by rank): a process killed by signal N (code
-    -N) gives 128 + N, as a shell reports it."""
+def _exit_status(
+    code: int, failed: dict[int, int], timeout: float | None, num_processes: int
+) -> int:
+    """The launcher's exit status, `code` (the return code of the first process seen
+    to fail, or 124 on a timeout), with a message saying which processes failed and
+    how (`failed`: their return codes by rank, first seen first): a process killed by
+    signal N (code -N) gives 128 + N, as a shell reports it."""
     if not failed:
         if code == 124:
             print(
@@ -354,7 +370,8 @@ def _exit_status(code: int, failed: dict[int, int], timeout: float | None) -> in
             )
         return code
     how = ", ".join(f"process {rank} {_how(c)}" for rank, c in failed.items())
-    print(f"eqstate.launch: {how}; the others were killed", file=sys.stderr)
+    others = "; the others were killed" if len(failed) < num_processes else ""
+    print(f"eqstate.launch: {how}{others}", file=sys.stderr)
     return code if code >= 0 else 128 - code
 
 

@@ -759,6 +759,29 @@ def test_launcher_ignoring_sighup_as_under_nohup_goes_on_through_it(tmp_path):
         assert launcher.wait(timeout=60) == 0  # the job ran to its end
 
 
+def test_launcher_reports_a_process_that_fails_a_moment_after_another(tmp_path):
+    # A process waiting for a failed one in a collective fails in turn, and may be
+    # seen to exit first, while the failed one is still being torn down: the report
+    # must name both, not only the one seen first.
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['SLURM_PROCID'] == '0':\n"
+        "    sys.exit(2)\n"
+        "time.sleep(0.3)\n"
+        "sys.exit(3)\n"
+    )
+    command = [sys.executable, "-m", "eqstate.launch", "-n", "3", str(script)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=60, start_new_session=True
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "process 0 exited with status 2" in result.stderr
+    assert "process 1 exited with status 3" in result.stderr
+    assert "process 2 exited with status 3" in result.stderr
+    assert "the others were killed" not in result.stderr  # none was left to kill
+
+
 def _launch_script(tmp_path, source, *options, timeout=90):
     """Runs `source` as a script under the launcher with `options`; the result."""
     script = tmp_path / "job.py"
