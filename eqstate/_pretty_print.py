@@ -76,6 +76,16 @@ class _Summary:
         return self.text
 
 
+def handle_number(state: Any) -> str:
+    """`#N`: `state` was the N-th handle made in this process. Unlike its address,
+    this is the same in every process of a multi-process program, which all make
+    their handles in the same order: a handle's text enters the names of the
+    arguments in a compiled program (a `StateDict` keyed by it), and a program that
+    differs between processes deadlocks in its first collective (JAX 0.12.1)."""
+    order = getattr(state, "_order", ())
+    return f"#{order[-1]}" if order else f"at {id(state):#x}"
+
+
 def state_label(state: Any, value: Any = MISSING) -> str:
     """Names a state in messages: `ParamState 'w'`, or `ParamState 'w' (f32[3])` when its
     value is known. Unnamed states show their tag, or their identity."""
@@ -87,7 +97,7 @@ def state_label(state: Any, value: Any = MISSING) -> str:
     elif tag is not None:
         label = f"{kind} tagged {tag!r}"
     else:
-        label = f"unnamed {kind} at {id(state):#x}"
+        label = f"unnamed {kind} {handle_number(state)}"
     if value is not MISSING:
         label += f" ({value_summary(value)})"
     return label
@@ -107,7 +117,7 @@ def state_doc(
     if tag is not None:
         pairs.append(("tag", tag))
     if show_id or (name is None and tag is None):
-        pairs.append(("id", _Summary(f"{id(state):#x}")))
+        pairs.append(("id", _Summary(handle_number(state))))
     if value is not MISSING:
         pairs.append(("value", _Summary(value_summary(value))))
     return wl.bracketed(
@@ -117,6 +127,11 @@ def state_doc(
         end=wl.TextDoc(")"),
         indent=kwargs.get("indent", 2),
     )
+
+
+def state_text_with_number(state: Any) -> str:
+    """`ParamState(name='w', id=#3)`: a handle's kind, name, tag and number."""
+    return wl.pformat(state_doc(state, show_id=True))
 
 
 def state_dict_doc(items: Any, **kwargs: Any) -> wl.AbstractDoc:
@@ -161,7 +176,7 @@ def state_name(state: Any) -> str:
     if name is not None:
         return name
     tag = getattr(state, "tag", None)
-    return f"[{tag}]" if tag is not None else f"<{id(state):#x}>"
+    return f"[{tag}]" if tag is not None else f"<{handle_number(state)}>"
 
 
 def first_and_more(

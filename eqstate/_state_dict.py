@@ -16,7 +16,14 @@ from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError, StateValueError
 from ._filters import to_predicate
 from ._placement import device_put_apart
-from ._pretty_print import first_and_more, state_dict_doc, state_label, value_summary
+from ._pretty_print import (
+    first_and_more,
+    handle_number,
+    state_dict_doc,
+    state_label,
+    state_text_with_number,
+    value_summary,
+)
 from ._shapes import is_key
 from ._state import creation_order, RandomState, State
 from ._state_rule import per_state_rule
@@ -526,26 +533,26 @@ def _summarise_states(values: Mapping) -> str:
 
 
 def _labels(states: list[State]) -> list[str]:
-    """`state_label` of each of `states`, with the handle's address where two share
-    a label (the same layer in two models), so that messages tell them apart."""
+    """`state_label` of each of `states`, with the handle's number where two share a
+    label (the same layer in two models), so that messages tell them apart."""
     labels = [state_label(s) for s in states]
     shared = {label for label, n in collections.Counter(labels).items() if n > 1}
     return [
-        f"{label} at {id(s):#x}" if label in shared else label
+        f"{label} {handle_number(s)}" if label in shared else label
         for s, label in zip(states, labels)
     ]
 
 
 class _Handles(tuple):
     """A `StateDict`'s handles, as its tree structure holds them. Printed with each
-    handle's address: JAX's error about two structures keyed by different handles of
+    handle's number: JAX's error about two structures keyed by different handles of
     the same name (an optimiser's state made for another copy of a model) then tells
     them apart."""
 
     __slots__ = ()
 
     def __repr__(self) -> str:
-        return "(" + ", ".join(f"{s!r} at {id(s):#x}" for s in self) + ")"
+        return "(" + ", ".join(map(state_text_with_number, self)) + ")"
 
 
 def _canonical_order(sd: StateDict) -> tuple[_Handles, bool]:

@@ -34,6 +34,8 @@ _RESULT = "RESULT "
 def _worker(workdir: str, use_orbax: bool) -> None:
     # eqstate is imported before `jax.distributed.initialize()`, as in any program
     # with its imports at the top: importing it must not start JAX's backend.
+    import hashlib
+
     import eqstate as es
     import jax
 
@@ -190,6 +192,32 @@ def _worker(workdir: str, use_orbax: bool) -> None:
             (8,), NamedSharding(mesh, P("d")), lambda i: np.zeros(8)[i]
         )
         return {"noise": gather(noisy(x))}
+
+    @check("same_program")
+    def _():
+        # Unnamed handles, and a StateDict keyed by one in a state (as an optimiser's
+        # state holds one): their text enters the compiled program's argument names.
+        w = es.ParamState(jnp.ones(4))
+        momentum = es.LongTermState(es.values_of([w]))
+        es.shard([w, momentum], mesh, P())
+
+        @es.transform.jit
+        def step(x):
+            grads = {w: jnp.mean(x) * w.value}  # the mean: a collective
+            momentum.value = jax.tree.map(
+                lambda m, g: 0.9 * m + g, momentum.value, es.StateDict(grads)
+            )
+            w.value = w.value - 0.1 * momentum.value[w]
+            return jnp.sum(w.value)
+
+        x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+        program = step.lower(x).compile().as_text()
+        for _ in range(2):
+            total = step(x).block_until_ready()
+        return {
+            "program": hashlib.sha256(program.encode()).hexdigest(),
+            "total": float(total),
+        }
 
     @check("printing")
     def _():
@@ -528,6 +556,19 @@ def test_a_random_state_read_inside_shard_map_is_replicated_across_processes(run
     key = jax.random.split(jax.random.key(0))[1]
     expected = np.tile(np.asarray(jax.random.normal(key, (2,))), 4)
     assert np.allclose(first["noise"], expected, atol=1e-6)
+
+
+def test_every_process_compiles_the_same_program_for_unnamed_handles(run):
+    # With JAX 0.12.1, processes whose programs differ, if only in the argument names
+    # (a handle printed by its address), deadlock in the first collective.
+    results = _both(run, "same_program")
+    assert results[0]["program"] == results[1]["program"]
+    w = np.ones(4)
+    momentum = np.zeros(4) + 1.0  # the value it was made with, w's
+    for _ in range(2):
+        momentum = 0.9 * momentum + 3.5 * w
+        w = w - 0.1 * momentum
+    assert [r["total"] for r in results] == pytest.approx([w.sum()] * 2)
 
 
 def test_printing_a_sharded_state_shows_its_summary(run):
