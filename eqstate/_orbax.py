@@ -987,7 +987,7 @@ class CheckpointManager:
         to read would otherwise remove the save another program is writing. Put
         off to a later save while another manager of this process writes one there.
         """
-        here = os.path.realpath(self.directory)  # the same through any symlink
+        here = _ORBAX_MANAGERS[self._manager]  # its real path: through any symlink
         if self._unfinished_saves_removed or any(
             other is not self._manager
             and where == here

@@ -443,13 +443,12 @@ def _note_state_devices(exc: Exception, plan: _Plan, frame: _context.Frame) -> N
     if not isinstance(exc, ValueError) or "incompatible devices" not in str(exc):
         return
     values = frame.read_many(plan.states)
-    moved = [
-        f"{state_label(s)} on devices {_constraint_device_ids(plan.out_constraints[s])} "
-        f"then, {_device_ids(v)} now"
-        for s, v in zip(plan.states, values)
-        if s in plan.out_constraints
-        and _constraint_device_ids(plan.out_constraints[s]) != _device_ids(v)
-    ]
+    moved = []
+    for s, v in zip(plan.states, values):
+        if s in plan.out_constraints:
+            then, now = _constraint_device_ids(plan.out_constraints[s]), _device_ids(v)
+            if then != now:
+                moved.append(f"{state_label(s)} on devices {then} then, {now} now")
     if moved:
         exc.add_note(
             "A written state keeps the sharding it had when the function was first "
