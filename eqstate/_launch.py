@@ -151,9 +151,10 @@ def local_processes(
 
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float | None = None) -> int:
-    """Waits for every process. As soon as one fails (non-zero exit), or `timeout`
-    seconds pass, kills the others. Returns the exit code of the first process seen
-    to fail (124 on a timeout), else 0."""
+    """Waits for every process. When one fails (non-zero exit), gives the others a
+    moment (`_FAILURE_GRACE`) to end, then kills those still running; at `timeout`
+    seconds, kills them all. Returns the exit code of the first process seen to fail
+    (124 on a timeout), else 0."""
     return _wait(procs, timeout)[0]
 
 
@@ -166,9 +167,10 @@ _FAILURE_GRACE = 1.0
 
 def _wait(
     procs: Sequence[subprocess.Popen], timeout: float | None
-) -> tuple[int, dict[int, int]]:
+) -> tuple[int, dict[int, int], bool]:
     """`wait_all`, which also gives the return code of each process that failed, by
-    rank, in the order they were seen to fail (none on success or on a timeout)."""
+    rank, in the order they were seen to fail (none on success or on a timeout), and
+    whether it killed a process still running."""
     deadline = None if timeout is None else time.monotonic() + timeout
     failed: dict[int, int] = {}
     grace_end = math.inf
@@ -177,17 +179,19 @@ def _wait(
         for rank, code in enumerate(codes):
             if code not in (None, 0) and rank not in failed:
                 failed[rank] = code
-                grace_end = min(grace_end, time.monotonic() + _FAILURE_GRACE)
+        if failed and grace_end == math.inf:
+            grace_end = time.monotonic() + _FAILURE_GRACE
+        running = None in codes
         if failed:
-            if None not in codes or time.monotonic() > grace_end:
+            if not running or time.monotonic() > grace_end:
                 _kill(procs)
-                return next(iter(failed.values())), failed
-        elif all(code == 0 for code in codes):
+                return next(iter(failed.values())), failed, running
+        elif not running:
             _kill(procs)  # What they started and left running, then reap them.
-            return 0, {}
+            return 0, {}, False
         elif deadline is not None and time.monotonic() > deadline:
             _kill(procs)
-            return 124, {}
+            return 124, {}, True
         time.sleep(0.01 if failed else 0.05)
 
 
@@ -246,10 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 command, args.num_processes, cpu_devices=args.cpu_devices
             ) as procs,
         ):
-            code, failed = _wait(procs, args.timeout)
+            code, failed, killed = _wait(procs, args.timeout)
     except KeyboardInterrupt:
         return 130
-    return _exit_status(code, failed, args.timeout, args.num_processes)
+    return _exit_status(code, failed, args.timeout, killed)
 
 
 # What each process runs in place of `python script.py` (or `python -m module`): the
@@ -355,12 +359,13 @@ def _split_at_module(argv: list[str]) -> tuple[list[str], str | None, list[str]]
 
 
 def _exit_status(
-    code: int, failed: dict[int, int], timeout: float | None, num_processes: int
+    code: int, failed: dict[int, int], timeout: float | None, killed: bool
 ) -> int:
     """The launcher's exit status, `code` (the return code of the first process seen
     to fail, or 124 on a timeout), with a message saying which processes failed and
-    how (`failed`: their return codes by rank, first seen first): a process killed by
-    signal N (code -N) gives 128 + N, as a shell reports it."""
+    how (`failed`: their return codes by rank, first seen first), and whether others
+    were `killed`: a process killed by signal N (code -N) gives 128 + N, as a shell
+    reports it."""
     if not failed:
         if code == 124:
             print(
@@ -370,7 +375,7 @@ def _exit_status(
             )
         return code
     how = ", ".join(f"process {rank} {_how(c)}" for rank, c in failed.items())
-    others = "; the others were killed" if len(failed) < num_processes else ""
+    others = "; the others were killed" if killed else ""
     print(f"eqstate.launch: {how}{others}", file=sys.stderr)
     return code if code >= 0 else 128 - code
 

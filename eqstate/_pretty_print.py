@@ -77,13 +77,12 @@ class _Summary:
 
 
 def handle_number(state: Any) -> str:
-    """`#N`: `state` was the N-th handle made in this process. Unlike its address,
-    this is the same in every process of a multi-process program, which all make
-    their handles in the same order: a handle's text enters the names of the
-    arguments in a compiled program (a `StateDict` keyed by it), and a program that
-    differs between processes deadlocks in its first collective (JAX 0.12.1)."""
-    order = getattr(state, "_order", ())
-    return f"#{order[-1]}" if order else f"at {id(state):#x}"
+    """`#N`: `N` handles were made in this process before `state`. Unlike its
+    address, this is the same in every process of a multi-process program that
+    makes the same handles in the same order: a handle's text enters the names of
+    the arguments of a compiled program (a `StateDict` keyed by it), and processes
+    whose programs differ deadlock in their first collective (JAX 0.12.1)."""
+    return f"#{state._order[-1]}"
 
 
 def state_label(state: Any, value: Any = MISSING) -> str:

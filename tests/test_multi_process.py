@@ -699,6 +699,9 @@ def test_launcher_sets_each_process_environment_and_kills_the_rest_on_failure(
     )
     assert time.monotonic() - start < 60
     assert result.returncode == 3, result.stdout + result.stderr
+    assert result.stderr == (
+        "eqstate.launch: process 1 exited with status 3; the others were killed\n"
+    )
     lines = sorted(result.stdout.splitlines())
     assert lines[0].startswith("[0] rank 0 of 2 127.0.0.1:") and lines[0].endswith(" 3")
     assert lines[1].startswith("[1] rank 1 of 2 127.0.0.1:")
@@ -803,23 +806,38 @@ def test_launcher_ignoring_sighup_as_under_nohup_goes_on_through_it(tmp_path):
 def test_launcher_reports_a_process_that_fails_a_moment_after_another(tmp_path):
     # A process waiting for a failed one in a collective fails in turn, and may be
     # seen to exit first, while the failed one is still being torn down: the report
-    # must name both, not only the one seen first.
+    # must name both, not only the one seen first. Here process 0 fails once the
+    # others have started, and they fail 0.3 s later; process 3 succeeds.
     script = tmp_path / "job.py"
     script.write_text(
-        "import os, sys, time\n"
-        "if os.environ['SLURM_PROCID'] == '0':\n"
+        "import os, pathlib, sys, time\n"
+        "rank = int(os.environ['SLURM_PROCID'])\n"
+        "here = pathlib.Path(sys.argv[1])\n"
+        "if rank == 0:\n"
+        "    deadline = time.monotonic() + 30\n"
+        "    while len(list(here.glob('started-*'))) < 3:\n"
+        "        assert time.monotonic() < deadline\n"
+        "        time.sleep(0.01)\n"
         "    sys.exit(2)\n"
+        "(here / f'started-{rank}').touch()\n"
+        "if rank == 3:\n"
+        "    sys.exit(0)\n"
         "time.sleep(0.3)\n"
         "sys.exit(3)\n"
     )
-    command = [sys.executable, "-m", "eqstate.launch", "-n", "3", str(script)]
+    command = [sys.executable, "-m", "eqstate.launch", "-n", "4", str(script)]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=60, start_new_session=True
+        [*command, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
     )
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "process 0 exited with status 2" in result.stderr
+    assert result.stderr.startswith("eqstate.launch: process 0 exited with status 2")
     assert "process 1 exited with status 3" in result.stderr
     assert "process 2 exited with status 3" in result.stderr
+    assert "process 3" not in result.stderr
     assert "the others were killed" not in result.stderr  # none was left to kill
 
 
