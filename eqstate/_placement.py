@@ -45,3 +45,21 @@ def device_put_apart(value: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
     and only then is the value copied.
     """
     return jax.tree_util.tree_map(lambda x: _put_leaf_apart(x, sharding), value)
+
+
+def private_copy(x: Any) -> Any:
+    """A copy of the array `x` that shares no device buffer with it, with its
+    sharding, made buffer by buffer on this process's devices: no computation, which
+    every process of a multi-process program would have to run in step."""
+    if not isinstance(x, jax.Array) or isinstance(x, Tracer):
+        return x
+    if is_key(x):
+        data = private_copy(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    if x.is_fully_addressable:
+        return jax.device_put(x, may_alias=False)
+    shards = [
+        jax.device_put(shard.data, shard.device, may_alias=False)
+        for shard in x.addressable_shards
+    ]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)

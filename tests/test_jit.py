@@ -9,7 +9,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 
-from .helpers import traces_per_key, tree_allclose
+from .helpers import compilations, traces_per_key, tree_allclose
 
 
 pytestmark = pytest.mark.usefixtures("tracing_mode")
@@ -112,6 +112,21 @@ def test_donation_never_deletes_a_value_the_caller_holds():
     old = s.value
     increment()
     assert not old.is_deleted() and (old == 2).all() and (s.value == 3).all()
+
+
+def test_a_donating_call_runs_the_same_program_whatever_else_holds_its_values():
+    # Which values a process holds is its own (a leader keeping one to log, an
+    # asynchronous checkpoint still copying them), and every process of a
+    # multi-process program must run the same program: holding a value must not
+    # pick another one. Nor may donation delete the value held.
+    s = es.State(jnp.ones(3), name="s")
+    increment = _donating_increment(s)
+    increment()
+    old = s.value
+    assert compilations(increment) == 0
+    assert not old.is_deleted() and (old == 2).all() and (s.value == 3).all()
+    del old
+    assert compilations(increment) == 0 and (s.value == 4).all()
 
 
 def test_a_copy_kept_as_the_docs_say_survives_donation():

@@ -219,6 +219,27 @@ def _worker(workdir: str, use_orbax: bool) -> None:
             "total": float(total),
         }
 
+    @check("donation_held_by_one_process")
+    def _():
+        # Process 0 alone keeps a value (to log it, say): both processes must still
+        # run the same program (with JAX 0.12.1, different ones deadlock).
+        w = es.ParamState(jnp.ones(4), name="donated")
+        es.shard([w], mesh, P())
+
+        @es.transform.jit(donate_states=True)
+        def step(x):
+            w.value = w.value * 0.5 + jnp.mean(x)  # the mean: a collective
+            return jnp.sum(w.value)
+
+        x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+        step(x).block_until_ready()
+        kept = w.value if jax.process_index() == 0 else None
+        total = step(x).block_until_ready()
+        return {
+            "total": float(total),
+            "kept": None if kept is None else gather(kept),
+        }
+
     @check("printing")
     def _():
         w = es.ParamState(jnp.arange(8.0), name="w")
@@ -569,6 +590,16 @@ def test_every_process_compiles_the_same_program_for_unnamed_handles(run):
         momentum = 0.9 * momentum + 3.5 * w
         w = w - 0.1 * momentum
     assert [r["total"] for r in results] == pytest.approx([w.sum()] * 2)
+
+
+def test_a_value_one_process_keeps_does_not_desynchronise_donation(run):
+    results = _both(run, "donation_held_by_one_process")
+    w = np.ones(4)
+    w = w * 0.5 + 3.5
+    kept = w.tolist()
+    w = w * 0.5 + 3.5
+    assert [r["total"] for r in results] == pytest.approx([w.sum()] * 2)
+    assert results[0]["kept"] == kept  # not deleted by the donation
 
 
 def test_printing_a_sharded_state_shows_its_summary(run):

@@ -25,6 +25,7 @@ from .. import _context, _jax_compat as compat
 from .._context import current_frame as _current_frame, has_tracer, WORLD
 from .._custom_types import MISSING
 from .._jax_compat import is_top_level
+from .._placement import private_copy
 from .._pretty_print import state_label
 from .._shapes import is_key
 from .._state import State
@@ -90,7 +91,7 @@ class _Plan:
 
     jitted: Any
     # With `donate_states`: whether `jitted` donates, and the same function without
-    # donation, for calls where donating would delete a buffer held elsewhere.
+    # donation, for calls under JAX's NaN/Inf checks (see `function_for`).
     donates: bool
     undonated: Any
     # Shardings the jitted function imposes on state values: on the inputs (from
@@ -122,7 +123,7 @@ class _Plan:
         self.undonated = None
         # The jitted function takes the states' values packed (see `_packed`), and
         # returns the written ones so; donated ones go in a list, whose references
-        # `_unsafe_to_donate` counts. These read them from the world so.
+        # `_held_elsewhere` counts. These read them from the world so.
         keys = self.written_keys
         self.get_written = _list_getter(keys) if donates else _packed_getter(keys)
         self.get_read = _packed_getter(read_keys) if read_keys else None
@@ -144,12 +145,21 @@ class _Plan:
         """The values of the read-only states in `frame`, packed."""
         return _packed(frame.read_many(self.read_states))
 
-    def function_for(self, written: list) -> Any:
-        """The jitted function for a call whose written states hold `written`: the
-        donating one unless donating could lose a value (see `_unsafe_to_donate`)."""
-        if self.donates and _unsafe_to_donate(written, self.single_leaf):
-            return self.undonated
-        return self.jitted
+    def function_for(self, written: list) -> tuple[Any, list]:
+        """The jitted function for a call whose written states hold `written`, and
+        the values to give it. With donation, the donating function, whatever the
+        values (every process of a multi-process program must run the same one): if
+        one is held elsewhere too, all are given as private copies, so that
+        donating deletes no value held elsewhere (see `_held_elsewhere`). Under
+        JAX's NaN/Inf checks, which re-run a failing call with its inputs, the
+        function without donation."""
+        if not self.donates or not is_top_level():
+            return self.jitted, written  # JAX ignores donation inside a trace.
+        if compat.nan_checks_enabled():
+            return self.undonated, written
+        if _held_elsewhere(written, self.single_leaf):
+            return self.jitted, jax.tree_util.tree_map(private_copy, written)
+        return self.jitted, written
 
     def evaluate(
         self,
@@ -362,14 +372,9 @@ _HELD_ONCE = next(sys.getrefcount(x) for x in [_holder[0]])
 del _holder
 
 
-def _unsafe_to_donate(written: list, single_leaf: bool) -> bool:
+def _held_elsewhere(written: list, single_leaf: bool) -> bool:
     """Whether donating the buffers of `written` could lose a value: one of them is
-    held elsewhere too (by another state, an argument of the call, or the caller), or
-    JAX's NaN/Inf checks are on (they re-run a failing call with its inputs)."""
-    if not compat.is_top_level():
-        return False  # JAX ignores donation inside a trace.
-    if compat.nan_checks_enabled():
-        return True
+    held elsewhere too (by another state, an argument of the call, or the caller)."""
     if single_leaf:
         return _refcounts_above(written, _HELD_ONCE) or _key_data_held(written)
     roots, nested = _containers(written)
@@ -652,7 +657,9 @@ class JitDispatch:
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
             written = plan.get_written(values)
-            jitted = plan.function_for(written) if plan.donates else plan.jitted
+            jitted = plan.jitted
+            if plan.donates:
+                jitted, written = plan.function_for(written)
             get = plan.get_read
             read = get(values) if get is not None else None
             if split:
@@ -750,9 +757,8 @@ class JitDispatch:
         kwargs: dict,
         split: tuple[int, list] | None = None,
     ) -> tuple[Any, list]:
-        written = frame.read_many(plan.updated_states)
+        jitted, written = plan.function_for(frame.read_many(plan.updated_states))
         read = plan.read_from(frame)
-        jitted = plan.function_for(written)
         if not plan.split:
             kwargs = self._typed_static(kwargs)
             out, updated = jitted(plan.pack(written), read, *args, **kwargs)
