@@ -3,7 +3,6 @@
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.core import Tracer
 from jaxtyping import PyTree
 
@@ -29,7 +28,7 @@ def _shares_a_buffer(x: Any, placed: Any) -> bool:
 def _put_leaf_apart(x: Any, sharding: jax.sharding.Sharding) -> Any:
     placed = device_put(x, sharding)
     if _shares_a_buffer(x, placed):
-        return device_put(jnp.copy(x), sharding)
+        return device_put(private_copy(x), sharding)
     return placed
 
 
