@@ -62,3 +62,25 @@ def private_copy(x: Any) -> Any:
         for shard in x.addressable_shards
     ]
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+
+
+def private_copies(tree: PyTree) -> PyTree:
+    """`private_copy` of every array in `tree`, those on this process's devices alone
+    in one `jax.device_put` (far cheaper than one each)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    local = [i for i, x in enumerate(leaves) if _copied_in_one_put(x)]
+    copies = [x if i in local else private_copy(x) for i, x in enumerate(leaves)]
+    if local:
+        together = jax.device_put([leaves[i] for i in local], may_alias=False)
+        for i, copy in zip(local, together):
+            copies[i] = copy
+    return jax.tree_util.tree_unflatten(treedef, copies)
+
+
+def _copied_in_one_put(x: Any) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and not isinstance(x, Tracer)
+        and not is_key(x)
+        and x.is_fully_addressable
+    )

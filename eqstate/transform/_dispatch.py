@@ -25,7 +25,7 @@ from .. import _context, _jax_compat as compat
 from .._context import current_frame as _current_frame, has_tracer, WORLD
 from .._custom_types import MISSING
 from .._jax_compat import is_top_level
-from .._placement import private_copy
+from .._placement import private_copies
 from .._pretty_print import state_label
 from .._shapes import is_key
 from .._state import State
@@ -91,7 +91,7 @@ class _Plan:
 
     jitted: Any
     # With `donate_states`: whether `jitted` donates, and the same function without
-    # donation, for calls under JAX's NaN/Inf checks (see `function_for`).
+    # donation, for calls where donating could lose a value (see `function_for`).
     donates: bool
     undonated: Any
     # Shardings the jitted function imposes on state values: on the inputs (from
@@ -147,18 +147,19 @@ class _Plan:
 
     def function_for(self, written: list) -> tuple[Any, list]:
         """The jitted function for a call whose written states hold `written`, and
-        the values to give it. With donation, the donating function, whatever the
-        values (every process of a multi-process program must run the same one): if
-        one is held elsewhere too, all are given as private copies, so that
-        donating deletes no value held elsewhere (see `_held_elsewhere`). Under
-        JAX's NaN/Inf checks, which re-run a failing call with its inputs, the
-        function without donation."""
+        the values to give it: the donating function, unless donating could delete
+        a value held elsewhere too (see `_held_elsewhere`), or JAX's NaN/Inf checks
+        are on (they re-run a failing call with its inputs). Then, the function
+        without donation; but with several processes, which must all run the same
+        program whatever each holds, the donating one given private copies."""
         if not self.donates or not is_top_level():
             return self.jitted, written  # JAX ignores donation inside a trace.
         if compat.nan_checks_enabled():
             return self.undonated, written
         if _held_elsewhere(written, self.single_leaf):
-            return self.jitted, jax.tree_util.tree_map(private_copy, written)
+            if jax.process_count() == 1:
+                return self.undonated, written
+            return self.jitted, private_copies(written)
         return self.jitted, written
 
     def evaluate(

@@ -209,10 +209,10 @@ def jit(
         that is held elsewhere: a call where a written state's value is also held by
         another state, passed as an argument, or kept by the caller (`old = s.value`;
         for a random key, also its data, `jax.random.key_data(rng.value)`, which
-        is the key's own buffer) donates private copies of the written values
-        instead, so that every call runs the same program (as every process of a
-        multi-process program must). Every call while `jax.debug_nans` or
-        `jax.debug_infs` is on runs without donation. A function that can fail while it runs (it holds a
+        is the key's own buffer) runs without donation, as does every call while
+        `jax.debug_nans` or `jax.debug_infs` is on. With several processes, which
+        must all run the same program whatever each holds, such a call donates
+        private copies of the written values instead. A function that can fail while it runs (it holds a
         callback: `eqx.error_if`, `jax.debug.callback`, `jax.debug.print`) is never
         donated, with a warning, because a failed call must leave the previous
         values readable. Another array object sharing a device buffer with a state's
