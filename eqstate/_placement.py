@@ -69,7 +69,10 @@ def private_copies(tree: PyTree) -> PyTree:
     in one `jax.device_put` (far cheaper than one each)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     local = [i for i, x in enumerate(leaves) if _copied_in_one_put(x)]
-    copies = [x if i in local else private_copy(x) for i, x in enumerate(leaves)]
+    together_later = set(local)
+    copies = [
+        x if i in together_later else private_copy(x) for i, x in enumerate(leaves)
+    ]
     if local:
         together = jax.device_put([leaves[i] for i in local], may_alias=False)
         for i, copy in zip(local, together):

@@ -130,6 +130,27 @@ def test_with_several_processes_a_held_value_picks_no_other_program(monkeypatch)
     assert compilations(increment) == 0 and (s.value == 4).all()
 
 
+def test_with_several_processes_held_pytree_and_key_values_survive(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    pair = es.State((jnp.ones(2), jnp.zeros(3)), name="pair")
+    rng = es.RandomState(0, name="rng")
+
+    @es.transform.jit(donate_states=True)
+    def step():
+        h, c = pair.value
+        pair.value = (h + 1, c - 1)
+        rng.value, key = jax.random.split(rng.value)
+        return jax.random.normal(key, (2,))
+
+    step()
+    kept, kept_key = pair.value, rng.value
+    first = step()
+    assert not any(x.is_deleted() for x in kept) and not kept_key.is_deleted()
+    assert (kept[0] == 2).all() and (kept[1] == -1).all()
+    assert (pair.value[0] == 3).all() and (pair.value[1] == -2).all()
+    assert (jax.random.normal(jax.random.split(kept_key)[1], (2,)) == first).all()
+
+
 def test_a_copy_kept_as_the_docs_say_survives_donation():
     # `jnp.copy` makes its own buffer: it survives the donated call, where the
     # snapshot made by `jax.device_put` to the value's own device can share one.
