@@ -839,30 +839,23 @@ def test_launcher_reports_a_process_that_fails_a_moment_after_another(tmp_path):
     # seen to exit first, while the failed one is still being torn down: the report
     # must name both, not only the one seen first. Here process 0 fails once the
     # others have started, and they fail 0.3 s later; process 3 succeeds.
-    script = tmp_path / "job.py"
-    script.write_text(
+    result = _launch_script(
+        tmp_path,
         "import os, pathlib, sys, time\n"
         "rank = int(os.environ['SLURM_PROCID'])\n"
-        "here = pathlib.Path(sys.argv[1])\n"
         "if rank == 0:\n"
         "    deadline = time.monotonic() + 30\n"
-        "    while len(list(here.glob('started-*'))) < 3:\n"
+        "    while len(list(pathlib.Path.cwd().glob('started-*'))) < 3:\n"
         "        assert time.monotonic() < deadline\n"
         "        time.sleep(0.01)\n"
         "    sys.exit(2)\n"
-        "(here / f'started-{rank}').touch()\n"
+        "pathlib.Path(f'started-{rank}').touch()\n"
         "if rank == 3:\n"
         "    sys.exit(0)\n"
         "time.sleep(0.3)\n"
-        "sys.exit(3)\n"
-    )
-    command = [sys.executable, "-m", "eqstate.launch", "-n", "4", str(script)]
-    result = subprocess.run(
-        [*command, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        start_new_session=True,
+        "sys.exit(3)\n",
+        "-n",
+        "4",
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("eqstate.launch: process 0 exited with status 2")
