@@ -534,7 +534,7 @@ def _run_split(
 ) -> tuple[Any, Any]:
     """Calls the jitted function for `key` (written values packed, see `_Plan.pack`),
     and rebuilds the output if the trace recorded how."""
-    out, updated = jitted[key](written, read, dynamic)
+    out, updated = jitted[key](written, read, *dynamic)
     if not plan.simple_out:
         out = splitter.output(key, out)
     return out, updated
@@ -665,7 +665,7 @@ class JitDispatch:
             read = get(values) if get is not None else None
             if split:
                 # `_run_split`, inlined (about 1% of a call at ten states).
-                out, updated = jitted[key](written, read, dynamic)
+                out, updated = jitted[key](written, read, *dynamic)
                 if not plan.simple_out:
                     out = self._splitter.output(key, out)
             elif kwargs:
@@ -890,7 +890,7 @@ class JitDispatch:
         read = plan.read_from(frame)
         if plan.split:
             key, dynamic = self._splitter.split(args, kwargs)
-            return plan.jitted[key].lower(written, read, dynamic)
+            return plan.jitted[key].lower(written, read, *dynamic)
         kwargs = self._typed_static(kwargs)
         return plan.jitted.lower(written, read, *args, **kwargs)
 
@@ -988,7 +988,7 @@ class JitDispatch:
                 raise _PlanMismatch
             return plan.evaluate(traces, eqstate_written, eqstate_read, args, kwargs)
 
-        def split_body(key, written, read, dynamic):
+        def split_body(key, written, read, *dynamic):
             args, kwargs = splitter.rebuild(key, dynamic)
             out, updated = plan.evaluate(traces, written, read, args, kwargs)
             if not plan.simple_out:
@@ -1036,7 +1036,7 @@ class JitDispatch:
             )
 
     def _split_options(self, donate_states: bool) -> dict[str, Any]:
-        # A jitted body takes `(written, read, dynamic_leaves)` (see `_PerKey`).
+        # A jitted body takes `(written, read, *dynamic_leaves)` (see `_PerKey`).
         options = {
             k: v for k, v in self._jit_kwargs.items() if k not in _POSITIONAL_OPTIONS
         }
