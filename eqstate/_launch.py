@@ -152,8 +152,8 @@ def local_processes(
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float | None = None) -> int:
     """Waits for every process. When one fails (non-zero exit), gives the others a
-    moment (`_FAILURE_GRACE`) to end, then kills those still running; at `timeout`
-    seconds, kills them all. Returns the exit code of the first process seen to fail
+    moment (`_FAILURE_GRACE`, ending at `timeout` at the latest) to end, then kills
+    those still running; at `timeout` seconds, kills them all. Returns the exit code of the first process seen to fail
     (124 on a timeout), else 0."""
     return _wait(procs, timeout)[0]
 
@@ -181,6 +181,8 @@ def _wait(
                 failed[rank] = code
         if failed and grace_end == math.inf:
             grace_end = time.monotonic() + _FAILURE_GRACE
+            if deadline is not None:
+                grace_end = min(grace_end, deadline)  # The grace ends at `timeout`.
         running = None in codes
         if failed:
             if not running or time.monotonic() > grace_end:

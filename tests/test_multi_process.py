@@ -982,3 +982,23 @@ def test_launcher_says_when_it_stopped_a_job_at_its_timeout(tmp_path):
     result = _launch_script(tmp_path, "import time\ntime.sleep(60)\n", "--timeout", "2")
     assert result.returncode == 124
     assert "still running after --timeout 2 s" in result.stderr
+
+
+def test_launcher_stops_at_its_timeout_within_the_grace_after_a_failure():
+    # After a failure the others get a second to end, but never past `timeout`.
+    from eqstate._launch import local_processes, wait_all
+
+    source = (
+        "import os, sys, time\n"
+        "if os.environ['SLURM_PROCID'] == '0':\n"
+        "    sys.exit(3)\n"
+        "time.sleep(60)\n"
+    )
+    with local_processes([sys.executable, "-c", source], 2, out=io.StringIO()) as procs:
+        procs[0].wait(timeout=30)
+        start = time.monotonic()
+        code = wait_all(procs, timeout=0.2)
+        elapsed = time.monotonic() - start
+        assert procs[1].returncode is not None  # killed, and reaped
+    assert code == 3
+    assert elapsed < 0.8
