@@ -413,6 +413,33 @@ def test_bounded_while_loop_returns_arrays_under_disable_jit(max_steps, init):
     assert jax.typeof(got) == jax.typeof(expected) and got == expected
 
 
+@pytest.mark.parametrize(
+    "loop",
+    (
+        es.transform.while_loop,
+        lambda cond, body, init: es.transform.bounded_while_loop(cond, body, init, 5),
+    ),
+    ids=("while_loop", "bounded_while_loop"),
+)
+def test_while_loops_give_their_functions_arrays_under_disable_jit(loop):
+    # As `jax.lax.while_loop` does, and as they are given under `jit`: a body that
+    # uses array methods runs the same either way.
+    seen = []
+
+    def cond(v):
+        seen.append(type(v))
+        return v < 3
+
+    def body(v):
+        seen.append(type(v))
+        return 1 if v == 0 else (v + 1).astype(jnp.int32)
+
+    with jax.disable_jit():
+        got = loop(cond, body, 0)
+    assert got == 3 and isinstance(got, jax.Array)
+    assert len(seen) >= 7 and all(issubclass(t, jax.Array) for t in seen)
+
+
 def test_while_loop_under_disable_jit_falls_back_when_a_transform_needs_it():
     # As `jax.lax.while_loop`: inside `jax.vmap` the condition has no Python value.
     def count_to(limit):

@@ -554,9 +554,10 @@ def bounded_while_loop(
     @functools.wraps(body_fun)  # Errors name `body_fun`.
     def body(val):
         out = body_fun(val)
-        if not jit_disabled():  # Eagerly, as in `jax.lax`, the carry may change.
-            where = "`body_fun` of `bounded_while_loop`"
-            _check_static_carry(hide_static(val), hide_static(out), where, "val")
+        if jit_disabled():  # Eagerly, as in `jax.lax`, the carry may change.
+            return _as_arrays(out)
+        where = "`body_fun` of `bounded_while_loop`"
+        _check_static_carry(hide_static(val), hide_static(out), where, "val")
         return out
 
     def step(val, _):
@@ -566,8 +567,8 @@ def bounded_while_loop(
     if jit_disabled():
         if max_steps == 0:  # `jax.lax.scan` cannot run zero steps eagerly.
             return _as_arrays(init_val)
-        # The step that skips the body keeps `init_val` as given: a Python float.
-        return _as_arrays(scan(step, init_val, None, length=max_steps)[0])
+        # Arrays from the start, as `while_loop` gives `body_fun` and `cond_fun`.
+        return scan(step, _as_arrays(init_val), None, length=max_steps)[0]
     init = _promoted(body_fun, init_val)
     if compat.in_manual_axes():
         # Where the condition differs between devices, so does the number of steps
