@@ -633,6 +633,48 @@ def test_equal_static_values_of_other_types_trace_apart(how):
         assert got.dtype == want.dtype and (got == want).all(), (scale, got, want)
 
 
+@pytest.mark.parametrize(
+    "how", ["static_argnums", "negative static_argnums", "static_argnames", "field"]
+)
+def test_static_zeros_of_either_sign_trace_apart(how):
+    # `0.0 == -0.0`, but `1 / x` tells them apart: a trace made for one must not
+    # serve the other (`jax.jit` itself keys them as one).
+    class Scale(eqx.Module):
+        value: float
+
+    offset = es.ParamState(jnp.zeros(()))
+
+    def f(x, scale):
+        scale = scale.value if isinstance(scale, Scale) else scale
+        return x / scale + offset.value
+
+    if how == "static_argnums":
+        jitted = es.transform.jit(f, static_argnums=1)
+        call = lambda x, s: jitted(x, s)  # noqa: E731
+    elif how == "negative static_argnums":
+        jitted = es.transform.jit(f, static_argnums=-1)
+        call = lambda x, s: jitted(x, s)  # noqa: E731
+    elif how == "static_argnames":
+        jitted = es.transform.jit(f, static_argnames="scale")
+        call = lambda x, s: jitted(x, scale=s)  # noqa: E731
+    else:
+        jitted = es.transform.jit(f)
+        call = lambda x, s: jitted(x, Scale(s))  # noqa: E731
+    x = jnp.ones(())
+    for scale in (0.0, -0.0, 0.0, -0.0):
+        assert call(x, scale) == f(x, scale), scale
+    assert jitted.get_cache_stats()["traces"] == 2
+
+
+def test_a_stateful_function_traces_static_zeros_of_either_sign_apart():
+    offset = es.ParamState(jnp.zeros(()))
+    sf = es.transform.StatefulFunction(
+        lambda x, scale: x / scale + offset.value, static_argnums=1
+    )
+    for scale in (0.0, -0.0):
+        assert sf(jnp.ones(()), scale) == jnp.ones(()) / scale
+
+
 def test_a_jitted_function_under_vmaps_of_other_sizes_sees_each_axis_size():
     # The size of a named axis is fixed when the function is traced, as in `jax.jit`:
     # a trace made under a `vmap` of 2 must not serve one of 4 (a last short batch).

@@ -9,6 +9,7 @@ import jax.tree_util as jtu
 
 from .._jax_compat import trace_context
 from ._leaves import in_module, is_traced, jax_jit_sees_as_eqstate, signature
+from ._split_args import typed_static
 
 
 class CallArgs:
@@ -166,12 +167,13 @@ class ArgParser:
                 template.append(None)
             else:
                 leaf = _hashable(leaf, "an argument leaf", self.name)
-                sigs.append(("static", type(leaf), leaf))
+                sigs.append(("static", *typed_static(leaf)))
                 template.append(leaf)
         # Static values with their types, as `jax.jit` keys them: `1`, `1.0` and
-        # `True` are equal, but may trace differently (dtypes, `is True`).
-        typed = tuple((i, type(v), v) for i, v in static)
-        typed_kw = tuple((k, type(v), v) for k, v in static_kw)
+        # `True` are equal, but may trace differently (dtypes, `is True`); so are
+        # `0.0` and `-0.0` (`1 / x`).
+        typed = tuple((i, *typed_static(v)) for i, v in static)
+        typed_kw = tuple((k, *typed_static(v)) for k, v in static_kw)
         # JAX's configuration and mapped axes too, as `jax.jit` keys its traces: a
         # trace made with 64-bit mode off, or under a `vmap` of another size, is
         # not one for this call.

@@ -36,7 +36,14 @@ from ._function_traces import FunctionTraces
 from ._leaves import ArrayImpl, in_module, jax_jit_sees_as_eqstate
 from ._one_sharding import OneShardingJit
 from ._rule_errors import raise_if_rule_closed_over_a_tracer, rule_closure_errors
-from ._split_args import ArgSplitter, KEYS_KEPT, OutputMismatch, Static, unwrapped
+from ._split_args import (
+    ArgSplitter,
+    KEYS_KEPT,
+    OutputMismatch,
+    Static,
+    typed_static,
+    unwrapped,
+)
 from ._trace import flat_jit, StaleTrace, sub_jaxprs, Trace
 from ._view import Overlay
 
@@ -584,7 +591,8 @@ class JitDispatch:
         self._name = traces.name
         self._parser = traces.parser
         self._static_names = frozenset(traces.parser.static_argnames)
-        self._has_static = bool(self._static_names or traces.parser.static_positions)
+        self._static_positions = tuple(traces.parser.static_positions)
+        self._has_static = bool(self._static_names or self._static_positions)
         self._donate = donate_states
         self._state_shardings = (
             None if state_shardings is None else sharding_rule(state_shardings)
@@ -668,14 +676,16 @@ class JitDispatch:
                 out, updated = jitted[key](written, read, *dynamic)
                 if not plan.simple_out:
                     out = self._splitter.output(key, out)
-            elif kwargs:
-                # Not `kwargs` itself: a refused call takes the unplanned path with
-                # the caller's own static values, not their `Static` wrappers.
+            elif kwargs or self._static_positions:
+                # Not `args` and `kwargs` themselves: a refused call takes the
+                # unplanned path with the caller's own static values, not their
+                # `Static` wrappers.
                 typed = kwargs
                 names = self._static_names
                 if names and not names.isdisjoint(kwargs):
                     typed = self._typed_static(kwargs)
-                out, updated = jitted(written, read, *args, **typed)
+                typed_args = self._signed_static(args)
+                out, updated = jitted(written, read, *typed_args, **typed)
             elif len(args) == 1:
                 # Spelled out: a call through `*args` builds JAX's dispatch a tuple.
                 out, updated = jitted(written, read, args[0])
@@ -762,6 +772,7 @@ class JitDispatch:
         read = plan.read_from(frame)
         if not plan.split:
             kwargs = self._typed_static(kwargs)
+            args = self._signed_static(args)
             out, updated = jitted(plan.pack(written), read, *args, **kwargs)
             return out, plan.unpack(updated)
         if split is None:
@@ -777,14 +788,15 @@ class JitDispatch:
         return out, plan.unpack(updated)
 
     def _static_key(self, args: tuple, kwargs: dict) -> tuple:
-        """The static arguments of a call, each with its type, so that `1`, `1.0` and
-        `True` select plans apart, as they select traces apart."""
+        """The static arguments of a call, each with its type (and a float with its
+        sign), so that `1`, `1.0` and `True` select plans apart, as they select
+        traces apart."""
         n = len(args)
         parser = self._parser
-        key = [(type(args[i]), args[i]) for i in parser.static_positions if -n <= i < n]
+        key = [typed_static(args[i]) for i in parser.static_positions if -n <= i < n]
         if kwargs:
             names = parser.static_argnames
-            key += [(k, type(kwargs[k]), kwargs[k]) for k in names if k in kwargs]
+            key += [(k, *typed_static(kwargs[k])) for k in names if k in kwargs]
         return tuple(key)
 
     def _remember_static(self, plan: _Plan, args: tuple, kwargs: dict) -> None:
@@ -793,6 +805,22 @@ class JitDispatch:
         if len(by_static) >= KEYS_KEPT:
             by_static.clear()
         by_static[self._static_key(args, kwargs)] = plan
+
+    def _signed_static(self, args: tuple) -> tuple:
+        """`args` with each float at a static position wrapped, so that `jax.jit`,
+        which keys `static_argnums` by value and type, keys `0.0` and `-0.0` apart
+        too. The body unwraps them."""
+        n = len(args)
+        for i in self._static_positions:
+            if -n <= i < n and isinstance(args[i], float):
+                break
+        else:
+            return args
+        static = {i % n for i in self._static_positions if -n <= i < n}
+        return tuple(
+            Static(a) if i in static and isinstance(a, float) else a
+            for i, a in enumerate(args)
+        )
 
     def _typed_static(self, kwargs: dict) -> dict:
         """`kwargs` with each static one wrapped so that `jax.jit` keys it by type
@@ -892,6 +920,7 @@ class JitDispatch:
             key, dynamic = self._splitter.split(args, kwargs)
             return plan.jitted[key].lower(written, read, *dynamic)
         kwargs = self._typed_static(kwargs)
+        args = self._signed_static(args)
         return plan.jitted.lower(written, read, *args, **kwargs)
 
     def _plan_for(self, trace: Trace, frame: _context.Frame, split: bool) -> _Plan:
@@ -981,6 +1010,7 @@ class JitDispatch:
 
         # Named so that no keyword argument of the user's function collides with them.
         def body(eqstate_written, eqstate_read, *args, **kwargs):
+            args = tuple(a.value if isinstance(a, Static) else a for a in args)
             kwargs = unwrapped(kwargs)
             if not _jit_took_as_is(args, kwargs):
                 # A call whose arguments `jax.jit` traces where eqstate would not

@@ -77,6 +77,14 @@ def same_static(a: Any, b: Any) -> bool:
     return not isinstance(a, float) or math.copysign(1, a) == math.copysign(1, b)
 
 
+def typed_static(value: Any) -> tuple:
+    """A static value for a cache key, told apart from others as `same_static` tells
+    them: with its type and, for a float, its sign."""
+    if isinstance(value, float):
+        return (type(value), value, math.copysign(1.0, value))
+    return (type(value), value)
+
+
 def unwrapped(kwargs: dict) -> dict:
     """`kwargs` with each `Static` replaced by the value it wraps."""
     return {k: v.value if isinstance(v, Static) else v for k, v in kwargs.items()}
@@ -212,6 +220,10 @@ class ArgSplitter:
         dynamic = [x for x, traced in zip(leaves, mask) if traced]
         static_leaves = tuple(leaves[i] for i in static)
         types = tuple(map(type, static_leaves))  # see `Static.__eq__`
+        if float in types:  # and the signs of floats: `-0.0 == 0.0`
+            types += tuple(
+                math.copysign(1.0, x) for x in static_leaves if type(x) is float
+            )
         part = (treedef, static, static_leaves, types)
         return self._parts.number(part), dynamic
 
