@@ -684,8 +684,11 @@ class JitDispatch:
                 names = self._static_names
                 if names and not names.isdisjoint(kwargs):
                     typed = self._typed_static(kwargs)
-                typed_args = self._signed_static(args)
-                out, updated = jitted(written, read, *typed_args, **typed)
+                if self._static_positions:
+                    signed = self._signed_static(args)
+                    out, updated = jitted(written, read, *signed, **typed)
+                else:
+                    out, updated = jitted(written, read, *args, **typed)
             elif len(args) == 1:
                 # Spelled out: a call through `*args` builds JAX's dispatch a tuple.
                 out, updated = jitted(written, read, args[0])
@@ -791,12 +794,21 @@ class JitDispatch:
         """The static arguments of a call, each with its type (and a float with its
         sign), so that `1`, `1.0` and `True` select plans apart, as they select
         traces apart."""
-        n = len(args)
-        parser = self._parser
-        key = [typed_static(args[i]) for i in parser.static_positions if -n <= i < n]
+        key = []
+        if self._static_positions:
+            n = len(args)
+            positions = self._static_positions
+            key = [typed_static(args[i]) for i in positions if -n <= i < n]
         if kwargs:
-            names = parser.static_argnames
-            key += [(k, *typed_static(kwargs[k])) for k in names if k in kwargs]
+            for k in self._parser.static_argnames:
+                if k in kwargs:
+                    v = kwargs[k]
+                    # `typed_static`, inlined but for floats (once per call).
+                    key.append(
+                        (k, *typed_static(v))
+                        if isinstance(v, float)
+                        else (k, type(v), v)
+                    )
         return tuple(key)
 
     def _remember_static(self, plan: _Plan, args: tuple, kwargs: dict) -> None:
