@@ -153,8 +153,8 @@ def local_processes(
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float | None = None) -> int:
     """Waits for every process. When one fails (non-zero exit), gives the others a
     moment (`_FAILURE_GRACE`, ending at `timeout` at the latest) to end, then kills
-    those still running; at `timeout` seconds, kills them all. Returns the exit code of the first process seen to fail
-    (124 on a timeout), else 0."""
+    those still running; at `timeout` seconds, kills them all. Returns the exit code
+    of the first process seen to fail (124 on a timeout), else 0."""
     return _wait(procs, timeout)[0]
 
 
