@@ -604,29 +604,41 @@ def test_the_stateful_function_of_a_jit_takes_its_options():
     assert plain.get_cache_stats()["traces"] == 1
 
 
+class _Scale(eqx.Module):
+    value: Any
+
+
+def _unwrapped(scale):
+    return scale.value if isinstance(scale, _Scale) else scale
+
+
+def _jit_with_a_static_scale(f, how):
+    """`jit(f)` of `f(x, scale)`, and a call passing `scale` static as `how` says: by
+    position (counted from the start or the end), by name, or as a module field."""
+    if how in ("static_argnums", "negative static_argnums"):
+        jitted = es.transform.jit(
+            f, static_argnums=1 if how == "static_argnums" else -1
+        )
+        return jitted, lambda x, s: jitted(x, s)
+    if how == "static_argnames":
+        jitted = es.transform.jit(f, static_argnames="scale")
+        return jitted, lambda x, s: jitted(x, scale=s)
+    jitted = es.transform.jit(f)
+    return jitted, lambda x, s: jitted(x, _Scale(s))
+
+
 @pytest.mark.parametrize("how", ["static_argnums", "static_argnames", "module field"])
 def test_equal_static_values_of_other_types_trace_apart(how):
     # `1 == 1.0 == True`, but they trace to other dtypes (and `is True` tells them
     # apart): as `jax.jit` does, a static value's type is part of the cache key.
-    class Scale(eqx.Module):
-        value: Any
-
     bias = es.ParamState(jnp.zeros(3, jnp.int32))
 
     def f(x, scale):
-        scale = scale.value if isinstance(scale, Scale) else scale
+        scale = _unwrapped(scale)
         flag = 10 if scale is True else 0
         return x * scale + bias.value + flag
 
-    if how == "static_argnums":
-        jitted = es.transform.jit(f, static_argnums=1)
-        call = lambda x, s: jitted(x, s)  # noqa: E731
-    elif how == "static_argnames":
-        jitted = es.transform.jit(f, static_argnames="scale")
-        call = lambda x, s: jitted(x, scale=s)  # noqa: E731
-    else:
-        jitted = es.transform.jit(f)
-        call = lambda x, s: jitted(x, Scale(s))  # noqa: E731
+    _, call = _jit_with_a_static_scale(f, how)
     x = jnp.arange(3)
     for scale in (1, 1.0, True, 1):
         got, want = call(x, scale), f(x, scale)
@@ -634,32 +646,18 @@ def test_equal_static_values_of_other_types_trace_apart(how):
 
 
 @pytest.mark.parametrize(
-    "how", ["static_argnums", "negative static_argnums", "static_argnames", "field"]
+    "how",
+    ["static_argnums", "negative static_argnums", "static_argnames", "module field"],
 )
 def test_static_zeros_of_either_sign_trace_apart(how):
     # `0.0 == -0.0`, but `1 / x` tells them apart: a trace made for one must not
     # serve the other (`jax.jit` itself keys them as one).
-    class Scale(eqx.Module):
-        value: float
-
     offset = es.ParamState(jnp.zeros(()))
 
     def f(x, scale):
-        scale = scale.value if isinstance(scale, Scale) else scale
-        return x / scale + offset.value
+        return x / _unwrapped(scale) + offset.value
 
-    if how == "static_argnums":
-        jitted = es.transform.jit(f, static_argnums=1)
-        call = lambda x, s: jitted(x, s)  # noqa: E731
-    elif how == "negative static_argnums":
-        jitted = es.transform.jit(f, static_argnums=-1)
-        call = lambda x, s: jitted(x, s)  # noqa: E731
-    elif how == "static_argnames":
-        jitted = es.transform.jit(f, static_argnames="scale")
-        call = lambda x, s: jitted(x, scale=s)  # noqa: E731
-    else:
-        jitted = es.transform.jit(f)
-        call = lambda x, s: jitted(x, Scale(s))  # noqa: E731
+    jitted, call = _jit_with_a_static_scale(f, how)
     x = jnp.ones(())
     for scale in (0.0, -0.0, 0.0, -0.0):
         assert call(x, scale) == f(x, scale), scale
