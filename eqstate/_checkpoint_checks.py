@@ -75,14 +75,19 @@ def _first_non_array(value: PyTree) -> tuple[str, BaseException | None]:
 
 
 def _narrowed(state: State, value: PyTree, arrays: PyTree) -> None:
-    """Raises `CheckpointError` if JAX broke a NumPy leaf of `value` when making
-    `arrays` of it: with 64-bit types off, it narrows `int64` to `int32` (wrapping
-    `2**33 + 5` to `5`) and `float64` to `float32` (`1e40` to `inf`, `1e-50` to
-    `0`). The checkpoint would store another value. Rounding to the nearest `float32`
-    (`0.1`) is not refused: it is what a write of the value to a state does."""
+    """Raises `CheckpointError` if JAX broke a NumPy leaf or a Python float of
+    `value` when making `arrays` of it: with 64-bit types off, it narrows `int64` to
+    `int32` (wrapping `2**33 + 5` to `5`) and `float64` (and Python floats) to
+    `float32` (`1e40` to `inf`, `1e-50` to `0`). The checkpoint would store another
+    value. Rounding to the nearest `float32` (`0.1`) is not refused: it is what a
+    write of the value to a state does."""
     flat = zip(jtu.tree_leaves_with_path(value), jtu.tree_leaves(arrays))
     for (path, leaf), array in flat:
-        if not isinstance(leaf, np.ndarray | np.generic):
+        if isinstance(leaf, np.ndarray | np.generic):
+            what = f"a NumPy array of dtype {leaf.dtype}"
+        elif isinstance(leaf, float | complex):
+            what = f"a Python {type(leaf).__name__}"
+        else:
             continue
         broken = cast_breaks(leaf, array.dtype)
         if broken is None:
@@ -90,8 +95,8 @@ def _narrowed(state: State, value: PyTree, arrays: PyTree) -> None:
         before, after = broken
         where = f" at `{jtu.keystr(path)}`" if path else ""
         raise CheckpointError(
-            f"Cannot save {state_label(state)}: its value holds a NumPy array of "
-            f"dtype {leaf.dtype}{where}, which JAX converts to {array.dtype} (64-bit "
+            f"Cannot save {state_label(state)}: its value holds {what}{where}, "
+            f"which JAX converts to {array.dtype} (64-bit "
             f"types are off), and that changes it: {before} becomes "
             f"{after}. Nothing was written. Enable 64-bit types "
             "(`jax.config.update('jax_enable_x64', True)`), or convert the value "

@@ -546,6 +546,17 @@ def save_text_value():
 
 
 @case(
+    "saving a Python float that `float32` cannot hold (64-bit types off)",
+    es.CheckpointError,
+    r"ParamState 'w': its value holds a Python float, .* 1e\+40 becomes inf",
+)
+def save_python_float_overflow():
+    w = es.ParamState(jnp.zeros(()), name="w")
+    path = _checkpoint_of({"w": w}, lambda p: None)
+    return lambda: es.save(path, {w: 1e40}), [w]
+
+
+@case(
     "saving a `float0` array (the gradient of an integer)",
     es.CheckpointError,
     r"`g` \(State 'g'\): .*dtype float0",

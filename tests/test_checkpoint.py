@@ -1715,6 +1715,38 @@ def test_save_refuses_a_numpy_value_that_narrowing_would_change(
     assert (loaded == jnp.asarray(rounded, jnp.float32)).all()
 
 
+@pytest.mark.parametrize("backend", ["single-file", "orbax"])
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (1e40, "1e+40 becomes inf"),
+        (-1e39, "-1e+39 becomes -inf"),
+        (1e-50, "1e-50 becomes 0.0"),
+        (complex(1e-50, 1.0), "(1e-50+1j) becomes 1j"),
+    ],
+)
+def test_save_refuses_a_python_float_that_float32_would_change(
+    backend, value, shown, tmp_path
+):
+    # A Python float is a float64: saved with 64-bit types off, it becomes a
+    # float32, as a NumPy float64 does, and is refused on the same terms.
+    assert not jax.config.jax_enable_x64
+    n = es.State(jnp.zeros(()), name="n")
+    path = _ckpt_path(tmp_path, backend)
+    es.save(path, {n: jnp.ones(())}, backend=backend)
+    before = _files(path)
+    with pytest.raises(
+        es.CheckpointError,
+        match=rf"State 'n': .*a Python {type(value).__name__} at `\['a'\]`.*"
+        rf"{re.escape(shown)}.*jax_enable_x64",
+    ):
+        es.save(path, {n: {"a": value}}, backend=backend)
+    assert _files(path) == before
+    # One that float32 holds, or only rounds, is saved as a write would store it.
+    es.save(path, {n: 0.1}, backend=backend)
+    assert es.load(path, {n: jnp.zeros(())}, backend=backend)[n] == jnp.float32(0.1)
+
+
 def test_save_to_a_long_file_name(tmp_path, monkeypatch):
     # Temporary names add ~30 bytes to the target's: for a long name, they use its
     # first bytes and a hash of it, and stay within the file system's limit.
