@@ -774,8 +774,7 @@ class JitDispatch:
         jitted, written = plan.function_for(frame.read_many(plan.updated_states))
         read = plan.read_from(frame)
         if not plan.split:
-            kwargs = self._typed_static(kwargs)
-            args = self._signed_static(args)
+            args, kwargs = self._typed_for_jit(args, kwargs)
             out, updated = jitted(plan.pack(written), read, *args, **kwargs)
             return out, plan.unpack(updated)
         if split is None:
@@ -803,7 +802,8 @@ class JitDispatch:
             for k in self._parser.static_argnames:
                 if k in kwargs:
                     v = kwargs[k]
-                    # `typed_static`, inlined but for floats (once per call).
+                    # `typed_static`, inlined but for floats: calling it here
+                    # measured 2-3% of a call with a static flag at one state.
                     key.append(
                         (k, *typed_static(v))
                         if isinstance(v, float)
@@ -817,6 +817,11 @@ class JitDispatch:
         if len(by_static) >= KEYS_KEPT:
             by_static.clear()
         by_static[self._static_key(args, kwargs)] = plan
+
+    def _typed_for_jit(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A call's arguments with its static ones wrapped for `jax.jit`, as the
+        planned body takes them (see `_signed_static` and `_typed_static`)."""
+        return self._signed_static(args), self._typed_static(kwargs)
 
     def _signed_static(self, args: tuple) -> tuple:
         """`args` with each float at a static position wrapped, so that `jax.jit`,
@@ -931,8 +936,7 @@ class JitDispatch:
         if plan.split:
             key, dynamic = self._splitter.split(args, kwargs)
             return plan.jitted[key].lower(written, read, *dynamic)
-        kwargs = self._typed_static(kwargs)
-        args = self._signed_static(args)
+        args, kwargs = self._typed_for_jit(args, kwargs)
         return plan.jitted.lower(written, read, *args, **kwargs)
 
     def _plan_for(self, trace: Trace, frame: _context.Frame, split: bool) -> _Plan:
