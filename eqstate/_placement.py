@@ -68,11 +68,13 @@ def private_copies(tree: PyTree) -> PyTree:
     """`private_copy` of every array in `tree`, those on this process's devices alone
     in one `jax.device_put` (far cheaper than one each)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    local = [i for i, x in enumerate(leaves) if _copied_in_one_put(x)]
-    together_later = set(local)
-    copies = [
-        x if i in together_later else private_copy(x) for i, x in enumerate(leaves)
-    ]
+    copies = list(leaves)
+    local = []
+    for i, x in enumerate(leaves):
+        if _copied_in_one_put(x):
+            local.append(i)
+        else:
+            copies[i] = private_copy(x)
     if local:
         together = jax.device_put([leaves[i] for i in local], may_alias=False)
         for i, copy in zip(local, together):
