@@ -212,15 +212,15 @@ def jit(
         is the key's own buffer) runs without donation, as does every call while
         `jax.debug_nans` or `jax.debug_infs` is on. With several processes, which
         must all run the same program whatever each holds, such a call donates
-        private copies of the written values instead. A function that can fail while it runs (it holds a
-        callback: `eqx.error_if`, `jax.debug.callback`, `jax.debug.print`) is never
-        donated, with a warning, because a failed call must leave the previous
-        values readable. Another array object sharing a device buffer with a state's
-        value is not seen (nor is it by `jax.jit`'s `donate_argnums`), and is deleted
-        with it: `jax.device_put` makes one when the value is already where it puts
-        it (on its own device, or replicating a one-device array). Keep a snapshot
-        with `jnp.copy(s.value)`, and place states with [`eqstate.shard`][], which
-        never shares buffers.
+        private copies of the written values instead. A function that can fail
+        while it runs (it holds a callback: `eqx.error_if`, `jax.debug.callback`,
+        `jax.debug.print`) is never donated, with a warning, because a failed call
+        must leave the previous values readable. Another array object sharing a
+        device buffer with a state's value is not seen (nor is it by `jax.jit`'s
+        `donate_argnums`), and is deleted with it: `jax.device_put` makes one when
+        the value is already where it puts it (on its own device, or replicating a
+        one-device array). Keep a snapshot with `jnp.copy(s.value)`, and place
+        states with [`eqstate.shard`][], which never shares buffers.
     - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
