@@ -464,6 +464,31 @@ def test_a_static_argument_that_selects_the_read_states_traces_once_per_value():
     assert len(traces) == traced
 
 
+@pytest.mark.parametrize("donate_states", (False, True))
+@pytest.mark.parametrize("by", ("position", "name"))
+def test_a_string_static_argument_takes_the_compiled_plan(by, donate_states):
+    # `mode="train"`: a static value that is not a number. It takes the plan (with
+    # donation too) and compiles one program per value.
+    a = es.State(jnp.array(0.0), name="a")
+
+    @es.transform.jit(static_argnums=1, donate_states=donate_states)
+    def step(x, mode):
+        a.value = a.value + x * (2.0 if mode == "train" else 1.0)
+        return a.value
+
+    call = {
+        "position": lambda mode: step(1.0, mode),
+        "name": lambda mode: step(1.0, mode=mode),
+    }[by]
+    assert compilations(lambda: call("train")) == 1
+    assert compilations(lambda: call("eval")) == 1
+    for _ in range(2):
+        assert compilations(lambda: call("train")) == 0
+        assert compilations(lambda: call("eval")) == 0
+    assert float(a.value) == 3 * (2.0 + 1.0)
+    assert step.get_cache_stats()["traces"] == 2
+
+
 def test_a_key_error_of_the_function_while_jax_retraces_runs_it_once():
     runs = []
 

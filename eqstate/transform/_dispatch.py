@@ -848,6 +848,16 @@ class JitDispatch:
             return kwargs
         return {k: Static(v) if k in names else v for k, v in kwargs.items()}
 
+    def _dynamic_part(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A call's arguments but the static ones, which `jax.jit` does not trace."""
+        n = len(args)
+        at = {i % n for i in self._static_positions if -n <= i < n}
+        names = self._static_names
+        return (
+            tuple(a for i, a in enumerate(args) if i not in at),
+            {k: v for k, v in kwargs.items() if k not in names},
+        )
+
     def _raise_if_planned(
         self, exc: Exception, plan: _Plan, args: tuple, kwargs: dict
     ) -> None:
@@ -1028,7 +1038,7 @@ class JitDispatch:
         def body(eqstate_written, eqstate_read, *args, **kwargs):
             args = tuple(a.value if isinstance(a, Static) else a for a in args)
             kwargs = unwrapped(kwargs)
-            if not _jit_took_as_is(args, kwargs):
+            if not _jit_took_as_is(*self._dynamic_part(args, kwargs)):
                 # A call whose arguments `jax.jit` traces where eqstate would not
                 # (e.g. a Module's `inference: bool`): it takes a split plan.
                 raise _PlanMismatch
