@@ -1045,3 +1045,44 @@ def test_grad_states_selecting_nothing_without_argnums_is_an_error(grad_states):
         jnp.ones(2)
     )
     assert len(state_grads) == 0 and (x_grad == 1).all()
+
+
+_EAGER_AD_CALLS = {
+    "grad": lambda f, x: es.transform.grad(f)(x),
+    "value_and_grad": lambda f, x: es.transform.value_and_grad(f)(x),
+    "vector_grad": lambda f, x: es.transform.vector_grad(f)(x),
+    "jacrev": lambda f, x: es.transform.jacrev(f)(x),
+    "jacfwd": lambda f, x: es.transform.jacfwd(f)(x),
+    "hessian": lambda f, x: es.transform.hessian(f)(x),
+    "vjp": lambda f, x: es.transform.vjp(f, x),
+    "jvp": lambda f, x: es.transform.jvp(f, (x,), (x,)),
+}
+
+
+@pytest.mark.parametrize(
+    "call", list(_EAGER_AD_CALLS.values()), ids=list(_EAGER_AD_CALLS)
+)
+def test_a_state_written_with_an_argument_holds_a_copy_as_a_jax_array(call):
+    # Eagerly, JAX hands back an input passed through as it is: the caller's NumPy
+    # array, a NumPy float64, a Python float. A state holds a `jax.Array` copy of
+    # it, in the dtype its write was traced with, as after `jit`.
+    s = es.State(jnp.zeros(3), name="s")
+    weak = es.State(jnp.asarray(0.0), name="weak")
+
+    def f(x):
+        s.value = x
+        return jnp.sum(x**2)
+
+    for x in (np.ones(3, np.float32), np.ones(3, np.float64)):
+        call(f, x)
+        x[0] = 100.0  # The caller reuses its buffer.
+        assert type(s.value) is type(jnp.zeros(3)) and s.value.dtype == jnp.float32
+        assert (s.value == 1).all(), s.value
+
+    def g(x):
+        weak.value = x
+        return x**2
+
+    call(g, 3.0)
+    assert isinstance(weak.value, jax.Array) and weak.value.weak_type
+    assert weak.value == 3.0

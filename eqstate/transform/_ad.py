@@ -24,7 +24,7 @@ from .._run import states_of
 from .._state import is_state, ParamState, State
 from .._state_dict import state_dict_of, StateDict
 from .._training import inexact_part
-from ._common import ErrorsRaisedAs, partition, select_states
+from ._common import as_arrays, ErrorsRaisedAs, partition, select_states
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._equinox_errors import EQUINOX_ERRORS
@@ -389,6 +389,8 @@ class _Differentiable:
     def finish(self, extras: tuple) -> Any:
         """Writes back the states and returns the auxiliary output."""
         aux_leaves, updated, new_values = extras
+        # Eagerly, JAX returns a value passed through as it is (see `as_arrays`).
+        updated, new_values = as_arrays(updated), as_arrays(new_values)
         self.traced.commit(
             dict(zip(self.box["updated_states"], updated)),
             list(zip(self.box["new_states"], new_values)),

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.core import Tracer
 
 from .. import _jax_compat as compat
@@ -257,3 +258,29 @@ def varying_along(tree: Any, axes: frozenset) -> Any:
         return compat.vary(x, missing)
 
     return jtu.tree_map(varying, tree)
+
+
+def as_arrays(values: Any) -> Any:
+    """`values` with every leaf a `jax.Array`, as states hold them. Called eagerly,
+    `jax.checkpoint`, `jax.grad` and `jax.jvp` return an output that is an input
+    passed through, or a constant, as it is: a NumPy array of the caller's (which
+    they could change in place afterwards), a Python or NumPy scalar (a `bool` would
+    then negate as an `int`)."""
+
+    def as_array(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return x
+        if isinstance(x, (np.ndarray, np.generic)):  # NumPy's `float64` is a float.
+            return jnp.asarray(x)
+        # A Python number as the builtin one: weakly typed, as JAX types those.
+        if isinstance(x, bool):
+            return jnp.asarray(bool(x))
+        if isinstance(x, int):
+            return jnp.asarray(int(x))
+        if isinstance(x, float):
+            return jnp.asarray(float(x))
+        if isinstance(x, complex):
+            return jnp.asarray(complex(x))
+        return jnp.asarray(x)
+
+    return jax.tree_util.tree_map(as_array, values)

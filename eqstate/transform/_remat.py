@@ -5,11 +5,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from .. import _jax_compat as compat
 from .._custom_types import MISSING
-from ._common import hide_static, partition, show_static
+from ._common import as_arrays, hide_static, partition, show_static
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._equinox_errors import EQUINOX_ERRORS
@@ -81,7 +80,7 @@ def checkpoint(
         )
         with EQUINOX_ERRORS:
             leaves, updated, new_values = remat(traced.values, *hidden)
-        updated, new_values = _as_arrays(updated), _as_arrays(new_values)
+        updated, new_values = as_arrays(updated), as_arrays(new_values)
         traced.commit(
             dict(zip(box["updated"], updated)), list(zip(box["new"], new_values))
         )
@@ -91,25 +90,3 @@ def checkpoint(
 
 
 remat = checkpoint
-
-
-def _as_arrays(values: list) -> list:
-    """`values` with every leaf a `jax.Array`: called eagerly, `jax.checkpoint`
-    returns a constant output as a Python or NumPy scalar, which a state must not
-    hold (a `bool` would then negate as an `int`)."""
-
-    def as_array(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return x
-        # A Python number as the builtin one: weakly typed, as JAX types those.
-        if isinstance(x, bool):
-            return jnp.asarray(bool(x))
-        if isinstance(x, int):
-            return jnp.asarray(int(x))
-        if isinstance(x, float):
-            return jnp.asarray(float(x))
-        if isinstance(x, complex):
-            return jnp.asarray(complex(x))
-        return jnp.asarray(x)
-
-    return jax.tree_util.tree_map(as_array, values)
