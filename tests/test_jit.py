@@ -489,6 +489,37 @@ def test_a_string_static_argument_takes_the_compiled_plan(by, donate_states):
     assert step.get_cache_stats()["traces"] == 2
 
 
+@pytest.mark.parametrize("how", ["by name", "by position", "both"])
+def test_each_static_value_compiles_one_program(how):
+    # A call with static arguments runs a function with them bound: one program per
+    # static value (and per spelling of the call, as in `jax.jit`), never a second
+    # one for a value that has run before, however the values alternate.
+    count = es.State(jnp.array(0), name="count")
+
+    @es.transform.jit(static_argnames=("train", "scale"))
+    def step(x, train, scale=1.0):
+        if train:
+            count.value = count.value + 1
+        return x * scale
+
+    x = jnp.ones(2)
+    calls = {
+        "by name": lambda t, s: step(x, train=t, scale=s),
+        "by position": lambda t, s: step(x, t, s),
+        "both": lambda t, s: step(x, t, scale=s),
+    }[how]
+    values = [(True, 1.0), (False, 1.0), (True, -2.0), (True, 1)]
+    first = [compilations(lambda t=t, s=s: calls(t, s)) for t, s in values]
+    assert first == [1, 1, 1, 1]
+    for _ in range(3):
+        for t, s in values:
+            assert compilations(lambda t=t, s=s: calls(t, s)) == 0
+    for t, s in values:
+        out = calls(t, s)
+        assert (out == s).all() and out.dtype == jnp.float32, (t, s, out)
+    assert int(count.value) == 3 * 5  # Three training calls per round, five rounds.
+
+
 def test_a_key_error_of_the_function_while_jax_retraces_runs_it_once():
     runs = []
 

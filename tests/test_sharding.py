@@ -208,20 +208,26 @@ _FIRST_CALL_IN = {
 }
 
 
+@pytest.mark.parametrize("static", (False, True), ids=("plain", "static argument"))
 @pytest.mark.parametrize("first_call_in", sorted(_FIRST_CALL_IN))
 def test_jit_keeps_the_sharding_of_a_written_state_first_called_in_a_transform(
-    first_call_in, tracing_mode
+    first_call_in, static, tracing_mode
 ):
     mesh = _mesh()
     split = NamedSharding(mesh, P("x"))
     z = es.State(jnp.arange(2.0 * N), name="z")
     es.shard([z], mesh, P("x"))
 
-    @es.transform.jit
-    def reset(x):
+    def fill(x, scale=None):
         z.value = jnp.zeros(2 * N) + x
         return x * 2
 
+    # A static argument takes a function with it bound, made in the transform too.
+    if static:
+        jitted = es.transform.jit(fill, static_argnames="scale")
+        reset = lambda x: jitted(x, scale=1)  # noqa: E731
+    else:
+        reset = es.transform.jit(fill)
     _FIRST_CALL_IN[first_call_in](reset)
     assert z.value.sharding.is_equivalent_to(split, 1)
     assert tree_allclose(z.value, jnp.ones(2 * N))

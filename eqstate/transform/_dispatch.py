@@ -79,6 +79,7 @@ def _mark_from_trace(exc: BaseException) -> None:
 class _Plan:
     __slots__ = (
         "bare_written",
+        "bound",
         "donates",
         "get_read",
         "get_written",
@@ -97,6 +98,10 @@ class _Plan:
     )
 
     jitted: Any
+    # Functions with a call's static arguments bound (see `JitDispatch._bind`), by
+    # `(number of positional arguments, number of keyword ones, static key)`;
+    # `False` for calls that cannot take one.
+    bound: dict[tuple, Any]
     # With `donate_states`: whether `jitted` donates, and the same function without
     # donation, for calls where donating could lose a value (see `function_for`).
     donates: bool
@@ -128,6 +133,7 @@ class _Plan:
         read_keys = [id(s) for s in self.read_states]
         self.donates = donates
         self.undonated = None
+        self.bound = {}
         # The jitted function takes the states' values packed (see `_packed`), and
         # returns the written ones so; donated ones go in a list, whose references
         # `_held_elsewhere` counts. These read them from the world so.
@@ -637,6 +643,7 @@ class JitDispatch:
             if frame is not WORLD or not is_top_level():
                 return self._call_in_frame(plan, frame, args, kwargs)
             split = plan.split
+            bound = None
             if split:
                 pair = self._splitter.pair
                 if (
@@ -658,11 +665,15 @@ class JitDispatch:
                 plan = self._plans_by_key[key]
             else:
                 key, dynamic = _UNSPLIT
-                if self._has_static and len(self._plans_by_static) > 1:
-                    # Static arguments that select other states have plans of their
-                    # own (one in use: the current plan, at no cost).
+                if self._has_static:
                     static = self._static_key(args, kwargs)
-                    plan = self._plans_by_static.get(static, plan)
+                    if len(self._plans_by_static) > 1:
+                        # Static arguments that select other states have plans of
+                        # their own (one in use: the current plan).
+                        plan = self._plans_by_static.get(static, plan)
+                    bound = plan.bound.get((len(args), len(kwargs), static))
+                    if bound is None:
+                        bound = self._bind(plan, args, kwargs, static)
             # The hot path, inlined: one dict lookup per state each way.
             values = _WORLD_VALUES
             written = plan.get_written(values)
@@ -676,6 +687,13 @@ class JitDispatch:
                 out, updated = jitted[key](written, read, *dynamic)
                 if not plan.simple_out:
                     out = self._splitter.output(key, out)
+            elif bound:
+                jitted, at = bound
+                if at is None:
+                    out, updated = jitted(written, read, *args)
+                else:
+                    rest = [a for i, a in enumerate(args) if i not in at]
+                    out, updated = jitted(written, read, *rest)
             elif kwargs or self._static_positions:
                 # Not `args` and `kwargs` themselves: a refused call takes the
                 # unplanned path with the caller's own static values, not their
@@ -774,7 +792,7 @@ class JitDispatch:
         jitted, written = plan.function_for(frame.read_many(plan.updated_states))
         read = plan.read_from(frame)
         if not plan.split:
-            args, kwargs = self._typed_for_jit(args, kwargs)
+            jitted, args, kwargs = self._jitted_call(plan, jitted, args, kwargs)
             out, updated = jitted(plan.pack(written), read, *args, **kwargs)
             return out, plan.unpack(updated)
         if split is None:
@@ -818,10 +836,73 @@ class JitDispatch:
             by_static.clear()
         by_static[self._static_key(args, kwargs)] = plan
 
-    def _typed_for_jit(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A call's arguments with its static ones wrapped for `jax.jit`, as the
-        planned body takes them (see `_signed_static` and `_typed_static`)."""
-        return self._signed_static(args), self._typed_static(kwargs)
+    def _jitted_call(
+        self, plan: _Plan, jitted: Any, args: tuple, kwargs: dict
+    ) -> tuple[Any, tuple, dict]:
+        """The function that a call through a plan that is not split takes, and the
+        arguments to give it: the plan's function with the call's static arguments
+        bound, if it can have one (see `_bind`), else `jitted` (the plan's function,
+        or the same without donation) with them wrapped for `jax.jit` (see
+        `_signed_static` and `_typed_static`)."""
+        if self._has_static and jitted is plan.jitted:
+            static = self._static_key(args, kwargs)
+            bound = plan.bound.get((len(args), len(kwargs), static))
+            if bound is None:
+                bound = self._bind(plan, args, kwargs, static)
+            if bound:
+                jitted, at = bound
+                if at is not None:
+                    args = tuple(a for i, a in enumerate(args) if i not in at)
+                return jitted, args, {}
+        return jitted, self._signed_static(args), self._typed_static(kwargs)
+
+    def _bind(self, plan: _Plan, args: tuple, kwargs: dict, static: tuple) -> Any:
+        """A `jax.jit` of the plan's body with this call's static arguments bound,
+        and the positions of the static arguments among `args` (`None` for none),
+        which the call leaves out; kept in `plan.bound` for the calls with the same
+        ones. `jax.jit` then sees no static argument: hashing and comparing them at
+        each call cost it 1.5 us with one static flag (JAX 0.10, CPU), more than
+        eqstate's own work. `False` where the call cannot take one: a donating plan
+        (see `function_for`), keyword arguments that are not static, or static
+        arguments by position with options that count positions."""
+        n = len(args)
+        at = sorted({i % n for i in self._static_positions if -n <= i < n})
+        bound = plan.bound
+        if len(bound) >= KEYS_KEPT:
+            bound.clear()
+        key = (n, len(kwargs), static)
+        if (
+            plan.donates
+            or plan.split
+            or not self._static_names.issuperset(kwargs)
+            or (at and any(self._jit_kwargs.get(k) for k in _POSITIONAL_OPTIONS))
+        ):
+            bound[key] = False
+            return False
+        traces, fixed_args, fixed_kwargs = (
+            self._traces,
+            [(i, args[i]) for i in at],
+            kwargs,
+        )
+
+        # Named so that no keyword argument of the user's function collides with them.
+        def body(eqstate_written, eqstate_read, *dynamic):
+            args = list(dynamic)
+            for i, a in fixed_args:
+                args.insert(i, a)
+            if not _jit_took_as_is(dynamic, {}):
+                raise _PlanMismatch  # As in `_make_jitted`.
+            call = (eqstate_written, eqstate_read, tuple(args), fixed_kwargs)
+            return plan.evaluate(traces, *call)
+
+        options = self._jit_options(False)
+        del options["static_argnums"], options["static_argnames"]
+        if isinstance(options.get("in_shardings"), jax.sharding.Sharding):
+            jitted = OneShardingJit(body, options.pop("in_shardings"), 2, options)
+        else:
+            jitted = jax.jit(body, **options)
+        # Another thread may have bound the same call: one function, compiled once.
+        return bound.setdefault(key, (jitted, frozenset(at) or None))
 
     def _signed_static(self, args: tuple) -> tuple:
         """`args` with each float at a static position wrapped, so that `jax.jit`,
@@ -946,8 +1027,8 @@ class JitDispatch:
         if plan.split:
             key, dynamic = self._splitter.split(args, kwargs)
             return plan.jitted[key].lower(written, read, *dynamic)
-        args, kwargs = self._typed_for_jit(args, kwargs)
-        return plan.jitted.lower(written, read, *args, **kwargs)
+        jitted, args, kwargs = self._jitted_call(plan, plan.jitted, args, kwargs)
+        return jitted.lower(written, read, *args, **kwargs)
 
     def _plan_for(self, trace: Trace, frame: _context.Frame, split: bool) -> _Plan:
         key = (trace.states, trace.updated_states, split, trace.simple_out)
@@ -973,6 +1054,7 @@ class JitDispatch:
         return plan
 
     def _compile(self, plan: _Plan) -> None:
+        plan.bound = {}
         plan.jitted = self._make_jitted(plan, plan.donates)
         if plan.donates:
             plan.undonated = self._make_jitted(plan, False)
