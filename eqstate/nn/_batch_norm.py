@@ -250,7 +250,10 @@ class BatchNorm(eqx.Module):
         inference if `x` looks like one example of a square shape
         `(num_features, num_features, ...)` called per example inside `jax.vmap` or
         `eqx.filter_vmap` (mapped there, while the running statistics are not),
-        which would be normalised along the wrong axis.
+        which would be normalised along the wrong axis. [`eqstate.transform.vmap`][]
+        traces one lane before mapping it, so the layer cannot see that it is mapped
+        there: such an example is not refused, and is normalised along the wrong
+        axis. Call the layer on the whole batch.
         """
         x = jnp.asarray(x)
         if inference is None:
