@@ -474,7 +474,7 @@ def test_a_string_static_argument_takes_the_compiled_plan(by, donate_states):
     @es.transform.jit(static_argnums=1, donate_states=donate_states)
     def step(x, mode):
         a.value = a.value + x * (2.0 if mode == "train" else 1.0)
-        return a.value
+        return x * 2
 
     call = {
         "position": lambda mode: step(1.0, mode),
@@ -482,10 +482,15 @@ def test_a_string_static_argument_takes_the_compiled_plan(by, donate_states):
     }[by]
     assert compilations(lambda: call("train")) == 1
     assert compilations(lambda: call("eval")) == 1
+    # With donation, a call that finds the value held elsewhere too (by counting
+    # references, which some Python releases report higher) compiles the same
+    # program without donation once.
+    call("train")
+    call("eval")
     for _ in range(2):
         assert compilations(lambda: call("train")) == 0
         assert compilations(lambda: call("eval")) == 0
-    assert float(a.value) == 3 * (2.0 + 1.0)
+    assert float(a.value) == 4 * (2.0 + 1.0)
     assert step.get_cache_stats()["traces"] == 2
 
 
