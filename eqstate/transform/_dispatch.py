@@ -841,10 +841,10 @@ class JitDispatch:
     ) -> tuple[Any, tuple, dict]:
         """The function that a call through a plan that is not split takes, and the
         arguments to give it: the plan's function with the call's static arguments
-        bound, if it can have one (see `_bind`), else `jitted` (the plan's function,
-        or the same without donation) with them wrapped for `jax.jit` (see
-        `_signed_static` and `_typed_static`)."""
-        if self._has_static and jitted is plan.jitted:
+        bound, if it can have one (see `_bind`; the hot path of `__call__` inlines
+        this), else `jitted` (the plan's function, or the same without donation)
+        with them wrapped for `jax.jit` (see `_signed_static` and `_typed_static`)."""
+        if self._has_static:
             static = self._static_key(args, kwargs)
             bound = plan.bound.get((len(args), len(kwargs), static))
             if bound is None:
@@ -866,7 +866,7 @@ class JitDispatch:
         (see `function_for`), keyword arguments that are not static, or static
         arguments by position with options that count positions."""
         n = len(args)
-        at = sorted({i % n for i in self._static_positions if -n <= i < n})
+        at = sorted(self._static_indices(n))
         bound = plan.bound
         if len(bound) >= KEYS_KEPT:
             bound.clear()
@@ -914,7 +914,7 @@ class JitDispatch:
                 break
         else:
             return args
-        static = {i % n for i in self._static_positions if -n <= i < n}
+        static = self._static_indices(n)
         return tuple(
             Static(a) if i in static and isinstance(a, float) else a
             for i, a in enumerate(args)
@@ -929,10 +929,15 @@ class JitDispatch:
             return kwargs
         return {k: Static(v) if k in names else v for k, v in kwargs.items()}
 
+    def _static_indices(self, n: int) -> set[int]:
+        """The indices, among `n` positional arguments, of the static ones (`-1` and
+        `n - 1` are one)."""
+        return {i % n for i in self._static_positions if -n <= i < n}
+
     def _dynamic_part(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A call's arguments but the static ones, which `jax.jit` does not trace."""
         n = len(args)
-        at = {i % n for i in self._static_positions if -n <= i < n}
+        at = self._static_indices(n)
         names = self._static_names
         return (
             tuple(a for i, a in enumerate(args) if i not in at),
@@ -968,7 +973,7 @@ class JitDispatch:
         if not isinstance(in_shardings, (tuple, list)) or kwargs:
             return
         n = len(args)
-        static = {i % n for i in self._parser.static_positions if -n <= i < n}
+        static = self._static_indices(n)
         dynamic = n - len(static)
         if len(in_shardings) != dynamic:
             raise ValueError(
