@@ -79,27 +79,37 @@ class _Summary:
 def handle_number(state: Any) -> str:
     """`#N`: `N` handles were made in this process before `state`. Unlike its
     address, this is the same in every process of a multi-process program that
-    makes the same handles in the same order: a handle's text enters the names of
-    the arguments of a compiled program (a `StateDict` keyed by it), and processes
-    whose programs differ deadlock in their first collective (JAX 0.12.1)."""
+    makes the same handles in the same order (see `numberless_label` for the text
+    that enters compiled programs)."""
     return f"#{state._order[-1]}"
 
 
 def state_label(state: Any, value: Any = MISSING) -> str:
     """Names a state in messages: `ParamState 'w'`, or `ParamState 'w' (f32[3])` when its
     value is known. Unnamed states show their tag, or their identity."""
+    label = numberless_label(state)
+    if getattr(state, "name", None) is None and getattr(state, "tag", None) is None:
+        label += f" {handle_number(state)}"
+    if value is not MISSING:
+        label += f" ({value_summary(value)})"
+    return label
+
+
+def numberless_label(state: Any) -> str:
+    """`ParamState 'w'`, `ParamState tagged 't'` or `unnamed ParamState`: a handle's
+    text in the key paths of a `StateDict`, which enter the argument and result names
+    of compiled programs. Without the handle's number, it is the same in every process
+    of a multi-process program, even one that makes more handles than the others (to
+    log, say): processes whose programs differ deadlock in their first collective
+    (JAX 0.12.1)."""
     kind = type(state).__name__
     name = getattr(state, "name", None)
     tag = getattr(state, "tag", None)
     if name is not None:
-        label = f"{kind} {name!r}"
-    elif tag is not None:
-        label = f"{kind} tagged {tag!r}"
-    else:
-        label = f"unnamed {kind} {handle_number(state)}"
-    if value is not MISSING:
-        label += f" ({value_summary(value)})"
-    return label
+        return f"{kind} {name!r}"
+    if tag is not None:
+        return f"{kind} tagged {tag!r}"
+    return f"unnamed {kind}"
 
 
 def state_doc(

@@ -19,6 +19,7 @@ from ._placement import device_put_apart
 from ._pretty_print import (
     first_and_more,
     handle_number,
+    numberless_label,
     state_dict_doc,
     state_label,
     state_text_with_number,
@@ -54,6 +55,12 @@ class StateDict(_MappingBase):
     [`eqstate.clone`][] or [`eqstate.member`][], counts as created right after the
     handle it copies.) Look values up by handle, not by position. Every operation
     returns a new dictionary.
+
+    Its key paths (`jax.tree_util.tree_flatten_with_path`) hold a `DictKey` of each
+    handle, printed without the handle's number: `[ParamState 'w']`, or `[unnamed
+    ParamState, entry 0]`. They name the arguments and results of compiled programs,
+    which are then the same in every process of a multi-process program, even where
+    one process has made more handles than another.
 
     Equality is identity: two dictionaries with the same states and values compare
     unequal (`==` elementwise on arrays has no single truth value). To compare
@@ -602,12 +609,31 @@ def _is_keyed_by_handles(x: Any) -> bool:
     return isinstance(x, StateDict) or _keyed_by_handles(x)
 
 
+class _HandleKey(jtu.DictKey):
+    """A `DictKey` of a handle (`.key`), whose text leaves out the handle's number:
+    `[ParamState 'w']`, or `[unnamed ParamState, entry 2]` for the third entry of its
+    `StateDict`. Key paths name the arguments and results of compiled programs, which
+    must be the same in every process (see `numberless_label`)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, state: State, entry: int):
+        super().__init__(state)
+        self.entry = entry
+
+    def __str__(self) -> str:
+        label = numberless_label(self.key)
+        if label.startswith("unnamed "):
+            label += f", entry {self.entry}"
+        return f"[{label}]"
+
+
 # StateDicts flatten in the creation order of their handles, so that dictionaries of
 # the same states (e.g. gradients and parameters) have the same tree structure.
 def _flatten_with_keys(sd: StateDict):
     values = sd._values
     order, _ = _canonical_order(sd)
-    return [(jtu.DictKey(s), values[s]) for s in order], order
+    return [(_HandleKey(s, i), values[s]) for i, s in enumerate(order)], order
 
 
 def _flatten(sd: StateDict):

@@ -197,6 +197,10 @@ def _worker(workdir: str, use_orbax: bool) -> None:
     def _():
         # Unnamed handles, and a StateDict keyed by one in a state (as an optimiser's
         # state holds one): their text enters the compiled program's argument names.
+        # Process 0 has made one handle more than the other (to log, say), so the
+        # numbers of the handles below differ between processes.
+        if jax.process_index() == 0:
+            es.ParamState(jnp.zeros(1))
         w = es.ParamState(jnp.ones(4))
         momentum = es.LongTermState(es.values_of([w]))
         es.shard([w, momentum], mesh, P())
@@ -581,7 +585,8 @@ def test_a_random_state_read_inside_shard_map_is_replicated_across_processes(run
 
 def test_every_process_compiles_the_same_program_for_unnamed_handles(run):
     # With JAX 0.12.1, processes whose programs differ, if only in the argument names
-    # (a handle printed by its address), deadlock in the first collective.
+    # (a handle printed by its address or number), deadlock in the first collective.
+    # One process made a handle more than the other before these.
     results = _both(run, "same_program")
     assert results[0]["program"] == results[1]["program"]
     w = np.ones(4)

@@ -125,8 +125,31 @@ def test_is_a_pytree_with_values_as_children(sd):
     assert isinstance(rebuilt, es.StateDict) and rebuilt.states == (w, n)
     doubled = jtu.tree_map(lambda x: x * 2, sd)
     assert (doubled[w] == 2).all() and doubled[n] == 10
-    paths = [jtu.keystr(p) for p, _ in jtu.tree_leaves_with_path(sd)]
-    assert paths[0] == "[ParamState(name='w', value=f32[3])]"
+    paths = [p for p, _ in jtu.tree_leaves_with_path(sd)]
+    assert [p[0].key for p in paths] == [w, n]  # the handles, as in a `DictKey`
+    assert all(isinstance(p[0], jtu.DictKey) for p in paths)
+    assert [jtu.keystr(p) for p in paths] == [
+        "[ParamState 'w']",
+        "[ShortTermState 'n']",
+    ]
+
+
+def _program_text(make_extra_handles: int) -> str:
+    for _ in range(make_extra_handles):
+        es.ParamState(jnp.zeros(1))  # as a process that logs something might
+    w = es.ParamState(jnp.ones(3))
+    tagged = es.ShortTermState(jnp.zeros(2), tag="t")
+    moments = es.values_of([w, tagged])
+    return jax.jit(lambda m: jax.tree.map(lambda v: v * 2, m)).lower(moments).as_text()
+
+
+def test_a_programs_text_is_the_same_however_many_handles_were_made_before():
+    # Key paths of a StateDict name a compiled program's arguments and results; every
+    # process of a multi-process program must compile the very same text.
+    first, later = _program_text(0), _program_text(3)
+    assert "unnamed ParamState, entry 0" in first and "tagged 't'" in first
+    assert "id=" not in first
+    assert first == later
 
 
 def test_passes_through_jit_and_filter_jit(sd):
