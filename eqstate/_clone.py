@@ -43,14 +43,25 @@ def _replace_handles(tree: _T, new_handles: dict[State, State]) -> _T:
     )
 
 
-def _register(tree: _T, states: tuple[State, ...], values: list[PyTree]) -> _T:
+def _register(
+    tree: _T,
+    states: tuple[State, ...],
+    values: list[PyTree],
+    sliced: "set[Build] | frozenset[Build]" = frozenset(),
+) -> _T:
     """`tree` with each of `states` replaced by a fresh handle holding the matching
     value, registered in the innermost context. A `StateDict` in `tree` or held in a
-    value (e.g. an optimiser's state) is keyed by the fresh handles too."""
+    value (e.g. an optimiser's state) is keyed by the fresh handles too. The fresh
+    handles keep the records of the builds that returned their originals, except
+    those of `sliced` (whose members `member` took apart)."""
     frame = _context.current_frame()
     # In the originals' creation order: a StateDict flattens in the creation order of
     # its handles, and each copy counts as created right after its original.
     fresh = {s: fresh_copy(s) for s in sorted(states, key=creation_order)}
+    if sliced:
+        for new in fresh.values():
+            kept = frozenset(pair for pair in new._builds if pair[0] not in sliced)
+            object.__setattr__(new, "_builds", kept)
     copied = dict(zip(states, rekeyed(values, fresh)))
     for state, new in fresh.items():
         # Registered in that order too: a jitted clone returns handles in it.
@@ -321,7 +332,10 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         _copy(v) if s in whole else jtu.tree_map(lambda x: x[index], v)
         for s, v in zip(states, values)
     ]
-    return _register(ensemble, states, picked)
+    # The member's states are not stacked by the builds it was taken from (a member
+    # of a nested ensemble is still stacked by the inner build).
+    sliced = _outermost_builds(tuple(s for s in states if s not in whole))
+    return _register(ensemble, states, picked, sliced)
 
 
 def _map_stacked(

@@ -525,6 +525,57 @@ def test_an_ensemble_mapped_by_in_axes_alone_is_an_error_naming_its_states():
         es.transform.vmap(lambda x, *, m: m(x))(xs, m=ensemble)
 
 
+class _StatesOnly(eqx.Module):
+    w: es.ParamState
+
+    def __init__(self):
+        self.w = es.ParamState(es.random.normal((3,)), name="w")
+
+    def __call__(self, x):
+        return jnp.sum(self.w.value * x)
+
+
+def test_a_member_of_an_ensemble_maps_as_a_model_of_its_own():
+    # Its states are not stacked, even where their leading axis has the batch size.
+    ensemble = es.transform.vmap_new_states(_StatesOnly, axis_size=3)()
+    xs = jnp.arange(9.0).reshape(3, 3)
+    for one in (es.member(ensemble, 1), es.clone(es.member(ensemble, 1))):
+        mapped = es.transform.vmap(lambda m, x: m(x))(one, xs)
+        expected = jax.vmap(lambda x, w=one.w.value: jnp.sum(w * x))(xs)
+        assert tree_bitwise_equal(mapped, expected)
+    # A member of an ensemble of ensembles is still an ensemble, stacked by the inner
+    # build.
+    nested = es.transform.vmap_new_states(
+        lambda: es.transform.vmap_new_states(_StatesOnly, axis_size=3)(), axis_size=2
+    )()
+    inner = es.member(nested, 1)
+    assert inner.w.value.shape == (3, 3)
+    with pytest.raises(ValueError, match=r"maps argument 0\.w, which holds"):
+        es.transform.vmap(lambda m, x: m(x))(inner, xs)
+
+
+def test_a_failure_is_blamed_on_a_stacked_state_only_if_the_function_read_it():
+    class Model(eqx.Module):
+        w: es.ParamState
+        stats: es.LongTermState
+
+        def __init__(self):
+            self.w = es.ParamState(es.random.normal((2,)), name="w")
+            self.stats = es.LongTermState(jnp.zeros(2), name="stats")
+
+    ensemble = es.transform.vmap_new_states(Model, axis_size=3)()
+    xs = jnp.ones((3, 2))
+
+    def mapped(f):
+        return es.transform.vmap(f, in_states={0: es.ParamState})(ensemble, xs)
+
+    assert mapped(lambda m, x: m.w.value @ x).shape == (3,)  # `stats` left whole
+    with pytest.raises(TypeError, match="dot_general requires contracting"):
+        mapped(lambda m, x: m.w.value @ jnp.ones(5))  # the function's own error
+    with pytest.raises(ValueError, match=r"maps argument 0\.stats, which holds"):
+        mapped(lambda m, x: m.stats.value @ jnp.ones(5))
+
+
 def test_keyword_arguments_give_the_axis_size_and_are_checked_against_the_others():
     # As `jax.vmap`: keyword arguments are mapped along axis 0.
     twice = es.transform.vmap(lambda *, y: y * 2)

@@ -258,15 +258,22 @@ def axis_of(state: State, pairs: list[tuple[int, Callable]]) -> int | None:
 
 class _LaneView(View):
     """What the function sees of the calling frame inside `vmap`: mapped states lose
-    their batch axis."""
+    their batch axis. The states it was asked for are added to `fetched`."""
 
-    __slots__ = ("axes",)
+    __slots__ = ("axes", "fetched")
 
-    def __init__(self, parent: _context.Frame, axes: Callable[[State], int | None]):
+    def __init__(
+        self,
+        parent: _context.Frame,
+        axes: Callable[[State], int | None],
+        fetched: set[State],
+    ):
         super().__init__(parent)
         self.axes = axes
+        self.fetched = fetched
 
     def fetch(self, state):
+        self.fetched.add(state)
         value = self.parent.fetch(state)
         axis = self.axes(state)
         if axis is None:
@@ -420,17 +427,20 @@ def vmap(
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         axes = per_argument_axes(in_axes, len(args))
         traces_of_size = ft.partial(traces_of, axes=axes)
+        fetched: set[State] = set()
         try:
             traced = _discover_lane(
-                fun, traces_of_size, args, kwargs, axes, mapped_axis,
+                fun, traces_of_size, args, kwargs, axes, mapped_axis, fetched,
                 axis_size=axis_size, axis_name=axis_name,
             )  # fmt: skip
         except Exception:
-            # Likely the cause, if there is one: a lane saw a whole stacked value.
+            # Likely the cause, if there is one: a lane saw a whole stacked value
+            # (of a state it read before it failed).
             size = axis_size_of(axes, args, axis_size, kwargs=kwargs, required=False)
             peek = _context.current_frame().peek
+            read = lambda s: peek(s) if s in fetched else MISSING  # noqa: E731
             _refuse_stacked_handles_left_whole(
-                axes, args, kwargs, peek, mapped_axis, size
+                axes, args, kwargs, read, mapped_axis, size
             )
             raise
         return _call_vmapped(
@@ -479,12 +489,13 @@ def _discover_lane(
     kwargs: dict,
     axes: tuple,
     mapped_axis: Callable[[State], int | None],
+    fetched: set[State],
     *,
     axis_size: int | None,
     axis_name: Hashable | None,
 ) -> Discovery:
     """`fun` traced on one lane of its arguments and mapped states, to find the
-    states it uses."""
+    states it uses (those it reads are added to `fetched` as it reads them)."""
     frame = _context.current_frame()
     # None if only states are mapped: their values give the size. Computed first,
     # as it checks that every mapped argument has its mapped axis.
@@ -499,7 +510,7 @@ def _discover_lane(
             lane_args,
             lane_kwargs,
             traces=traces_of_size(size),
-            discover_in=_LaneView(frame, mapped_axis),
+            discover_in=_LaneView(frame, mapped_axis, fetched),
         )
 
     if size is None and axis_name is not None:
