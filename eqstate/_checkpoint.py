@@ -93,9 +93,10 @@ def save(
     **Raises:**
 
     [`eqstate.CheckpointError`][] if a state is not in `model`, if states lack unique
-    names when there is no `model`, if two arrays would get the same path, if a
-    value is None or holds something JAX cannot make an array of (text, an
-    arbitrary object, a Python int too large for JAX's integers), if a NumPy value
+    names when there is no `model`, if two arrays would get the same path (with the
+    Orbax backend, also paths that differ only by a trailing `/`), if a value is
+    None or holds something JAX cannot make an array of (text, an arbitrary object,
+    a Python int too large for JAX's integers), if a NumPy value
     would be broken by JAX's narrowing of 64-bit types to 32 bits (x64 off: e.g.
     `np.array(2**33)`, `np.array(1e40)`), if a value is a leaked tracer, an array
     that has been deleted (donated to a jitted call) or a `float0` array (the

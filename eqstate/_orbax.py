@@ -184,6 +184,7 @@ def _save_args(
     leaves = stored_leaves(state_paths(tuple(values), model, "save"), values)
     arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
     _refuse_what_orbax_cannot_save(leaves)
+    _refuse_paths_orbax_merges(leaves)
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
     sums = checksums(arrays)
@@ -296,6 +297,25 @@ def _refuse_what_orbax_cannot_save(leaves: list[tuple[Leaf, Any]]) -> None:
             f"Orbax cannot save {why}. Nothing was written or removed. Save with "
             f"`backend='single-file'`, which stores it bit for bit, or {fix}."
         )
+
+
+def _refuse_paths_orbax_merges(leaves: list[tuple[Leaf, Any]]) -> None:
+    """Raises `CheckpointError`, before anything is written or removed, for two
+    entries whose paths differ only by a trailing `/` (dict keys `'x'` and `'x/'`):
+    Orbax stores both under the path without it, one array over the other."""
+    seen: dict[str, Leaf] = {}
+    for spec, _ in leaves:
+        stored = spec.path[:-1] if spec.path.endswith("/") else spec.path
+        other = seen.setdefault(stored, spec)
+        if other is not spec:
+            raise CheckpointError(
+                f"Cannot save entries `{other.path}` (of {state_label(other.state)}) "
+                f"and `{spec.path}` (of {state_label(spec.state)}) with the Orbax "
+                f"backend: Orbax drops a path's trailing '/', so it would store both "
+                f"under `{stored}`, one over the other. Nothing was written or "
+                "removed. Rename one of the keys, or save with "
+                "`backend='single-file'`, which keeps them apart."
+            )
 
 
 _NOT_A_CHECKPOINT = (

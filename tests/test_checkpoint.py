@@ -1275,6 +1275,26 @@ def test_orbax_refuses_an_empty_array_before_touching_the_old_checkpoint(tmp_pat
     assert (loaded[model["w"]] == jnp.arange(3.0)).all()
 
 
+@pytest.mark.parametrize("keys", (("x", "x/"), ("a.b", "a.b/"), ("", "/")))
+def test_orbax_refuses_paths_it_would_merge_before_touching_the_old_checkpoint(
+    tmp_path, keys
+):
+    # Orbax drops a trailing '/': it would store both arrays at one path, and with
+    # different shapes fail while writing, after removing the old checkpoint.
+    plain, slashed = keys
+    model = {plain: es.ParamState(jnp.ones(3)), slashed: es.ParamState(jnp.zeros(5))}
+    path = tmp_path / "ckpt"
+    es.save(path, es.values_of(model[plain]), model=model, backend="orbax")
+    before = _files(path)
+    with pytest.raises(es.CheckpointError, match=r"drops a path's trailing '/'"):
+        es.save(path, es.values_of(model), model=model, backend="orbax")
+    assert _files(path) == before
+    # Apart, each one round-trips; the single-file backend keeps the two apart.
+    es.save(tmp_path / "one", es.values_of(model), model=model)
+    loaded = es.load(tmp_path / "one", es.values_of(model), model=model)
+    assert (loaded[model[slashed]] == 0).all() and (loaded[model[plain]] == 1).all()
+
+
 def _files(root: pathlib.Path) -> dict[str, bytes | None]:
     """Everything under `root` (itself included), with each file's bytes."""
     found = [root, *root.rglob("*")] if root.is_dir() else [root]
