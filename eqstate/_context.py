@@ -357,7 +357,7 @@ _NOT_IN_DICT = (
 )
 
 
-_RAW_TRANSFORM_CREATE = (
+RAW_TRANSFORM_CREATE = (
     "Cannot create {label} inside a raw JAX transform (`jax.jit`, `jax.vmap`, ...) "
     "nested in an eqstate context: its value would leak out of the trace. Use the "
     "eqstate version of the transform (e.g. `eqstate.transform.vmap_new_states` "
@@ -438,7 +438,7 @@ class Frame(abc.ABC):
         the one this frame was made in: a write (or with `creates`, a creation) from
         a raw JAX transform nested in this frame would leak its tracer."""
         if compat.current_trace() is not self.jax_trace:
-            message = _RAW_TRANSFORM_CREATE if creates else RAW_TRANSFORM_WRITE
+            message = RAW_TRANSFORM_CREATE if creates else RAW_TRANSFORM_WRITE
             raise TraceContextError(message.format(label=state_label(state)))
 
     def check_commit_trace(
@@ -548,7 +548,7 @@ class World(Frame):
     def check_trace(self, state, *, creates=False):
         # The world was made outside any trace: only a write at the top level is safe.
         if not compat.is_top_level():
-            message = _RAW_TRANSFORM_CREATE if creates else RAW_TRANSFORM_WRITE
+            message = RAW_TRANSFORM_CREATE if creates else RAW_TRANSFORM_WRITE
             raise TraceContextError(message.format(label=state_label(state)))
 
     def write(self, state, value):

@@ -654,3 +654,18 @@ def test_a_snapshot_of_the_world_in_a_lane_keeps_a_random_state_as_it_was(read_f
     _, before, seen = es.transform.vmap_new_states(build, axis_size=2)()
     assert tree_bitwise_equal(seen, before)
     assert not (before[0] == before[1]).all()
+
+
+@pytest.mark.parametrize("raw", (jax.vmap, jax.jit))
+def test_a_build_under_a_raw_jax_transform_says_it_cannot_create_states_there(raw):
+    build = es.transform.vmap_new_states(
+        lambda x: es.ParamState(2 * x), axis_size=3, in_axes=None
+    )
+    key = jax.random.key_data(es.random.DEFAULT.value)
+    with pytest.raises(
+        es.TraceContextError,
+        match=r"Cannot create the states of an ensemble inside a raw JAX transform",
+    ):
+        raw(build)(jnp.ones(2))
+    assert tree_bitwise_equal(jax.random.key_data(es.random.DEFAULT.value), key)
+    assert build(jnp.ones(2)).value.shape == (3, 2)  # eagerly, it builds

@@ -320,6 +320,11 @@ def _build(
     """One call of a `vmap_new_states` function: `fun` traced once under
     `eqx.filter_vmap`, its new states registered, stacked, in the innermost frame."""
     frame = _context.current_frame()
+    if frame is _context.WORLD and not compat.is_top_level():
+        # Said before the key is split, whose write would be refused less clearly.
+        raise TraceContextError(
+            _context.RAW_TRANSFORM_CREATE.format(label="the states of an ensemble")
+        )
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
     outer_key, lane_keys = _split_for_lanes(frame.read(DEFAULT), size)
@@ -538,7 +543,9 @@ def vmap_new_states(
     **Raises:**
 
     `ValueError` if `axis_size` is not positive, or if `in_states` or `out_states` is
-    given.
+    given; [`eqstate.TraceContextError`][] if called inside a raw JAX transform
+    (`jax.vmap`, `jax.jit`) outside any eqstate transform, where the new states'
+    values would be tracers.
 
     !!! Example
 
