@@ -182,19 +182,32 @@ def test_branches_with_different_outputs_fail_and_keep_values():
 
 
 def test_branches_with_different_outputs_fail_naming_the_branch_functions():
-    # As `jax.lax.cond`'s error: the user's functions, not eqstate's wrapper.
+    # The user's functions, each as `cond` calls it, and the place in their output
+    # (not in what eqstate makes of it).
     def small():
-        return jnp.zeros(2)
+        return {"y": jnp.zeros(2), "n": jnp.int32(0)}
 
     def big():
-        return jnp.zeros(3)
+        return {"y": jnp.zeros(3), "n": jnp.int32(0)}
 
-    with pytest.raises(TypeError, match=r"is big at .*test_conditions") as info:
+    def other_dtype():
+        return {"y": jnp.zeros(2), "n": jnp.float32(0)}
+
+    with pytest.raises(
+        TypeError,
+        match=r"`false_fun` of `cond` \(`.*big`, at test_conditions.py:\d+\) returns "
+        r"f32\[3\] at `output\['y'\]`, but `true_fun` of `cond` \(`.*small`, at "
+        r"test_conditions.py:\d+\) returns f32\[2\]",
+    ):
         es.transform.cond(True, small, big)
-    message = str(info.value)
-    assert "is small at" in message and "transform/_conditions" not in message
-    with pytest.raises(TypeError, match=r"is small at .*test_conditions"):
+    with pytest.raises(
+        TypeError, match=r"returns i32\[\] at `output\['n'\]`, but `true_fun` .*f32"
+    ):
+        es.transform.cond(True, other_dtype, small)
+    with pytest.raises(TypeError, match=r"branch 0 of a conditional \(`.*small`"):
         es.transform.switch(0, [small, big])
+    with pytest.raises(TypeError, match=r"structure PyTreeDef\(\(\*,\)\), but"):
+        es.transform.cond(True, lambda: jnp.zeros(2), lambda: (jnp.zeros(2),))
 
 
 class _Out(eqx.Module):

@@ -6,16 +6,18 @@ through); the others are closed over. States cannot be created inside a branch.
 """
 
 import functools as ft
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 from jaxtyping import ArrayLike, Bool, Integer, Real
 
 from .. import _context, _jax_compat as compat
-from .._pretty_print import state_label
+from .._pretty_print import array_summary, state_label
 from .._state import State
 from ._common import (
     changed_static,
@@ -118,6 +120,7 @@ def _switch(
     # Each branch's name and output as `static_skeleton` has it, to name a handle
     # that differs.
     skeletons: list[tuple[str, Any]] = []
+    outputs: list[tuple[str, Any]] = []  # and its traced output
 
     def make_branch(t: Discovery, fun: Callable, name: str) -> Callable:
         @ft.wraps(fun)  # JAX's errors (outputs that differ) name the user's function.
@@ -130,6 +133,7 @@ def _switch(
                     weak.written(i, updates[s])
             out = hide_static(out)
             skeletons.append((name, static_skeleton(out)))
+            outputs.append((_described(name, fun), out))
             return out, strong([updates.get(s, current[s]) for s in written])
 
         return branch
@@ -146,8 +150,9 @@ def _switch(
             strong(entry),
             hide_static(operands),
         )
-    except TypeError:
+    except TypeError as error:
         _raise_if_static_outputs_differ(skeletons)
+        _raise_if_output_types_differ(outputs, error)
         raise
     out, new_values = varying_along((out, new_values), predicate_axes(index))
     traced[0].commit(dict(zip(written, weak.restored(new_values))))
@@ -174,6 +179,49 @@ def _raise_if_static_outputs_differ(skeletons: list[tuple[str, Any]]) -> None:
                 "place. "
                 + (_RETURN_VALUES if handles else "Return arrays (`jnp.asarray`).")
             ) from None
+
+
+def _raise_if_output_types_differ(
+    outputs: list[tuple[str, Any]], error: TypeError
+) -> None:
+    """Raises `TypeError` naming the branches if two of them return outputs of
+    different structures, or arrays of different shapes or dtypes at one place (with
+    the place and both types). JAX's own message counts the branches of `cond` from
+    `false_fun`, and shows the place in what eqstate makes of the output."""
+    if not outputs:
+        return
+    (first, out), *others = outputs
+    paths, treedef = jtu.tree_flatten_with_path(out)
+    for name, other in others:
+        leaves, other_def = jtu.tree_flatten(other)
+        if other_def != treedef:
+            raise TypeError(
+                f"{first} returns an output of structure {treedef}, but {name} "
+                f"returns one of structure {other_def}: the branches of a "
+                "conditional must return the same structure."
+            ) from error
+        for (path, mine), theirs in zip(paths, leaves):
+            if (jnp.shape(mine), jnp.result_type(mine)) != (
+                jnp.shape(theirs),
+                jnp.result_type(theirs),
+            ):
+                raise TypeError(
+                    f"{first} returns {array_summary(mine)} "
+                    f"{_at(jtu.keystr(path))}, but {name} returns "
+                    f"{array_summary(theirs)}: the branches of a conditional must "
+                    "return arrays of the same shapes and dtypes at each place. Cast "
+                    "or reshape one of them (e.g. `x.astype(jnp.float32)`)."
+                ) from error
+
+
+def _described(name: str, fun: Callable) -> str:
+    """`name`, with the function's own name and where it is defined, if known:
+    "`true_fun` of `cond` (`big`, at model.py:12)"."""
+    code = getattr(fun, "__code__", None)
+    if code is None:
+        return name
+    where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+    return f"{name} (`{getattr(fun, '__qualname__', code.co_name)}`, at {where})"
 
 
 _RETURN_VALUES = (
