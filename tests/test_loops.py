@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import pytest
 
-from .helpers import tree_allclose, unchecked
+from .helpers import tree_allclose, tree_bitwise_equal, unchecked
 
 
 pytestmark = pytest.mark.usefixtures("tracing_mode")
@@ -318,6 +318,31 @@ def test_a_loop_body_changing_a_python_number_in_a_module_carry_says_what_to_do(
     assert f"`{loop}` changed it from 0 to 1" in message
     assert "`jnp.asarray(0)`" in message
     assert "_Static" not in message
+
+
+def test_a_carry_of_another_type_is_named_at_its_place_in_the_users_carry():
+    s = es.State(jnp.array(0), name="s")
+
+    def step(c, x):
+        s.value = s.value + 1
+        return (c[0], c[1] * 1.5), None  # int32 times a float: float32
+
+    with pytest.raises(
+        TypeError,
+        match=r"The body of `scan` takes `carry\[1\]` as i32\[\] but returns it as "
+        r"f32\[\].*`\.astype\(jnp\.int32\)`",
+    ):
+        es.transform.scan(step, (0.0, jnp.int32(1)), length=2)
+    with pytest.raises(TypeError, match=r"takes `val` as f32\[2\] but returns it as"):
+        es.transform.while_loop(lambda v: v[0] < 3, lambda v: v[:1] + 1, jnp.zeros(2))
+    with pytest.raises(TypeError, match=r"structure PyTreeDef\(\*\) but returns"):
+        es.transform.scan(lambda c, x: ((c,), None), 0.0, length=2)
+    assert s.value == 0
+    # A weakly typed carry may come back in the dtype it promotes to, as in JAX.
+    add = lambda c, x: (c + x, None)  # noqa: E731
+    xs = jnp.ones(3, jnp.float16)
+    final, _ = es.transform.scan(add, 0.0, xs)
+    assert tree_bitwise_equal(final, jax.lax.scan(add, 0.0, xs)[0])
 
 
 def test_a_write_with_extra_leading_axes_in_a_loop_hints_at_reducing_them():

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
-from .._pretty_print import state_label
+from .._context import is_weak
+from .._pretty_print import array_summary, state_label
 from .._shapes import shape_dtype
 from .._state import State
 from ._common import (
@@ -234,6 +235,31 @@ def _check_static_carry(before: Any, after: Any, where: str, name: str) -> None:
     )
 
 
+def _check_carry_types(before: Any, after: Any, where: str, name: str) -> None:
+    """Raises `TypeError` if a loop body returned a carry (hidden by `hide_static`) of
+    another structure, or an array of another shape or dtype at some place, than the
+    carry it was given, naming the place in the user's carry (JAX's own message
+    shows it in what eqstate makes of the carry). A weakly typed entry may come back
+    in another dtype: JAX promotes it."""
+    leaves, treedef = jtu.tree_flatten_with_path(before)
+    new_leaves, new_treedef = jtu.tree_flatten(after)
+    if new_treedef != treedef:
+        raise TypeError(
+            f"{where} takes `{name}` of structure {treedef} but returns one of "
+            f"structure {new_treedef}: a loop's carry must keep its structure."
+        )
+    for (path, old), new in zip(leaves, new_leaves):
+        shape, new_shape = jnp.shape(old), jnp.shape(new)
+        dtype, new_dtype = jnp.result_type(old), jnp.result_type(new)
+        if shape != new_shape or (dtype != new_dtype and not is_weak(old)):
+            raise TypeError(
+                f"{where} takes `{name}{jtu.keystr(path)}` as {array_summary(old)} "
+                f"but returns it as {array_summary(new)}: a loop's carry must keep "
+                "its shapes and dtypes. Cast or reshape the new value (e.g. "
+                f"`.astype(jnp.{dtype})`), or start from a value of its type."
+            )
+
+
 def _ticks(n: int, reverse: bool) -> jax.Array:
     """The iteration count a progress bar sees at each element of a scan: a reversed
     scan runs the last element first."""
@@ -322,6 +348,7 @@ def _scan(
         new_carry, y = _check_pair(out, what[0])
         new_carry, y = hide_static(new_carry), hide_static(y)
         _check_static_carry(user_carry, new_carry, f"The body of {what[0]}", "carry")
+        _check_carry_types(user_carry, new_carry, f"The body of {what[0]}", "carry")
         return (new_carry, carried.carry_out(updates, state_values)), y
 
     (final, state_values), ys = staged(
@@ -450,6 +477,7 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
         )
         out = hide_static(out)
         _check_static_carry(val, out, "`body_fun` of `while_loop`", "val")
+        _check_carry_types(val, out, "`body_fun` of `while_loop`", "val")
         return out, carried.carry_out(updates, state_values)
 
     final, state_values = staged(
