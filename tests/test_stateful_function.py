@@ -233,6 +233,63 @@ def test_jaxpr_call_with_a_sequence_returns_an_aligned_tuple(model):
     assert count.value == 0
 
 
+def test_a_sequence_is_aligned_with_get_states_when_another_trace_fits_it():
+    # Two traces of one key: with `w` of 4 entries, the function touches `b` before
+    # `a`; with 3, `a` before `b`. Values follow `get_states()`, whichever fits.
+    w = es.State(jnp.zeros(3), name="w")
+    a = es.State(jnp.array(10.0), name="a")
+    b = es.State(jnp.array(20.0), name="b")
+
+    def f():
+        if w.value.shape[0] == 3:
+            a.value = a.value + 1
+            return b.value
+        b.value = b.value + 1
+        return a.value
+
+    sf = es.transform.StatefulFunction(f)
+    with es.scope(es.StateDict({w: jnp.zeros(4), a: 10.0, b: 20.0})):
+        sf()
+    sf()
+    assert sf.get_states() == (w, a, b)
+    (w4, a_after, b_after), out = sf.jaxpr_call([jnp.zeros(4), 1.0, 2.0])
+    assert w4.shape == (4,) and (float(a_after), float(b_after), float(out)) == (
+        1.0,
+        3.0,
+        1.0,
+    )
+    assert sf.get_states() == (w, b, a)  # the trace just used
+    (_, b_after, a_after), out = sf.jaxpr_call([jnp.zeros(3), 1.0, 2.0])
+    assert (float(b_after), float(a_after), float(out)) == (1.0, 3.0, 1.0)
+
+
+def test_get_methods_describe_a_trace_made_inside_jit_that_the_cache_does_not_keep():
+    # A function with a custom rule (`relu`) traced inside a JAX trace is not kept
+    # (its rules may hold that trace's tracers), but it is still the latest trace.
+    w = es.State(jnp.zeros(3), name="w")
+    a = es.State(jnp.array(1.0), name="a")
+    b = es.State(jnp.array(2.0), name="b")
+
+    def f(x):
+        return jax.nn.relu(x) * (a.value if w.value.shape[0] == 3 else b.value)
+
+    sf = es.transform.StatefulFunction(f)
+    sf.make_jaxpr(1.0)
+    seen = []
+
+    def inner(x):
+        with es.scope(es.StateDict({w: jnp.zeros(4), b: jnp.array(2.0)})):
+            seen.append(sf.make_jaxpr(x).get_states())
+        return x
+
+    jax.jit(inner)(1.0)
+    assert seen == [(w, b)] and sf.get_states() == (w, b)
+    assert (4,) in [aval.shape for aval in sf.get_jaxpr().in_avals]
+    sf.make_jaxpr(1.0)  # the kept trace, used again
+    assert sf.get_states() == (w, a)
+    assert jax.jit(lambda x: es.transform.make_jaxpr(f)(x)[1] and x)(1.0) == 1.0
+
+
 def test_jaxpr_call_with_a_sequence_traces_on_a_miss(model):
     f, w, b, count = model
     new, out = StatefulFunction(f).jaxpr_call(

@@ -470,9 +470,13 @@ class StatefulFunction:
             with jax.disable_jit():
                 return run(self.fun, state_vals, *args, **kwargs)
         values = tuple(state_vals)
-        trace = self._trace_for_sequence(self._traces.parse(args, kwargs), values)
+        call = self._traces.parse(args, kwargs)
+        trace, aligned = self._trace_for_sequence(call, values)
         self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="debug_call"))
+        if aligned != trace.states:  # Another trace of the key fits these values.
+            by_state = dict(zip(aligned, values))
+            values = tuple(by_state[s] for s in trace.states)
         check_sequence(self.name, trace, values)
         with jax.disable_jit():
             new, out = run(
@@ -481,7 +485,7 @@ class StatefulFunction:
                 *args,
                 **kwargs,
             )
-        return tuple(new[s] for s in trace.states), out
+        return tuple(new[s] for s in aligned), out
 
     # ---------------------------------------------------------------------- calls
 
@@ -507,7 +511,10 @@ class StatefulFunction:
 
         - `state_vals`: either a [`eqstate.StateDict`][] holding (at least) the states
             the function touches, or a sequence of values aligned with
-            [`eqstate.transform.StatefulFunction.get_states`][].
+            [`eqstate.transform.StatefulFunction.get_states`][] of the call's cache
+            key (its most recently used trace). If another trace of that key fits
+            the values (states of other shapes, which the function may touch in
+            another order), the call uses it, with each value given to its state.
         - `*args`, `**kwargs`: the function's arguments.
 
         **Returns:**
@@ -554,19 +561,20 @@ class StatefulFunction:
 
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
         refuse_ints_too_large(values)
-        trace = self._trace_for_sequence(call, values)
+        trace, aligned = self._trace_for_sequence(call, values)
         self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="jaxpr_call"))
+        if aligned != trace.states:  # Another trace of the key fits these values.
+            by_state = dict(zip(aligned, values))
+            values = tuple(by_state[s] for s in trace.states)
         if not check_sequence(self.name, trace, values):
             trace = self._retrace_for_weak_types(call, trace, values)
         out, updated, _ = self._traces.evaluate(
             trace, call.leaves, list(values), self._jit_options()
         )
-        result = list(values)
-        index = {s: i for i, s in enumerate(trace.states)}
-        for state, value in zip(trace.updated_states, updated):
-            result[index[state]] = value
-        return tuple(result), trace.build_output(out, ())
+        result = dict(zip(trace.states, values))
+        result.update(zip(trace.updated_states, updated))
+        return tuple(result[s] for s in aligned), trace.build_output(out, ())
 
     def jaxpr_call_auto(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the function against the innermost context: reads the values it
@@ -604,16 +612,35 @@ class StatefulFunction:
         call = self._traces.parse(args, kwargs)
         return self._traces.trace_for(call, _context.current_frame())
 
-    def _trace_for_sequence(self, call: CallArgs, values: tuple) -> Trace:
-        """A kept trace that takes as many state values as `values`, else a new
-        trace against the innermost context (to learn the order of the states)."""
-        found = self._traces.find(
-            call.key, lambda t: list(values) if len(values) == len(t.states) else None
-        )
-        if found is not None:
-            return found[0]
+    def _trace_for_sequence(
+        self, call: CallArgs, values: tuple
+    ) -> tuple[Trace, tuple[State, ...]]:
+        """The trace to call with `values`, and the states they are aligned with:
+        those of `get_states()` for the call's key (its most recently used trace).
+        Of the key's traces (states of other shapes may touch other states, or the
+        same ones in another order), the one that fits the values. Without any, a
+        new trace against the innermost context gives the states and their order."""
+        latest = self._traces.latest(call.key)
+        if latest is not None:
+            aligned = latest.states
+            if len(values) != len(aligned):
+                return latest, aligned  # `check_sequence` names the count.
+            by_state = dict(zip(aligned, values))
+
+            def values_of(t: Trace) -> list | None:
+                if len(t.states) != len(aligned) or not all(
+                    s in by_state for s in t.states
+                ):
+                    return None
+                return [by_state[s] for s in t.states]
+
+            found = self._traces.find(call.key, values_of)
+            # If none fits, `check_sequence` names the value that differs from
+            # `latest`'s (or traces again for one that differs in weak type).
+            return (latest if found is None else found[0]), aligned
         try:
-            return self._traces.trace_for(call, _context.current_frame())
+            trace = self._traces.trace_for(call, _context.current_frame())
+            return trace, trace.states
         except Exception as exc:
             exc.add_note(
                 f"`jaxpr_call` traced {self.name} with the current values of its "
