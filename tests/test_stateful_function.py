@@ -285,6 +285,11 @@ def test_get_methods_describe_a_trace_made_inside_jit_that_the_cache_does_not_ke
     jax.jit(inner)(1.0)
     assert seen == [(w, b)] and sf.get_states() == (w, b)
     assert (4,) in [aval.shape for aval in sf.get_jaxpr().in_avals]
+    # A sequence call outside runs a trace of its own, never the one made inside
+    # `jit` (its rules may hold that trace's tracers), with the values in the order
+    # `get_states()` gave.
+    values, out = sf.jaxpr_call([jnp.zeros(3), jnp.array(5.0)], 2.0)
+    assert float(out) == 10.0 and float(values[1]) == 5.0
     sf.make_jaxpr(1.0)  # the kept trace, used again
     assert sf.get_states() == (w, a)
     assert jax.jit(lambda x: es.transform.make_jaxpr(f)(x)[1] and x)(1.0) == 1.0

@@ -123,6 +123,12 @@ class FunctionTraces:
             variants = self._cache.get(key)
             return variants[0] if variants else None
 
+    def keeps(self, key: Hashable, trace: Trace) -> bool:
+        """Whether the cache holds `trace` for `key` (`latest` may give one it does
+        not keep, made inside another JAX trace: it must not be called again)."""
+        with self._lock:
+            return any(t is trace for t in self._cache.get(key, ()))
+
     def _resolve_key(self, cache_key: Hashable) -> Hashable:
         if cache_key == ():
             if self._last_key is MISSING:
