@@ -120,7 +120,7 @@ def _switch(
     # Each branch's name and output as `static_skeleton` has it, to name a handle
     # that differs.
     skeletons: list[tuple[str, Any]] = []
-    outputs: list[tuple[str, Any]] = []  # and its traced output
+    outputs: list[tuple[str, Any]] = []  # and the types in its output (no tracers)
 
     def make_branch(t: Discovery, fun: Callable, name: str) -> Callable:
         @ft.wraps(fun)  # JAX's errors (outputs that differ) name the user's function.
@@ -133,7 +133,7 @@ def _switch(
                     weak.written(i, updates[s])
             out = hide_static(out)
             skeletons.append((name, static_skeleton(out)))
-            outputs.append((_described(name, fun), out))
+            outputs.append((_described(name, fun), jtu.tree_map(_Type, out)))
             return out, strong([updates.get(s, current[s]) for s in written])
 
         return branch
@@ -201,10 +201,7 @@ def _raise_if_output_types_differ(
                 "conditional must return the same structure."
             ) from error
         for (path, mine), theirs in zip(paths, leaves):
-            if (jnp.shape(mine), jnp.result_type(mine)) != (
-                jnp.shape(theirs),
-                jnp.result_type(theirs),
-            ):
+            if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
                 raise TypeError(
                     f"{first} returns {array_summary(mine)} "
                     f"{_at(jtu.keystr(path))}, but {name} returns "
@@ -212,6 +209,16 @@ def _raise_if_output_types_differ(
                     "return arrays of the same shapes and dtypes at each place. Cast "
                     "or reshape one of them (e.g. `x.astype(jnp.float32)`)."
                 ) from error
+
+
+class _Type:
+    """The shape and dtype of an array or tracer, which keeps no reference to it (a
+    tracer kept past its trace leaks it)."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, x: Any):
+        self.shape, self.dtype = jnp.shape(x), jnp.result_type(x)
 
 
 def _described(name: str, fun: Callable) -> str:
