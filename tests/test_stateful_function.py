@@ -263,38 +263,6 @@ def test_a_sequence_is_aligned_with_get_states_when_another_trace_fits_it():
     assert (float(b_after), float(a_after), float(out)) == (1.0, 3.0, 1.0)
 
 
-def test_get_methods_describe_a_trace_made_inside_jit_that_the_cache_does_not_keep():
-    # A function with a custom rule (`relu`) traced inside a JAX trace is not kept
-    # (its rules may hold that trace's tracers), but it is still the latest trace.
-    w = es.State(jnp.zeros(3), name="w")
-    a = es.State(jnp.array(1.0), name="a")
-    b = es.State(jnp.array(2.0), name="b")
-
-    def f(x):
-        return jax.nn.relu(x) * (a.value if w.value.shape[0] == 3 else b.value)
-
-    sf = es.transform.StatefulFunction(f)
-    sf.make_jaxpr(1.0)
-    seen = []
-
-    def inner(x):
-        with es.scope(es.StateDict({w: jnp.zeros(4), b: jnp.array(2.0)})):
-            seen.append(sf.make_jaxpr(x).get_states())
-        return x
-
-    jax.jit(inner)(1.0)
-    assert seen == [(w, b)] and sf.get_states() == (w, b)
-    assert (4,) in [aval.shape for aval in sf.get_jaxpr().in_avals]
-    # A sequence call outside runs a trace of its own, never the one made inside
-    # `jit` (its rules may hold that trace's tracers), with the values in the order
-    # `get_states()` gave.
-    values, out = sf.jaxpr_call([jnp.zeros(3), jnp.array(5.0)], 2.0)
-    assert float(out) == 10.0 and float(values[1]) == 5.0
-    sf.make_jaxpr(1.0)  # the kept trace, used again
-    assert sf.get_states() == (w, a)
-    assert jax.jit(lambda x: es.transform.make_jaxpr(f)(x)[1] and x)(1.0) == 1.0
-
-
 def test_jaxpr_call_with_a_sequence_traces_on_a_miss(model):
     f, w, b, count = model
     new, out = StatefulFunction(f).jaxpr_call(

@@ -63,9 +63,6 @@ class FunctionTraces:
         self._pending: dict[Hashable, threading.RLock] = {}
         self._lock = threading.Lock()
         self._last_key: Hashable = MISSING
-        # The last trace made that the cache does not keep (see `_store`), with its
-        # key, while it is the most recent one: `get_*` describe it.
-        self._unkept: tuple[Hashable, Trace] | None = None
         self.stats = CacheStats()
         self._kept: weakref.WeakKeyDictionary[Any, FunctionTraces] = (
             weakref.WeakKeyDictionary()
@@ -103,8 +100,6 @@ class FunctionTraces:
         for one key (states of other shapes), the most recently used."""
         key = self._resolve_key(cache_key)
         with self._lock:
-            if self._unkept is not None and self._unkept[0] == key:
-                return self._unkept[1]
             variants = self._cache.get(key)
             known = list(self._cache)
         if not variants:
@@ -118,16 +113,8 @@ class FunctionTraces:
     def latest(self, key: Hashable) -> Trace | None:
         """The most recently used trace for `key` (what `by_key(key)` gives), if any."""
         with self._lock:
-            if self._unkept is not None and self._unkept[0] == key:
-                return self._unkept[1]
             variants = self._cache.get(key)
             return variants[0] if variants else None
-
-    def keeps(self, key: Hashable, trace: Trace) -> bool:
-        """Whether the cache holds `trace` for `key` (`latest` may give one it does
-        not keep, made inside another JAX trace: it must not be called again)."""
-        with self._lock:
-            return any(t is trace for t in self._cache.get(key, ()))
 
     def _resolve_key(self, cache_key: Hashable) -> Hashable:
         if cache_key == ():
@@ -217,18 +204,15 @@ class FunctionTraces:
                     variants.remove(trace)
                     variants.insert(0, trace)
             self._last_key = key
-            self._unkept = None
 
     def _store(self, key: Hashable, trace: Trace) -> None:
         self.stats.traced()
         with self._lock:
             self._last_key = key
-            self._unkept = None
             inside = not compat.is_top_level()
             if not trace.cacheable or (trace.has_custom_rules and inside):
                 # Inside a trace, custom rules may keep that trace's tracers (see
                 # `rule_reads`).
-                self._unkept = (key, trace)
                 return
             variants = self._cache.setdefault(key, [])
             variants.insert(0, trace)
@@ -242,7 +226,6 @@ class FunctionTraces:
         with self._lock:
             self._cache.clear()
             self._last_key = MISSING
-            self._unkept = None
         self.stats.reset()
 
     def sizes(self) -> tuple[int, int]:

@@ -618,10 +618,8 @@ class StatefulFunction:
         """The trace to call with `values`, and the states they are aligned with:
         those of `get_states()` for the call's key (its most recently used trace).
         Of the key's traces (states of other shapes may touch other states, or the
-        same ones in another order), the one that fits the values. Without any (or
-        if the latest was made inside another JAX trace, and not kept), a new trace
-        against the innermost context gives the states, and their order if the
-        key has no latest trace."""
+        same ones in another order), the one that fits the values. Without any, a
+        new trace against the innermost context gives the states and their order."""
         latest = self._traces.latest(call.key)
         if latest is not None:
             aligned = latest.states
@@ -637,12 +635,9 @@ class StatefulFunction:
                 return [by_state[s] for s in t.states]
 
             found = self._traces.find(call.key, values_of)
-            if found is not None:
-                return found[0], aligned
-            if self._traces.keeps(call.key, latest):
-                # `check_sequence` names the value that differs from `latest`'s (or
-                # traces again for one that differs only in weak type).
-                return latest, aligned
+            # If none fits, `check_sequence` names the value that differs from
+            # `latest`'s (or traces again for one that differs only in weak type).
+            return (latest if found is None else found[0]), aligned
         try:
             trace = self._traces.trace_for(call, _context.current_frame())
         except Exception as exc:
@@ -654,8 +649,6 @@ class StatefulFunction:
                 "`{state: value}` instead."
             )
             raise
-        if latest is not None and set(trace.states) == set(latest.states):
-            return trace, latest.states
         return trace, trace.states
 
     def _retrace_for_weak_types(
