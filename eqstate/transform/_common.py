@@ -109,6 +109,28 @@ def changed_static(before: Any, after: Any) -> tuple[str, Any, Any] | None:
     return None
 
 
+def changed_type(
+    before: Any, after: Any, *, weak_may_change: bool = False
+) -> tuple[str | None, Any, Any] | None:
+    """The first difference in type between two trees of arrays (or tracers, or
+    `jax.ShapeDtypeStruct`s): `(None, structure before, structure after)` if their
+    structures differ, else the path (as `jax.tree_util.keystr` writes it) of the
+    first leaf whose shape or dtype differs, and the two leaves. With
+    `weak_may_change`, a weakly typed leaf of `before` may come back in another dtype
+    (JAX promotes a loop's weakly typed carry). `None` if there is none."""
+    leaves_before, def_before = jtu.tree_flatten_with_path(before)
+    leaves_after, def_after = jtu.tree_flatten(after)
+    if def_before != def_after:
+        return None, def_before, def_after
+    for (path, a), b in zip(leaves_before, leaves_after):
+        dtype_changed = jnp.result_type(a) != jnp.result_type(b)
+        if jnp.shape(a) != jnp.shape(b) or (
+            dtype_changed and not (weak_may_change and is_weak(a))
+        ):
+            return jtu.keystr(path), a, b
+    return None
+
+
 class _Traced:
     def __repr__(self) -> str:
         return "an array"

@@ -13,14 +13,15 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 from jaxtyping import ArrayLike, Bool, Integer, Real
 
 from .. import _context, _jax_compat as compat
 from .._pretty_print import array_summary, state_label
 from .._state import State
 from ._common import (
+    abstract,
     changed_static,
+    changed_type,
     hide_static,
     predicate_axes,
     show_static,
@@ -120,7 +121,7 @@ def _switch(
     # Each branch's name and output as `static_skeleton` has it, to name a handle
     # that differs.
     skeletons: list[tuple[str, Any]] = []
-    outputs: list[tuple[str, Any]] = []  # and the types in its output (no tracers)
+    outputs: list[tuple[str, Callable, Any]] = []  # and its function and output type
 
     def make_branch(t: Discovery, fun: Callable, name: str) -> Callable:
         @ft.wraps(fun)  # JAX's errors (outputs that differ) name the user's function.
@@ -133,7 +134,7 @@ def _switch(
                     weak.written(i, updates[s])
             out = hide_static(out)
             skeletons.append((name, static_skeleton(out)))
-            outputs.append((_described(name, fun), jtu.tree_map(_Type, out)))
+            outputs.append((name, fun, abstract(out)))
             return out, strong([updates.get(s, current[s]) for s in written])
 
         return branch
@@ -182,7 +183,7 @@ def _raise_if_static_outputs_differ(skeletons: list[tuple[str, Any]]) -> None:
 
 
 def _raise_if_output_types_differ(
-    outputs: list[tuple[str, Any]], error: TypeError
+    outputs: list[tuple[str, Callable, Any]], error: TypeError
 ) -> None:
     """Raises `TypeError` naming the branches if two of them return outputs of
     different structures, or arrays of different shapes or dtypes at one place (with
@@ -190,35 +191,25 @@ def _raise_if_output_types_differ(
     `false_fun`, and shows the place in what eqstate makes of the output."""
     if not outputs:
         return
-    (first, out), *others = outputs
-    paths, treedef = jtu.tree_flatten_with_path(out)
-    for name, other in others:
-        leaves, other_def = jtu.tree_flatten(other)
-        if other_def != treedef:
+    (first, first_fun, out), *others = outputs
+    for name, fun, other in others:
+        changed = changed_type(out, other)
+        if changed is None:
+            continue
+        path, mine, theirs = changed
+        mine_is, theirs_is = _described(first, first_fun), _described(name, fun)
+        if path is None:
             raise TypeError(
-                f"{first} returns an output of structure {treedef}, but {name} "
-                f"returns one of structure {other_def}: the branches of a "
-                "conditional must return the same structure."
+                f"{mine_is} returns an output of structure {mine}, but {theirs_is} "
+                f"returns one of structure {theirs}: the branches of a conditional "
+                "must return the same structure."
             ) from error
-        for (path, mine), theirs in zip(paths, leaves):
-            if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
-                raise TypeError(
-                    f"{first} returns {array_summary(mine)} "
-                    f"{_at(jtu.keystr(path))}, but {name} returns "
-                    f"{array_summary(theirs)}: the branches of a conditional must "
-                    "return arrays of the same shapes and dtypes at each place. Cast "
-                    "or reshape one of them (e.g. `x.astype(jnp.float32)`)."
-                ) from error
-
-
-class _Type:
-    """The shape and dtype of an array or tracer, which keeps no reference to it (a
-    tracer kept past its trace leaks it)."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, x: Any):
-        self.shape, self.dtype = jnp.shape(x), jnp.result_type(x)
+        raise TypeError(
+            f"{mine_is} returns {array_summary(mine)} {_at(path)}, but {theirs_is} "
+            f"returns {array_summary(theirs)}: the branches of a conditional must "
+            "return arrays of the same shapes and dtypes at each place. Cast or "
+            "reshape one of them (e.g. `x.astype(jnp.float32)`)."
+        ) from error
 
 
 def _described(name: str, fun: Callable) -> str:

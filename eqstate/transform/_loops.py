@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
-from .._context import is_weak
 from .._pretty_print import array_summary, state_label
 from .._shapes import shape_dtype
 from .._state import State
 from ._common import (
     abstract,
     changed_static,
+    changed_type,
     hide_static,
     predicate_axes,
     show_static,
@@ -241,23 +241,21 @@ def _check_carry_types(before: Any, after: Any, where: str, name: str) -> None:
     carry it was given, naming the place in the user's carry (JAX's own message
     shows it in what eqstate makes of the carry). A weakly typed entry may come back
     in another dtype: JAX promotes it."""
-    leaves, treedef = jtu.tree_flatten_with_path(before)
-    new_leaves, new_treedef = jtu.tree_flatten(after)
-    if new_treedef != treedef:
+    changed = changed_type(before, after, weak_may_change=True)
+    if changed is None:
+        return
+    path, old, new = changed
+    if path is None:
         raise TypeError(
-            f"{where} takes `{name}` of structure {treedef} but returns one of "
-            f"structure {new_treedef}: a loop's carry must keep its structure."
+            f"{where} takes `{name}` of structure {old} but returns one of "
+            f"structure {new}: a loop's carry must keep its structure."
         )
-    for (path, old), new in zip(leaves, new_leaves):
-        shape, new_shape = jnp.shape(old), jnp.shape(new)
-        dtype, new_dtype = jnp.result_type(old), jnp.result_type(new)
-        if shape != new_shape or (dtype != new_dtype and not is_weak(old)):
-            raise TypeError(
-                f"{where} takes `{name}{jtu.keystr(path)}` as {array_summary(old)} "
-                f"but returns it as {array_summary(new)}: a loop's carry must keep "
-                "its shapes and dtypes. Cast or reshape the new value (e.g. "
-                f"`.astype(jnp.{dtype})`), or start from a value of its type."
-            )
+    raise TypeError(
+        f"{where} takes `{name}{path}` as {array_summary(old)} but returns it as "
+        f"{array_summary(new)}: a loop's carry must keep its shapes and dtypes. Cast "
+        f"or reshape the new value (e.g. `.astype(jnp.{jnp.result_type(old)})`), or "
+        "start from a value of its type."
+    )
 
 
 def _ticks(n: int, reverse: bool) -> jax.Array:
