@@ -99,19 +99,19 @@ class FunctionTraces:
         """The trace for `cache_key` (`()`: the most recent one). Of several traces
         for one key (states of other shapes), the most recently used."""
         key = self._resolve_key(cache_key)
-        with self._lock:
-            variants = self._cache.get(key)
-            known = list(self._cache)
-        if not variants:
+        trace = self.latest(key)
+        if trace is None:
+            with self._lock:
+                known = list(self._cache)
             raise UnknownCacheKeyError(
                 f"{self.name} has no trace for the cache key {key!r}. "
                 f"{_summarise_keys(known)} Trace it with `make_jaxpr(*args)`; "
                 "`get_arg_cache_key(*args)` gives the key of a call."
             )
-        return variants[0]
+        return trace
 
     def latest(self, key: Hashable) -> Trace | None:
-        """The most recently used trace for `key` (what `by_key(key)` gives), if any."""
+        """The most recently used trace for `key`, if any."""
         with self._lock:
             variants = self._cache.get(key)
             return variants[0] if variants else None

@@ -471,12 +471,9 @@ class StatefulFunction:
                 return run(self.fun, state_vals, *args, **kwargs)
         values = tuple(state_vals)
         call = self._traces.parse(args, kwargs)
-        trace, aligned = self._trace_for_sequence(call, values)
+        trace, aligned, values = self._trace_for_sequence(call, values)
         self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="debug_call"))
-        if aligned != trace.states:  # Another trace of the key fits these values.
-            by_state = dict(zip(aligned, values))
-            values = tuple(by_state[s] for s in trace.states)
         check_sequence(self.name, trace, values)
         with jax.disable_jit():
             new, out = run(
@@ -561,12 +558,9 @@ class StatefulFunction:
 
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
         refuse_ints_too_large(values)
-        trace, aligned = self._trace_for_sequence(call, values)
+        trace, aligned, values = self._trace_for_sequence(call, values)
         self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="jaxpr_call"))
-        if aligned != trace.states:  # Another trace of the key fits these values.
-            by_state = dict(zip(aligned, values))
-            values = tuple(by_state[s] for s in trace.states)
         if not check_sequence(self.name, trace, values):
             trace = self._retrace_for_weak_types(call, trace, values)
         out, updated, _ = self._traces.evaluate(
@@ -614,17 +608,18 @@ class StatefulFunction:
 
     def _trace_for_sequence(
         self, call: CallArgs, values: tuple
-    ) -> tuple[Trace, tuple[State, ...]]:
-        """The trace to call with `values`, and the states they are aligned with:
-        those of `get_states()` for the call's key (its most recently used trace).
-        Of the key's traces (states of other shapes may touch other states, or the
-        same ones in another order), the one that fits the values. Without any, a
-        new trace against the innermost context gives the states and their order."""
+    ) -> tuple[Trace, tuple[State, ...], tuple]:
+        """The trace to call with `values`, the states they are aligned with (those
+        of `get_states()` for the call's key: its most recently used trace), and the
+        values in the order of the trace's states. Of the key's traces (states of
+        other shapes may touch other states, or the same ones in another order), the
+        one that fits the values. Without any, a new trace against the innermost
+        context gives the states and their order."""
         latest = self._traces.latest(call.key)
         if latest is not None:
             aligned = latest.states
             if len(values) != len(aligned):
-                return latest, aligned  # `check_sequence` names the count.
+                return latest, aligned, values  # `check_sequence` names the count.
             by_state = dict(zip(aligned, values))
 
             def values_of(t: Trace) -> list | None:
@@ -635,9 +630,11 @@ class StatefulFunction:
                 return [by_state[s] for s in t.states]
 
             found = self._traces.find(call.key, values_of)
-            # If none fits, `check_sequence` names the value that differs from
-            # `latest`'s (or traces again for one that differs only in weak type).
-            return (latest if found is None else found[0]), aligned
+            if found is None:
+                # `check_sequence` names the value that differs from `latest`'s (or
+                # traces again for one that differs only in weak type).
+                return latest, aligned, values
+            return found[0], aligned, tuple(found[1])
         try:
             trace = self._traces.trace_for(call, _context.current_frame())
         except Exception as exc:
@@ -649,7 +646,7 @@ class StatefulFunction:
                 "`{state: value}` instead."
             )
             raise
-        return trace, trace.states
+        return trace, trace.states, values
 
     def _retrace_for_weak_types(
         self, call: CallArgs, trace: Trace, values: tuple
