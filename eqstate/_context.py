@@ -45,7 +45,7 @@ from ._shapes import is_key
 
 def to_value(value: Any) -> Any:
     """Converts every leaf of a PyTree to a JAX array (tracers pass unchanged)."""
-    return jtu.tree_map(_to_array, value)
+    return jtu.tree_map(to_array, value)
 
 
 def to_checked_value(state: Any, value: Any) -> Any:
@@ -68,9 +68,10 @@ def to_dict_value(state: Any, value: Any) -> Any:
     return jtu.tree_map(leaf, value)
 
 
-def _to_array(x: Any) -> Any:
-    # A copy: on some JAX releases `jnp.asarray` of a NumPy array shares its buffer,
-    # which the caller may change afterwards.
+def to_array(x: Any) -> Any:
+    """`x` as a `jax.Array`; a copy if it is not one: on some JAX releases (0.8.0 on
+    the CPU) `jnp.asarray` of a NumPy array shares its buffer, which the caller may
+    change afterwards."""
     return x if isinstance(x, jax.Array) else jnp.array(x)
 
 
@@ -204,7 +205,7 @@ def _cast_leaf(state: Any, old: Any, new: Any) -> Any:
     if not isinstance(old, jax.Array):
         # A StateDict made by `jax.tree.map` or `jax.device_get` may hold Python
         # scalars or NumPy arrays: check against the array that `old` stands for.
-        old = _to_array(old)
+        old = to_array(old)
     if type(new) is int and _beyond_default_int(new) and _scalar_number(old):
         # Too large for JAX's default integer (int32 with 64-bit types off), but maybe
         # not for the state: `3_000_000_000` for a uint32 state, `2**40` for float32.

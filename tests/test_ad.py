@@ -1059,6 +1059,23 @@ _EAGER_AD_CALLS = {
 }
 
 
+@pytest.mark.parametrize("name", ("grad", "value_and_grad", "vjp", "jvp"))
+def test_a_state_written_with_a_large_numpy_argument_never_shares_its_buffer(name):
+    # JAX 0.8.0 on the CPU makes `jnp.asarray` of a large, aligned NumPy array a view
+    # of it about every other time: the state must hold a copy all the same.
+    s = es.State(jnp.zeros(1024), name="s")
+
+    def f(x):
+        s.value = x
+        return jnp.sum(x**2)
+
+    for _ in range(8):
+        x = np.ones(1024, np.float32)
+        _EAGER_AD_CALLS[name](f, x)
+        x[0] = 100.0
+        assert (s.value == 1).all(), s.value
+
+
 @pytest.mark.parametrize(
     "call", list(_EAGER_AD_CALLS.values()), ids=list(_EAGER_AD_CALLS)
 )

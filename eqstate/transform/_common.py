@@ -12,7 +12,7 @@ import numpy as np
 from jax.core import Tracer
 
 from .. import _jax_compat as compat
-from .._context import is_weak
+from .._context import is_weak, to_array
 from .._filters import to_predicate
 from .._shapes import shape_dtype
 from .._state import is_state, State
@@ -293,7 +293,7 @@ def as_arrays(values: Any) -> Any:
         if isinstance(x, jax.Array):
             return x
         if isinstance(x, (np.ndarray, np.generic)):  # NumPy's `float64` is a float.
-            return jnp.asarray(x)
+            return to_array(x)
         # A Python number as the builtin one: weakly typed, as JAX types those.
         if isinstance(x, bool):
             return jnp.asarray(bool(x))
