@@ -24,7 +24,13 @@ from .._run import states_of
 from .._state import is_state, ParamState, State
 from .._state_dict import state_dict_of, StateDict
 from .._training import inexact_part
-from ._common import as_arrays, ErrorsRaisedAs, partition, select_states
+from ._common import (
+    as_arrays,
+    copied_numpy,
+    ErrorsRaisedAs,
+    partition,
+    select_states,
+)
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._equinox_errors import EQUINOX_ERRORS
@@ -457,6 +463,7 @@ class _GradientTransform:
         if self._grad_states is not None and not self._argnums and not self._warned:
             self._warned = True
             _warn_if_arrays_untrained(self.fun, self._traces.name, args)
+        args, kwargs = copied_numpy((args, kwargs))
         traced = Discovery(self.fun, args, kwargs, traces=kept_or_fresh(self._traces))
         positions = _positions(
             self._argnums, self._argnums_spec, len(args), kwargs, self._traces.name
@@ -1033,6 +1040,7 @@ def vjp(
         assert out == 6.0 and state_ct[w] == 3.0 and x_ct == 2.0
         ```
     """
+    primals = copied_numpy(primals)
     traced = Discovery(fun, primals, name=getattr(fun, "__name__", "vjp"))
     diff = _Differentiable(traced, grad_states, check_states, part=_inexact_or_whole)
     pure, parts = diff.pure({}, has_aux), [split_differentiable(p) for p in primals]
@@ -1136,7 +1144,8 @@ def jvp(
             "tangents. Pass one tangent per primal, as to `jax.jvp`; tangents of "
             "states go in `state_tangents`."
         )
-    traced = Discovery(fun, tuple(primals), name=name)
+    primals = tuple(copied_numpy(tuple(primals)))
+    traced = Discovery(fun, primals, name=name)
     tangents_sd = state_tangents if state_tangents is not None else StateDict()
     spec = tangents_sd if len(tangents_sd) else None
     diff = _Differentiable(

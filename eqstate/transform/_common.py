@@ -282,6 +282,14 @@ def varying_along(tree: Any, axes: frozenset) -> Any:
     return jtu.tree_map(varying, tree)
 
 
+def copied_numpy(args: Any) -> Any:
+    """`args` with every NumPy array leaf a `jax.Array` holding a copy. On the CPU,
+    JAX may use a NumPy argument's buffer without copying it and read it after the
+    transform has returned, so a state the eager AD transforms or `jax.checkpoint`
+    write from it would change with the caller's array."""
+    return jtu.tree_map(lambda x: to_array(x) if isinstance(x, np.ndarray) else x, args)
+
+
 def as_arrays(values: Any) -> Any:
     """`values` with every leaf a `jax.Array`, as states hold them. Called eagerly,
     `jax.checkpoint`, `jax.grad` and `jax.jvp` return an output that is an input

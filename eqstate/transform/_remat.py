@@ -8,7 +8,7 @@ import jax
 
 from .. import _jax_compat as compat
 from .._custom_types import MISSING
-from ._common import as_arrays, hide_static, partition, show_static
+from ._common import as_arrays, copied_numpy, hide_static, partition, show_static
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
 from ._equinox_errors import EQUINOX_ERRORS
@@ -75,7 +75,9 @@ def checkpoint(
         )
         static = set(statics)
         hidden = tuple(
-            a if i in static or i - len(args) in static else hide_static(a)
+            a
+            if i in static or i - len(args) in static
+            else hide_static(copied_numpy(a))
             for i, a in enumerate(args)
         )
         with EQUINOX_ERRORS:
