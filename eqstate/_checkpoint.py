@@ -87,8 +87,12 @@ def save(
         every process writes its own shards; needs `eqstate[orbax]`), or `None`:
         Orbax when the program runs as several processes (`jax.process_count() >
         1`), else the single file. Orbax replaces an Orbax checkpoint already at
-        `path` (it removes it first, then writes), and refuses a path holding
-        anything else. (Keyword only argument.)
+        `path`, and refuses a path holding anything else. It writes the new
+        checkpoint beside `path` (at `path + ".eqstate-saving"`) and process 0 then
+        swaps the two directories, so a failed save leaves the old checkpoint in
+        place; a save killed between the two renames leaves the old one at
+        `path + ".eqstate-replaced"`, which loading `path` points to. Through a
+        symlink, the directory it leads to is replaced. (Keyword only argument.)
 
     **Raises:**
 

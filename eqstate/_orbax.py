@@ -21,6 +21,7 @@ import contextlib
 import functools as ft
 import gc
 import importlib
+import itertools
 import operator
 import os
 import queue
@@ -396,6 +397,14 @@ def _saving(where: str) -> Iterator[None]:
         ) from e
 
 
+# A save writes the new checkpoint here, beside `path`, and moves the checkpoint it
+# replaces here while it swaps the two (Orbax removes a directory before it writes
+# one in its place, so a failed save would lose it).
+_STAGING = ".eqstate-saving"
+_REPLACED = ".eqstate-replaced"
+_SWAPS = itertools.count()
+
+
 def save_orbax(
     path: str, states: Mapping[State, PyTree], *, model: PyTree | None = None
 ) -> None:
@@ -403,9 +412,33 @@ def save_orbax(
     ocp = orbax("Saving a checkpoint with the Orbax backend")
     _refuse_to_replace(path)
     args, _ = _save_args(ocp, states, model)
+    # Through a symlink, the directory it leads to is replaced and the link stays.
+    target = os.path.realpath(path)
     with _saving(path):
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            checkpointer.save(os.path.abspath(path), args=args, force=True)
+            checkpointer.save(target + _STAGING, args=args, force=True)
+        _swap_in(ocp, target)
+
+
+def _swap_in(ocp: Any, target: str) -> None:
+    """Moves the checkpoint written at `target + _STAGING` to `target`, replacing
+    what is there (process 0 alone, the others waiting for it). Until the new one is
+    in place, the old one is at `target` or, for the two renames between, at
+    `target + _REPLACED`."""
+    try:
+        if ocp.multihost.is_primary_host(0):
+            replaced = target + _REPLACED
+            if os.path.lexists(target):
+                if os.path.lexists(replaced):
+                    shutil.rmtree(replaced)
+                os.rename(target, replaced)
+            os.rename(target + _STAGING, target)
+            if os.path.lexists(replaced):
+                shutil.rmtree(replaced)
+    finally:
+        # Reached by process 0 also when a rename fails, so that no process waits
+        # for it until the barrier times out.
+        ocp.multihost.sync_global_processes(f"eqstate_save_swap_{next(_SWAPS)}")
 
 
 # Loading -----------------------------------------------------------------------------
@@ -539,20 +572,28 @@ def load_orbax(
     """`eqstate.load(path, model_or_states, model=model, backend='orbax')`."""
     ocp = orbax("Loading an Orbax checkpoint")
     if not os.path.isdir(path):
-        raise CheckpointError(
-            f"No Orbax checkpoint at {path!r}: "
-            + (
-                "it is a file. Load it with `backend='single-file'` (or no backend)."
-                if os.path.exists(path)
-                else "the directory does not exist. Check the path, or write one "
-                "first with `eqstate.save`."
-            )
-        )
+        raise CheckpointError(f"No Orbax checkpoint at {path!r}: " + _why_none(path))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         restore = ft.partial(checkpointer.restore, os.path.abspath(path))
         return restore_with(
             lambda args: restore(args=args), path, model_or_states, model
         )
+
+
+def _why_none(path: str) -> str:
+    """Why `path`, which is not a directory, holds no Orbax checkpoint."""
+    if os.path.exists(path):
+        return "it is a file. Load it with `backend='single-file'` (or no backend)."
+    if os.path.isdir(path + _REPLACED):
+        return (
+            "a save that was replacing the checkpoint there stopped between two "
+            f"renames. The checkpoint it replaced is at {path + _REPLACED!r}, the new "
+            f"one at {path + _STAGING!r}: rename either to {path!r}."
+        )
+    return (
+        "the directory does not exist. Check the path, or write one first with "
+        "`eqstate.save`."
+    )
 
 
 # A series of checkpoints ---------------------------------------------------------------

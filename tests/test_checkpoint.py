@@ -1446,6 +1446,62 @@ def test_orbax_save_replaces_an_earlier_checkpoint_or_fills_an_empty_directory(
     w.value = jnp.ones(3)
     es.save(path, es.values_of(w), backend="orbax")
     assert (es.load(path, es.values_of(w))[w] == 1).all()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_an_orbax_save_that_fails_while_writing_keeps_the_checkpoint_it_replaces(
+    tmp_path, monkeypatch
+):
+    # Orbax removes the directory it writes to before writing: a full disk would
+    # lose the last good checkpoint.
+    import orbax.checkpoint as ocp
+
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    path = tmp_path / "ckpt"
+    es.save(path, es.values_of(w), backend="orbax")
+    before = _files(path)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ocp.CompositeCheckpointHandler, "save", full_disk)
+        w.value = jnp.zeros(3)
+        with pytest.raises(es.CheckpointError, match="No space left on device"):
+            es.save(path, es.values_of(w), backend="orbax")
+    assert _files(path) == before
+    assert (es.load(path, es.values_of(w))[w] == jnp.arange(3.0)).all()
+    # The next save replaces it, and what the failed one left beside it.
+    es.save(path, es.values_of(w), backend="orbax")
+    assert (es.load(path, es.values_of(w))[w] == 0).all()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_an_orbax_save_through_a_symlink_replaces_the_checkpoint_it_leads_to(tmp_path):
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    real, link = tmp_path / "real", tmp_path / "link"
+    es.save(real, es.values_of(w), backend="orbax")
+    link.symlink_to(real, target_is_directory=True)
+    w.value = jnp.zeros(3)
+    es.save(link, es.values_of(w), backend="orbax")
+    assert link.is_symlink()
+    assert (es.load(real, es.values_of(w))[w] == 0).all()
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
+def test_loading_an_orbax_checkpoint_whose_replacement_stopped_says_where_it_is(
+    tmp_path,
+):
+    # A save killed between its two renames leaves the old checkpoint beside the path.
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    path = tmp_path / "ckpt"
+    es.save(path, es.values_of(w), backend="orbax")
+    path.rename(tmp_path / "ckpt.eqstate-replaced")
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"(?s)stopped between two renames.*ckpt\.eqstate-replaced'.*rename",
+    ):
+        es.load(path, es.values_of(w), backend="orbax")
 
 
 _BACKENDS = ("single-file", "orbax")
