@@ -675,6 +675,50 @@ def test_cache_key_default_is_the_most_recent_and_unknown_keys_raise():
         sf.get_states("x")
 
 
+def test_a_trace_made_inside_a_transform_and_not_kept_is_described_not_replaced():
+    # A custom derivative rule inside `jax.jit` keeps the trace out of the cache: the
+    # `get_*` methods must describe it, not an older trace of other state shapes.
+    w = es.ParamState(jnp.ones(3), name="w")
+    sf = StatefulFunction(lambda x: jax.nn.relu(w.value * x))
+    sf.make_jaxpr(1.0)  # kept: w of shape (3,)
+    seen = {}
+
+    @jax.jit
+    def outer(x):
+        with es.scope(es.StateDict({w: jnp.ones(5)})):
+            sf.make_jaxpr(x)
+        seen["states"] = sf.get_states()
+        seen["shapes"] = sf.get_out_shapes()
+        with pytest.raises(
+            es.UnknownCacheKeyError, match=r"not kept.*its jaxpr is not"
+        ):
+            sf.get_jaxpr()
+        return x
+
+    outer(1.0)
+    assert seen["states"] == (w,)
+    assert seen["shapes"][0].shape == (5,) and seen["shapes"][1][0].shape == (5,)
+    sf.make_jaxpr(1.0)  # the kept trace again
+    assert sf.get_jaxpr().jaxpr.invars[1].aval.shape == (3,)
+
+
+def test_make_jaxpr_inside_jit_returns_a_trace_that_is_not_kept():
+    w = es.ParamState(jnp.ones(3), name="w")
+    seen = {}
+
+    @jax.jit
+    def outer(x):
+        jaxpr, states, out = es.transform.make_jaxpr(
+            lambda x: jax.nn.relu(w.value * x), return_shape=True
+        )(x)
+        seen["states"], seen["shape"] = states, out.shape
+        seen["invars"] = [v.aval.shape for v in jaxpr.jaxpr.invars]
+        return x
+
+    outer(jnp.ones(3))
+    assert seen == {"states": (w,), "shape": (3,), "invars": [(3,), (3,)]}
+
+
 def test_clear_cache_forces_a_new_trace():
     calls = []
     sf = StatefulFunction(lambda x: calls.append(1) or x)

@@ -2,6 +2,7 @@
 trace against a frame. `StatefulFunction`, `jit`'s plans and the other transforms all
 reach a function's pure form through this."""
 
+import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
@@ -14,7 +15,7 @@ from .._custom_types import MISSING
 from .._errors import UnknownCacheKeyError, UnstableStatesError
 from ._cache_stats import CacheStats
 from ._call_args import ArgParser, CallArgs
-from ._trace import flat_jit, StaleTrace, Trace, trace_function
+from ._trace import flat_jit, out_shapes, StaleTrace, Trace, trace_function
 
 
 compat.hide_from_tracebacks(__file__)
@@ -33,6 +34,41 @@ _KEEPS_CHANGING = (
 
 ValuesOf = Callable[[Trace], "list | None"]
 """The caller's values of a trace's states, or `None` if it cannot give them."""
+
+_NOT_KEPT = (
+    "{name} was last traced inside a JAX transform, closing over its tracers or "
+    "using custom derivative rules (`jax.nn.relu` has one), and such a trace is "
+    "not kept: it holds values of that transform. Its states and output shapes "
+    "are known (`get_states()`, `get_out_shapes()`), its {what} is not. Call "
+    "`make_jaxpr(*args)` outside the transform for a kept trace, or use "
+    "`eqstate.transform.make_jaxpr(fun)(*args)`, which returns the jaxpr of any "
+    "trace."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What the `get_*` methods of `StatefulFunction` say of a trace that is not
+    kept: its key, states and output shapes, without its jaxpr (which holds the
+    enclosing transform's tracers)."""
+
+    key: Hashable
+    states: tuple
+    read_states: tuple
+    write_states: tuple
+    new_states: tuple
+    out_shapes: tuple
+
+    @classmethod
+    def of(cls, key: Hashable, trace: Trace) -> "Summary":
+        return cls(
+            key,
+            trace.states,
+            trace.read_states,
+            trace.write_states,
+            trace.new_states,
+            out_shapes(trace),
+        )
 
 
 class FunctionTraces:
@@ -63,6 +99,7 @@ class FunctionTraces:
         self._pending: dict[Hashable, threading.RLock] = {}
         self._lock = threading.Lock()
         self._last_key: Hashable = MISSING
+        self._unkept: Summary | None = None  # The last trace, if not kept.
         self.stats = CacheStats()
         self._kept: weakref.WeakKeyDictionary[Any, FunctionTraces] = (
             weakref.WeakKeyDictionary()
@@ -95,9 +132,12 @@ class FunctionTraces:
 
     # ------------------------------------------------------------------- lookups
 
-    def by_key(self, cache_key: Hashable = ()) -> Trace:
+    def by_key(self, cache_key: Hashable = (), what: str = "jaxpr") -> Trace:
         """The trace for `cache_key` (`()`: the most recent one). Of several traces
-        for one key (states of other shapes), the most recently used."""
+        for one key (states of other shapes), the most recently used. `what` the
+        caller needs of it, for the error if that trace was not kept."""
+        if self.unkept(cache_key) is not None:
+            raise UnknownCacheKeyError(_NOT_KEPT.format(name=self.name, what=what))
         key = self._resolve_key(cache_key)
         trace = self.latest(key)
         if trace is None:
@@ -109,6 +149,18 @@ class FunctionTraces:
                 "`get_arg_cache_key(*args)` gives the key of a call."
             )
         return trace
+
+    def unkept(self, cache_key: Hashable = ()) -> Summary | None:
+        """The summary of the most recent trace if it was not kept and `cache_key`
+        (`()`: the most recent one) is its key."""
+        unkept = self._unkept
+        if unkept is not None and (cache_key == () or cache_key == unkept.key):
+            return unkept
+        return None
+
+    def described(self, cache_key: Hashable = ()) -> "Trace | Summary":
+        """The trace for `cache_key`, or the summary of one not kept."""
+        return self.unkept(cache_key) or self.by_key(cache_key)
 
     def latest(self, key: Hashable) -> Trace | None:
         """The most recently used trace for `key`, if any."""
@@ -204,6 +256,7 @@ class FunctionTraces:
                     variants.remove(trace)
                     variants.insert(0, trace)
             self._last_key = key
+            self._unkept = None
 
     def _store(self, key: Hashable, trace: Trace) -> None:
         self.stats.traced()
@@ -213,7 +266,9 @@ class FunctionTraces:
             if not trace.cacheable or (trace.has_custom_rules and inside):
                 # Inside a trace, custom rules may keep that trace's tracers (see
                 # `rule_reads`).
+                self._unkept = Summary.of(key, trace)
                 return
+            self._unkept = None
             variants = self._cache.setdefault(key, [])
             variants.insert(0, trace)
             self.stats.evicted(len(variants[VARIANTS:]))
@@ -226,6 +281,7 @@ class FunctionTraces:
         with self._lock:
             self._cache.clear()
             self._last_key = MISSING
+            self._unkept = None
         self.stats.reset()
 
     def sizes(self) -> tuple[int, int]:

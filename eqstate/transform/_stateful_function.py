@@ -19,7 +19,6 @@ from . import _function_traces
 from ._call_args import ArgParser, CallArgs
 from ._dispatch import JitDispatch
 from ._function_traces import FunctionTraces
-from ._leaves import aval_signature, struct, unflatten_each
 from ._report import (
     check_sequence,
     misfits,
@@ -27,7 +26,7 @@ from ._report import (
     refuse_new_states,
     states_table,
 )
-from ._trace import StaleTrace, Trace
+from ._trace import out_shapes, StaleTrace, Trace
 
 
 compat.hide_from_tracebacks(__file__)
@@ -112,8 +111,9 @@ class StatefulFunction:
         - `cache_type`: `None` caches the jaxpr, which an eager call evaluates op by
             op; `'jit'` also compiles it with `jax.jit`, so that an eager call is a
             single dispatch. Either way, the arrays it returns and writes to states
-            are `jax.Array`s, as from `jax.jit` (a NumPy argument written to a state
-            is copied, not kept).
+            are `jax.Array`s, as from `jax.jit`, which may read a NumPy argument
+            after the call returns: change one in place only once the results are
+            ready.
         - `name`: a name for messages; defaults to `fun.__name__`.
         """
         if abstracted_axes is not None:
@@ -197,7 +197,11 @@ class StatefulFunction:
 
         **Raises:**
 
-        `KeyError` (an [`eqstate.UnknownCacheKeyError`][]) for an unknown key.
+        `KeyError` (an [`eqstate.UnknownCacheKeyError`][]) for an unknown key, or if
+        that trace was made inside a JAX transform and not kept, because it closes
+        over the transform's tracers or uses custom derivative rules (`jax.nn.relu`)
+        there: the other `get_*` methods describe it all the same, and
+        [`eqstate.transform.make_jaxpr`][] returns its jaxpr.
         """
         return self._traces.by_key(cache_key).jaxpr
 
@@ -205,7 +209,10 @@ class StatefulFunction:
         """`(out_shapes, state_shapes)`: `jax.ShapeDtypeStruct`s shaped like the
         output (new states' handles stay in place) and like the returned states'
         values."""
-        return out_shapes(self._traces.by_key(cache_key))
+        described = self._traces.described(cache_key)
+        if isinstance(described, Trace):
+            return out_shapes(described)
+        return described.out_shapes
 
     def get_out_treedef(self, cache_key: Hashable = ()) -> PyTreeDef:
         """The tree structure of `(out, state_vals)` as `get_out_shapes` gives them:
@@ -222,7 +229,7 @@ class StatefulFunction:
 
     def get_states(self, cache_key: Hashable = ()) -> tuple[State, ...]:
         """Every pre-existing state the function touches, in first-access order."""
-        return self._traces.by_key(cache_key).states
+        return self._traces.described(cache_key).states
 
     @property
     def states(self) -> tuple[State, ...]:
@@ -237,17 +244,17 @@ class StatefulFunction:
 
     def get_read_states(self, cache_key: Hashable = ()) -> tuple[State, ...]:
         """The states the function only reads."""
-        return self._traces.by_key(cache_key).read_states
+        return self._traces.described(cache_key).read_states
 
     def get_write_states(self, cache_key: Hashable = ()) -> tuple[State, ...]:
         """The states the function writes (a read followed by a write counts as a
         write)."""
-        return self._traces.by_key(cache_key).write_states
+        return self._traces.described(cache_key).write_states
 
     def get_new_states(self, cache_key: Hashable = ()) -> tuple[State, ...]:
         """The states the function creates, as handles of the trace. Each call gives
         fresh handles in their place; these ones have no value outside the trace."""
-        return self._traces.by_key(cache_key).new_states
+        return self._traces.described(cache_key).new_states
 
     def describe(self, *args: Any, **kwargs: Any) -> str:
         """A readable table of the states the function reads, writes and creates when
@@ -289,7 +296,7 @@ class StatefulFunction:
     def to_state_manager(self, cache_key: Hashable = ()) -> StateDict:
         """A [`eqstate.StateDict`][] of the touched states with their current values
         in the innermost context."""
-        states = self._traces.by_key(cache_key).states
+        states = self._traces.described(cache_key).states
         values = _context.current_frame().read_many(states) if states else []
         return state_dict_of(dict(zip(states, values)))
 
@@ -687,18 +694,6 @@ def trace_of_call(sf: StatefulFunction, args: tuple, kwargs: dict) -> Trace:
     return sf._trace_for(args, kwargs)
 
 
-def out_shapes(entry: Trace) -> tuple[PyTree, tuple]:
-    """`StatefulFunction.get_out_shapes` of one trace."""
-    avals = [v.aval for v in entry.jaxpr.jaxpr.outvars]
-    structs = [struct(aval_signature(a)) for a in avals]
-    out = entry.build_output(structs[: entry.n_out], entry.new_states)
-    n_returned = sum(d.num_leaves for d in entry.returned_defs)
-    returned = unflatten_each(
-        entry.returned_defs, structs[entry.n_out : entry.n_out + n_returned]
-    )
-    return out, tuple(returned)
-
-
 def calls_through(sf: StatefulFunction, dispatch: JitDispatch) -> None:
     """Sends the eager calls of `sf` (made with `cache_type='jit'`) through
     `dispatch`'s plans, and gives its flat `jax.jit` the same options: `jit` shares
@@ -770,10 +765,12 @@ def make_jaxpr(
             static_argnames=static_argnames,
             axis_env=axis_env,
             state_returns=state_returns,
-        ).make_jaxpr(*args, **kwargs)
+        )
+        # The trace itself: one made inside a transform may not be kept.
+        trace = sf._trace_for(args, kwargs)
         if return_shape:
-            return sf.get_jaxpr(), sf.get_states(), sf.get_out_shapes()[0]
-        return sf.get_jaxpr(), sf.get_states()
+            return trace.jaxpr, trace.states, out_shapes(trace)[0]
+        return trace.jaxpr, trace.states
 
     make.__name__ = make.__qualname__ = f"make_jaxpr({getattr(fun, '__name__', fun)})"
     return make

@@ -10,6 +10,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.core import Tracer
+from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import PyTreeDef
@@ -441,3 +442,15 @@ def sub_jaxprs(params: dict) -> list[jex_core.Jaxpr]:
             elif isinstance(item, jex_core.Jaxpr):
                 found.append(item)
     return found
+
+
+def out_shapes(entry: Trace) -> tuple[PyTree, tuple]:
+    """`StatefulFunction.get_out_shapes` of one trace."""
+    avals = [v.aval for v in entry.jaxpr.jaxpr.outvars]
+    structs = [struct(aval_signature(a)) for a in avals]
+    out = entry.build_output(structs[: entry.n_out], entry.new_states)
+    n_returned = sum(d.num_leaves for d in entry.returned_defs)
+    returned = unflatten_each(
+        entry.returned_defs, structs[entry.n_out : entry.n_out + n_returned]
+    )
+    return out, tuple(returned)
