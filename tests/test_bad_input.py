@@ -198,6 +198,11 @@ def static_out_of_range():
     return lambda: es.transform.StatefulFunction(lambda x: x, static_argnums=2), []
 
 
+@case("`static_argnames` naming no parameter", ValueError, "`static_argnames` holds")
+def static_name_unknown():
+    return lambda: es.transform.StatefulFunction(lambda x: x, static_argnames="y"), []
+
+
 @case("`jaxpr_call` with the wrong number of values", ValueError, "touches 1 state")
 def jaxpr_call_count():
     w = _w()

@@ -847,6 +847,22 @@ def test_static_argnums_out_of_range():
         StatefulFunction(lambda x: x, static_argnums=3)
 
 
+def test_static_argnames_naming_no_parameter_is_refused_unless_kwargs_take_it():
+    def f(x, *rest, scale=1.0):
+        return x * scale
+
+    with pytest.raises(
+        ValueError,
+        match=r"`static_argnames` holds 'sclae', but f has no parameter of that name "
+        r"\(its parameters: x, scale\)",
+    ):
+        StatefulFunction(f, static_argnames=("scale", "sclae"))
+    with pytest.raises(ValueError, match="holds 'rest'"):
+        StatefulFunction(f, static_argnames="rest")
+    sf = StatefulFunction(lambda x, **options: x * options["k"], static_argnames="k")
+    assert sf(jnp.ones(2), k=3)[0] == 3  # `k` reaches `**options`, static
+
+
 @pytest.mark.parametrize(
     "transform", [StatefulFunction, es.transform.jit], ids=["sf", "jit"]
 )

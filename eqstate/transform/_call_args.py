@@ -107,6 +107,7 @@ class ArgParser:
         params = _parameters(fun)
         if params is not None:
             _check_argnums(self.static_argnums, params, name)
+            _check_argnames(names, params, name)
         positions = self.static_argnums + _positions_of(params, names)
         self.static_positions = tuple(dict.fromkeys(positions))
         names += _names_of(params, self.static_argnums)
@@ -285,6 +286,24 @@ def _check_argnums(
                 f"`static_argnums` holds {i}, but {name} takes {n} positional "
                 "argument(s). Give the positions of its parameters, counting from 0 "
                 "(or from -1 at the end)."
+            )
+
+
+def _check_argnames(
+    names: tuple[str, ...], params: list[inspect.Parameter], name: str
+) -> None:
+    """Raises `ValueError` for a name that is no parameter's, as `jax.jit` does (any
+    name fits a function taking `**kwargs`)."""
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    var = inspect.Parameter.VAR_POSITIONAL
+    known = [p.name for p in params if p.kind is not var]
+    for n in names:
+        if n not in known:
+            raise ValueError(
+                f"`static_argnames` holds {n!r}, but {name} has no parameter of that "
+                f"name (its parameters: {', '.join(known) or 'none'}). Name one of "
+                "them, or leave it out."
             )
 
 

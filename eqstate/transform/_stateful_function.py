@@ -98,7 +98,8 @@ class StatefulFunction:
             raises `ValueError` (any index fits a `fun` taking `*args`).
         - `static_argnames`: names of keyword arguments that are static. A name that
             matches a positional parameter of `fun` makes it static when passed by
-            position too.
+            position too. A name no parameter has raises `ValueError` (any name
+            fits a `fun` taking `**kwargs`).
         - `axis_env`: `(axis_name, size)` pairs, so that collectives over those named
             axes can be traced (as in `jax.make_jaxpr`).
         - `abstracted_axes`: dynamic shapes. JAX 0.10 has no dynamic-shape tracing, so
