@@ -127,6 +127,31 @@ def test_jit_keeps_the_sharding_of_written_states(axis_type):
     )
 
 
+def test_jit_writes_states_placed_on_a_mesh_of_explicit_and_auto_axes():
+    # `reshard` takes only explicit axes and `with_sharding_constraint` only the
+    # others: a write constrained to a sharding naming both needs the two.
+    mesh = jax.make_mesh(
+        (2, N // 2), ("e", "a"), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
+    both, auto_only = (
+        NamedSharding(mesh, P("e", "a")),
+        NamedSharding(mesh, P(None, "a")),
+    )
+    w = es.ParamState(jnp.arange(4.0 * N).reshape(4, N), name="w")
+    b = es.ParamState(jnp.ones((2, N)), name="b")
+    es.shard([w], mesh, P("e", "a"))
+
+    def step():
+        w.value = w.value * 2
+        b.value = b.value + 1
+
+    es.transform.jit(step, state_shardings={b: auto_only})()
+    assert w.value.sharding.is_equivalent_to(both, 2)
+    assert b.value.sharding.is_equivalent_to(auto_only, 2)
+    assert (w.value == 2 * jnp.arange(4.0 * N).reshape(4, N)).all()
+    assert (b.value == 2).all()
+
+
 @pytest.mark.parametrize("lower", (False, True))
 def test_jit_state_shardings_of_a_higher_rank_than_a_state_name_it(lower):
     split = NamedSharding(_mesh(), P("x"))

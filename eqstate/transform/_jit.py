@@ -225,7 +225,8 @@ def jit(
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
         values on output (on explicit mesh axes it moves them there with
-        `jax.sharding.reshard`, which changes their type, as in JAX). A sharding
+        `jax.sharding.reshard`, which changes their type, as in JAX; a mesh may mix
+        explicit and auto axes). A sharding
         whose PartitionSpec has more entries than a state's value has axes raises
         `ValueError` naming the state (an uneven split is legal, as in `jax.jit`).
         Written states
