@@ -1,6 +1,7 @@
 """States on several devices: placement, jit, shard_map, and the two examples. The
 suite runs with 8 virtual CPU devices (tests/conftest.py)."""
 
+import contextlib
 import functools as ft
 import importlib.util
 import pathlib
@@ -10,6 +11,7 @@ import eqstate as es
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -18,6 +20,12 @@ from .helpers import compilations, tree_allclose, tree_bitwise_equal
 
 N = len(jax.devices())
 _EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+
+
+# JAX before 0.10 needs `jax.set_mesh` around an eager computation that mixes arrays
+# split on explicit mesh axes with arrays on one device (as random keys are).
+_EXPLICIT_NEEDS_SET_MESH = tuple(map(int, jax.__version__.split(".")[:2])) < (0, 10)
+_NO_MESH_SET = r"jax\.set_mesh|is not found in mesh"
 
 
 def _mesh(name="x", axis_type=AxisType.Auto):
@@ -1071,10 +1079,11 @@ def test_shard_map_refuses_a_spec_that_splits_a_non_batch_state_it_names():
         )
 
 
+@pytest.mark.parametrize("mesh_set", (True, False), ids=("set_mesh", "no_set_mesh"))
 @pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit))
 @pytest.mark.parametrize("in_axes", (0, 1))
 def test_vmap_new_states_over_an_argument_split_along_the_mapped_axis(
-    axis_type, in_axes
+    axis_type, in_axes, mesh_set
 ):
     mesh = _mesh("x", axis_type)
     x = jnp.arange(2.0 * N * 3).reshape(2 * N, 3)
@@ -1088,14 +1097,37 @@ def test_vmap_new_states_over_an_argument_split_along_the_mapped_axis(
     # An unmapped array first: the keys follow the first *mapped* one.
     scale = jnp.full((), 2.0)
     es.random.seed(0)  # A key last split under another mesh carries that mesh.
-    with jax.set_mesh(mesh):
-        build = es.transform.vmap_new_states(member, in_axes=(None, in_axes))
+    build = es.transform.vmap_new_states(member, in_axes=(None, in_axes))
+    if _EXPLICIT_NEEDS_SET_MESH and axis_type is AxisType.Explicit and not mesh_set:
+        with pytest.raises(ValueError, match=_NO_MESH_SET):
+            build(scale, x)
+        return
+    with jax.set_mesh(mesh) if mesh_set else contextlib.nullcontext():
         ensemble = build(scale, x)
-    rows = x if in_axes == 0 else x.T
-    noise = ensemble.value - rows * 2
+    rows = np.asarray(x if in_axes == 0 else x.T)
+    noise = np.asarray(ensemble.value) - rows * 2
     assert ensemble.value.shape == (2 * N, 3)
-    # One draw per member, broadcast along its row.
-    assert tree_allclose(noise, jnp.broadcast_to(noise[:, :1], noise.shape))
+    # One draw per member, broadcast along its row, and members differ.
+    assert np.allclose(noise, noise[:, :1]) and len(set(noise[:, 0])) == 2 * N
+
+
+@pytest.mark.skipif(
+    _EXPLICIT_NEEDS_SET_MESH,
+    reason="JAX before 0.10 cannot mix the lanes' keys with an explicitly split "
+    "argument in an eager computation without `jax.set_mesh`, and may keep such a "
+    "computation made without it (documented: JAX 0.10 and later)",
+)
+@pytest.mark.parametrize("jitted", (False, True), ids=("eager", "jit"))
+def test_vmap_draws_per_lane_over_an_argument_split_on_an_explicit_axis(jitted):
+    # `jax.vmap` needs every mapped axis split alike: the lanes' keys follow `x`.
+    mesh = _mesh("x", AxisType.Explicit)
+    x = jax.device_put(jnp.zeros((N, 3)), NamedSharding(mesh, P("x")))
+    es.random.seed(0)
+    f = es.transform.vmap(lambda row: row + es.random.normal(()))
+    f = es.transform.jit(f) if jitted else f
+    first, second = np.asarray(f(x)), np.asarray(f(x))
+    assert np.allclose(first, first[:, :1]) and len(set(first[:, 0])) == N
+    assert not np.allclose(first, second)  # the key advanced
 
 
 @pytest.mark.parametrize("reads_another", (False, True))

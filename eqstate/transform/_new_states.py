@@ -9,7 +9,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.sharding import PartitionSpec
 
 from .. import _context, _jax_compat as compat
 from .._clone import Build, mark_build, mark_replicated
@@ -34,8 +33,8 @@ from ._vmap import (
     arrays_only,
     axis_size_of,
     checked_axis_size,
-    mapped_subtrees,
     per_argument_axes,
+    split_like_mapped,
     with_impl_of,
 )
 
@@ -275,32 +274,6 @@ def _split_for_lanes(key: Any, size: int) -> tuple[Any, tuple[Any, Any]]:
     return outer, (per_lane[:, 0], per_lane[:, 1])
 
 
-def _split_like_mapped(lane_keys: Any, axes: tuple, args: tuple) -> Any:
-    """`lane_keys` (mapped on axis 0), split over the mesh axes that the mapped axis
-    of the first mapped array is split over in its type (explicit mesh axes), since
-    `jax.vmap` needs every mapped axis split alike; as they are otherwise."""
-    found = _first_mapped_array(axes, args)
-    if found is None:
-        return lane_keys
-    axis, leaf = found
-    spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", ())
-    axis %= len(leaf.shape)
-    if axis >= len(spec) or spec[axis] is None:
-        return lane_keys
-    split = PartitionSpec(spec[axis])
-    return jtu.tree_map(lambda k: jax.sharding.reshard(k, split), lane_keys)
-
-
-def _first_mapped_array(axes: tuple, args: tuple) -> tuple[int, Any] | None:
-    """`(axis, leaf)` of the first array leaf of `args` that `axes` maps, if any."""
-    for axis_tree, arg in zip(axes, args):
-        for axis, sub in mapped_subtrees(axis_tree, arg):
-            for leaf in jtu.tree_leaves(sub):
-                if hasattr(leaf, "shape"):
-                    return axis, leaf
-    return None
-
-
 def _batched(value: Any) -> bool:
     return any(compat.is_batched_here(x) for x in jtu.tree_leaves(value))
 
@@ -328,7 +301,7 @@ def _build(
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
     outer_key, lane_keys = _split_for_lanes(frame.read(DEFAULT), size)
-    lane_keys = _split_like_mapped(lane_keys, axes, args)
+    lane_keys = split_like_mapped(lane_keys, axes, args)
     made: dict[str, list] = {"new": []}
     try:
         out, batched, shared = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]

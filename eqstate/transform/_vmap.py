@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.sharding import PartitionSpec
 
 from .. import _context, _jax_compat as compat
 from .._clone import stacked_by_its_last_build
@@ -573,6 +574,36 @@ def _state_roles(
     )
 
 
+def split_like_mapped(lane_keys: Any, axes: tuple, args: tuple) -> Any:
+    """`lane_keys` (mapped on axis 0), split over the mesh axes that the mapped axis
+    of the first mapped array is split over in its type (explicit mesh axes), since
+    `jax.vmap` needs every mapped axis split alike; as they are otherwise."""
+    found = _first_mapped_array(axes, args)
+    if found is None:
+        return lane_keys
+    axis, leaf = found
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    spec = getattr(sharding, "spec", ())
+    axis %= len(leaf.shape)
+    if sharding is None or axis >= len(spec) or spec[axis] is None:
+        return lane_keys
+    # On the leaf's mesh (its devices, for a concrete leaf): a bare
+    # `PartitionSpec` needs a mesh set around the call.
+    mesh = getattr(getattr(leaf, "sharding", None), "mesh", sharding.mesh)
+    split = jax.sharding.NamedSharding(mesh, PartitionSpec(spec[axis]))
+    return jtu.tree_map(lambda k: jax.sharding.reshard(k, split), lane_keys)
+
+
+def _first_mapped_array(axes: tuple, args: tuple) -> tuple[int, Any] | None:
+    """`(axis, leaf)` of the first array leaf of `args` that `axes` maps, if any."""
+    for axis_tree, arg in zip(axes, args):
+        for axis, sub in mapped_subtrees(axis_tree, arg):
+            for leaf in jtu.tree_leaves(sub):
+                if hasattr(leaf, "shape"):
+                    return axis, leaf
+    return None
+
+
 def _split_keys(keys: list, size: int) -> tuple[list, list]:
     """Each key's successor, and `size` keys split from it, one per lane."""
     outer_keys, lane_keys = [], []
@@ -635,8 +666,19 @@ def key_after_lanes(alike: Any, per_lane: Any, outer_key: Any, size: int) -> Any
         return alike
     if per_lane is None or size < 2:
         return outer_key
+    per_lane = _unsplit(per_lane)
     data = jax.random.key_data(per_lane)
     return jax.lax.select(jnp.all(data == data[:1]), per_lane[0], outer_key)
+
+
+def _unsplit(x: Any) -> Any:
+    """`x`, replicated if its type splits it over explicit mesh axes (on which JAX
+    refuses to index it without saying where the result goes)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or all(entry is None for entry in sharding.spec):
+        return x
+    mesh = getattr(getattr(x, "sharding", None), "mesh", sharding.mesh)
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, PartitionSpec()))
 
 
 def _differs_across_lanes(value: Any) -> bool:
@@ -694,6 +736,7 @@ def _call_vmapped(
     used = lambda s: values.get(s, MISSING)  # noqa: E731
     _refuse_stacked_handles_left_whole(axes, args, kwargs, used, mapped_axis, size)
     outer_keys, lane_keys = _split_keys([values[s] for s in roles.randoms], size)
+    lane_keys = split_like_mapped(lane_keys, axes, args)
     with EQUINOX_ERRORS:
         out, new_mapped, new_broadcast, alike, per_lane = eqx.filter_vmap(  # pyright: ignore[reportCallIssue]
             _lane_function(traced, values, roles),
