@@ -730,6 +730,28 @@ def test_jit_of_shard_map_keeps_a_split_states_explicit_sharding():
     assert jax.typeof(es.transform.jit(lambda: s.value)()) == jax.typeof(s.value)
 
 
+@pytest.mark.parametrize("axis_type", (AxisType.Auto, AxisType.Explicit))
+def test_jit_of_shard_map_moves_an_unplaced_state_to_its_spec(axis_type):
+    # Eagerly the state is put on its spec before `jax.shard_map`; under `jit` it is
+    # a traced value whose type (explicit axes) must be resharded there.
+    mesh = _mesh("x", axis_type)
+    s = es.State(jnp.zeros(2 * N), name="s")
+    x = jax.device_put(jnp.arange(2.0 * N), NamedSharding(mesh, P("x")))
+
+    def add(x):
+        s.value = s.value + x
+        return x
+
+    sm = es.transform.shard_map(
+        add, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"), state_specs=P("x")
+    )
+    step = es.transform.jit(sm)
+    step(x)
+    step(x)
+    assert tree_allclose(s.value, 2 * jnp.arange(2.0 * N))
+    assert s.value.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 1)
+
+
 @pytest.mark.parametrize("loop", ["vmap", "map"])
 def test_vmap_and_map_nested_in_shard_map_mix_a_shard_with_a_replicated_state(loop):
     w = es.State(jnp.array(2.0), name="w")

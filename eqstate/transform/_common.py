@@ -282,6 +282,38 @@ def varying_along(tree: Any, axes: frozenset) -> Any:
     return jtu.tree_map(varying, tree)
 
 
+def constrained_to(value: Any, sharding: jax.sharding.Sharding) -> Any:
+    """`value` inside a trace, constrained to `sharding`: resharded along explicit mesh
+    axes (whose splits are part of the type), constrained along the others."""
+    mesh = getattr(sharding, "mesh", None)
+    types = tuple(getattr(mesh, "axis_types", ()))
+    explicit, auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+    if mesh is None or explicit not in types:
+        return jax.lax.with_sharding_constraint(value, sharding)
+    if auto not in types:
+        # Explicit mesh axes put shardings in the types: `reshard` sets them.
+        return jax.sharding.reshard(value, sharding)
+    # A mesh of both kinds: `reshard` takes only the explicit axes, and
+    # `with_sharding_constraint` only the others.
+    kinds = dict(zip(mesh.axis_names, types))
+    value = jax.sharding.reshard(value, _on_axes(sharding, kinds, explicit))
+    return jax.lax.with_sharding_constraint(value, _on_axes(sharding, kinds, auto))
+
+
+def _on_axes(sharding: Any, kinds: dict, kind: Any) -> jax.sharding.NamedSharding:
+    """`sharding` (a `NamedSharding`) split along the mesh axes of `kind` alone."""
+
+    def entry(names: Any) -> Any:
+        names = names if isinstance(names, tuple) else (names,)
+        kept = tuple(n for n in names if n is not None and kinds.get(n) == kind)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    spec = jax.sharding.PartitionSpec(*(entry(e) for e in sharding.spec))
+    return jax.sharding.NamedSharding(
+        sharding.mesh, spec, memory_kind=sharding.memory_kind
+    )
+
+
 def copied_numpy(args: Any) -> Any:
     """`args` with every NumPy array leaf a `jax.Array` holding a copy. On the CPU,
     JAX may use a NumPy argument's buffer without copying it and read it after the

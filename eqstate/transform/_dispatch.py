@@ -31,6 +31,7 @@ from .._shapes import is_key
 from .._state import State
 from .._state_dict import sharding_rule
 from ._call_args import CallArgs
+from ._common import constrained_to
 from ._equinox_errors import EQUINOX_ERRORS, raise_equinox_error
 from ._function_traces import FunctionTraces
 from ._leaves import ArrayImpl, in_module, jax_jit_sees_as_eqstate
@@ -277,9 +278,9 @@ def _constrained(value: Any, sharding: Any) -> Any:
     if compat.in_manual_axes():
         return value
     if isinstance(sharding, jax.sharding.Sharding):
-        return _constrained_to(value, sharding)
+        return constrained_to(value, sharding)
     return jax.tree_util.tree_map(
-        lambda s, x: x if s is None else _constrained_to(x, s),
+        lambda s, x: x if s is None else constrained_to(x, s),
         sharding,
         value,
         is_leaf=_is_none,
@@ -312,36 +313,6 @@ def _check_rank(state: State, value: Any, sharding: Any) -> None:
                 "with a mapping `{filter: sharding}` or a function `(state, value) "
                 "-> Sharding | None` that matches only the states it fits."
             )
-
-
-def _constrained_to(value: Any, sharding: jax.sharding.Sharding) -> Any:
-    mesh = getattr(sharding, "mesh", None)
-    types = tuple(getattr(mesh, "axis_types", ()))
-    explicit, auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
-    if mesh is None or explicit not in types:
-        return jax.lax.with_sharding_constraint(value, sharding)
-    if auto not in types:
-        # Explicit mesh axes put shardings in the types: `reshard` sets them.
-        return jax.sharding.reshard(value, sharding)
-    # A mesh of both kinds: `reshard` takes only the explicit axes, and
-    # `with_sharding_constraint` only the others.
-    kinds = dict(zip(mesh.axis_names, types))
-    value = jax.sharding.reshard(value, _on_axes(sharding, kinds, explicit))
-    return jax.lax.with_sharding_constraint(value, _on_axes(sharding, kinds, auto))
-
-
-def _on_axes(sharding: Any, kinds: dict, kind: Any) -> jax.sharding.NamedSharding:
-    """`sharding` (a `NamedSharding`) split along the mesh axes of `kind` alone."""
-
-    def entry(names: Any) -> Any:
-        names = names if isinstance(names, tuple) else (names,)
-        kept = tuple(n for n in names if n is not None and kinds.get(n) == kind)
-        return kept[0] if len(kept) == 1 else (kept or None)
-
-    spec = jax.sharding.PartitionSpec(*(entry(e) for e in sharding.spec))
-    return jax.sharding.NamedSharding(
-        sharding.mesh, spec, memory_kind=sharding.memory_kind
-    )
 
 
 def _is_none(x: Any) -> bool:

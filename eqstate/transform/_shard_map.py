@@ -18,7 +18,7 @@ from .._shapes import is_key, shape_dtype
 from .._sharding import check_divisible, spec_rule
 from .._state import shared_by_members, State, why_shared
 from .._state_dict import state_dict_of
-from ._common import hide_static, show_static
+from ._common import constrained_to, hide_static, show_static
 from ._decorator import decorator_form
 from ._discovery import Discovery, traces_for
 from ._function_traces import FunctionTraces
@@ -145,10 +145,16 @@ def _per_argument_specs(in_specs: Any, args: tuple, name: str) -> tuple:
 
 
 def _placed(values: list, specs: list[PartitionSpec], mesh: Mesh) -> list:
-    """Eagerly, `values` moved to their sharding on `mesh`; inside a trace, as they
-    are."""
-    if not compat.is_top_level():
+    """`values` moved to their sharding on `mesh`: inside a trace, constrained to it
+    (`jax.shard_map` takes a value split along explicit mesh axes only as its
+    `in_specs` split it)."""
+    if compat.in_manual_axes():  # Inside another `shard_map`: each device's shard.
         return list(values)
+    if not compat.is_top_level():
+        return [
+            jtu.tree_map(ft.partial(constrained_to, sharding=NamedSharding(mesh, s)), v)
+            for v, s in zip(values, specs)
+        ]
     # Not `jax.device_put`: it cannot put a PRNG key (a random state's value) on
     # devices of other processes.
     return [device_put(v, NamedSharding(mesh, s)) for v, s in zip(values, specs)]
@@ -319,8 +325,8 @@ def shard_map(
         replicated (tagged [`eqstate.transform.INIT_NO_BATCHING`][] or selected by
         its `state_to_exclude`), which a `PartitionSpec` or a filter never splits
         (as `vmap` never maps them); only a function can split one.
-        State values are moved to their sharding before the call, and written
-        states come back with it.
+        State values are moved to their sharding before the call (inside `jit`,
+        constrained to it), and written states come back with it.
 
     **Returns:**
 
