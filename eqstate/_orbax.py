@@ -8,11 +8,14 @@ writes, with two items:
     (`layers.0.bn.running_mean`). PRNG keys are stored as their key data. Plain Orbax
     restores it without eqstate. A checkpoint of no arrays (no states, or values
     such as `{}`) has no `state` item: Orbax cannot save an empty PyTree.
-- `eqstate`: JSON `{"format": "eqstate-orbax", "version": 1, "entries": [...]}`, one
-    entry per array as in the single-file header (`path`, `dtype`, `shape`,
-    `weak_type`, `key_impl` for keys) plus `checksum`: a 32-bit checksum of the array's bytes, computed on
-    the devices, so that a corrupted shard is refused on restore as the single-file
-    format refuses a corrupted file.
+- `eqstate`: JSON `{"format": "eqstate-orbax", "version": 2, "entries": [...],
+    "entries_crc32": ...}`, one entry per array as in the single-file header
+    (`path`, `dtype`, `shape`, `weak_type`, `key_impl` for keys) plus `checksum`: a
+    64-bit checksum of the array's bytes, computed on the devices, so that a
+    corrupted shard is refused on restore as the single-file format refuses a
+    corrupted file; `entries_crc32` is the CRC32 of the entries' JSON (sorted keys,
+    no spaces). Version 1, still read, had 32-bit checksums (see `_checksum_v1`) and
+    no `entries_crc32`.
 
 `orbax-checkpoint` is imported only when one of these functions runs.
 """
@@ -22,6 +25,7 @@ import functools as ft
 import gc
 import importlib
 import itertools
+import json
 import operator
 import os
 import queue
@@ -29,6 +33,7 @@ import shutil
 import sys
 import threading
 import weakref
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -61,7 +66,10 @@ from ._state_dict import StateDict
 
 
 _FORMAT = "eqstate-orbax"
-_VERSION = 1
+_VERSION = 2
+# Version 1 had 32-bit checksums that two changes could cancel, and no checksum of
+# the entries themselves; it is still read.
+_READABLE = (1, 2)
 _STATE_ITEM = "state"
 _META_ITEM = "eqstate"
 
@@ -135,38 +143,77 @@ def _flat_index(words: jax.Array) -> jax.Array:
     return index
 
 
-def _checksum(x: jax.Array) -> jax.Array:
-    """A 32-bit checksum of `x`'s bytes: the sum of its words, each times an odd
-    weight that depends on its row-major position, modulo 2**32. Integer addition is
-    exact in any order, so the sum is the same however `x` is sharded; and a change
-    confined to one word always changes it (odd weights are invertible modulo
-    2**32)."""
+def _checksum_v1(x: jax.Array) -> jax.Array:
+    """The checksum of format version 1, kept to verify such checkpoints: the sum of
+    `x`'s words, each times an odd weight that depends on its position, modulo
+    2**32. A change confined to one word always changes it, but changes in two words
+    can cancel out (flipping the top bit of any two words does)."""
     words = _words(x)
     weights = _flat_index(words) * _GOLDEN * np.uint32(2) + np.uint32(1)
     return jnp.sum(words * weights, dtype=jnp.uint32)
 
 
-@jax.jit
-def _checksums(arrays: list[jax.Array]) -> list[jax.Array]:
-    return [_checksum(x) for x in arrays]
+_SEEDS = (np.uint32(0x243F6A88), np.uint32(0x85A308D3))
+
+
+def _mixed(h: jax.Array) -> jax.Array:
+    """A bijection of `uint32` words that spreads each input bit over every output
+    bit (MurmurHash3's finaliser)."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """A 64-bit checksum of `x`'s bytes, as two `uint32` halves: for each half, the
+    sum modulo 2**32 of a hash of each word and its row-major position, with a
+    seed of its own. Integer addition is exact in any order, so the sum is the same
+    however `x` is sharded. Each word's hash is a bijection of the word, so a change
+    confined to one word always changes both halves; changes in several words cancel
+    out only by chance (about 2**-64), not by a pattern such as two sign flips."""
+    words = _words(x)
+    index = _flat_index(words)
+    halves = []
+    for seed in _SEEDS:
+        hashes = _mixed(words + _mixed(index ^ seed))
+        halves.append(jnp.sum(hashes, dtype=jnp.uint32))
+    return jnp.stack(halves)
+
+
+@ft.partial(jax.jit, static_argnums=0)
+def _checksums(version: int, arrays: list[jax.Array]) -> list[jax.Array]:
+    checksum = _checksum if version == _VERSION else _checksum_v1
+    return [checksum(x) for x in arrays]
 
 
 def _device_group(x: jax.Array) -> Any:
     return frozenset(x.sharding.device_set) if x.committed else None
 
 
-def checksums(arrays: list[jax.Array]) -> list[int]:
-    """The checksum of each array, computed on the devices holding it: one compiled
-    call per set of devices (a single call for a model placed on one mesh)."""
+def checksums(arrays: list[jax.Array], version: int = _VERSION) -> list[int]:
+    """The checksum of each array for checkpoints of format `version`, computed on
+    the devices holding it: one compiled call per set of devices (a single call for
+    a model placed on one mesh)."""
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(arrays):
         groups.setdefault(_device_group(x), []).append(i)
     out: list[int] = [0] * len(arrays)
     for indices in groups.values():
         # Each result is a replicated scalar, which every process can read.
-        for i, value in zip(indices, _checksums([arrays[i] for i in indices])):
-            out[i] = int(value)
+        values = _checksums(version, [arrays[i] for i in indices])
+        for i, value in zip(indices, values):
+            out[i] = _as_int(np.asarray(value))
     return out
+
+
+def _as_int(checksum: np.ndarray) -> int:
+    """A checksum as one Python int: version 2's two halves, high half first."""
+    if checksum.ndim == 0:
+        return int(checksum)
+    high, low = (int(h) for h in checksum)
+    return high << 32 | low
 
 
 # Saving ------------------------------------------------------------------------------
@@ -206,7 +253,12 @@ def _save_args(
             # program): Orbax saves NumPy arrays from the first process only.
             array = np.asarray(array)
         tree[spec.path] = array
-    meta = {"format": _FORMAT, "version": _VERSION, "entries": entries}
+    meta = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "entries": entries,
+        "entries_crc32": _entries_crc32(entries),
+    }
     items = {_META_ITEM: ocp.args.JsonSave(meta)}
     if tree:
         # Orbax refuses an empty PyTree only once it has removed the checkpoint it
@@ -229,9 +281,12 @@ def _refuse_values_that_differ_across_processes(
     from jax.experimental import multihost_utils
 
     local = [x.is_fully_addressable for x in arrays]
-    mine = np.array([c if own else 0 for c, own in zip(sums, local)], np.uint32)
+    mine = np.array(
+        [divmod(c, 2**32) if own else (0, 0) for c, own in zip(sums, local)],
+        np.uint32,
+    ).reshape(-1)
     every = np.asarray(multihost_utils.process_allgather(mine))
-    differs = np.flatnonzero((every != every[:1]).any(axis=0))
+    differs = np.flatnonzero((every != every[:1]).any(axis=0)) // 2
     if differs.size:
         spec, _ = leaves[differs[0]]
         raise CheckpointError(
@@ -453,7 +508,15 @@ def _is_entry(entry: Any) -> bool:
     )
 
 
-def _check_meta(where: str, meta: Any) -> list[dict[str, Any]]:
+def _entries_crc32(entries: Any) -> int:
+    """The CRC32 of the entries' canonical JSON, so that a bit flipped in a key name
+    or a value of an entry is refused (a `weak_type` flipped by a bit would still
+    be valid JSON)."""
+    text = json.dumps(entries, sort_keys=True, separators=(",", ":"))
+    return zlib.crc32(text.encode())
+
+
+def _check_meta(where: str, meta: Any) -> tuple[list[dict[str, Any]], int]:
     if (
         not isinstance(meta, dict)
         or meta.get("format") != _FORMAT
@@ -465,13 +528,26 @@ def _check_meta(where: str, meta: Any) -> list[dict[str, Any]]:
             "or `eqstate.CheckpointManager`: its `eqstate` item is missing or "
             "malformed. Restore it with Orbax directly, or save it again with eqstate."
         )
-    if meta.get("version") != _VERSION:
+    version = meta.get("version")
+    if type(version) is not int or version not in _READABLE:
         raise CheckpointError(
-            f"{where!r} has eqstate's Orbax format version {meta.get('version')}, but "
-            f"this version of eqstate reads only version {_VERSION}. Load it with the "
-            "eqstate release that wrote it."
+            f"{where!r} has eqstate's Orbax format version {version}, but this "
+            f"version of eqstate reads only versions {', '.join(map(str, _READABLE))}."
+            " Load it with the eqstate release that wrote it."
         )
-    return meta["entries"]
+    entries = meta["entries"]
+    # Every entry eqstate wrote has a checksum (a bit flipped in its key name would
+    # otherwise skip verifying that array); version 2 also has one of the entries.
+    if not all(type(entry.get("checksum")) is int for entry in entries) or (
+        version >= 2 and meta.get("entries_crc32") != _entries_crc32(entries)
+    ):
+        raise CheckpointError(
+            f"The checkpoint {where!r} is corrupted: its `eqstate` item, which "
+            "describes each array, does not match its checksums. Its files were "
+            "changed after they were written (a disk or transfer error); copy it "
+            "again or use an earlier checkpoint."
+        )
+    return entries, version
 
 
 def _place_directly(leaf: Any) -> bool:
@@ -520,10 +596,16 @@ def _value(spec: Leaf, leaf: Any, stored: Any) -> Any:
     return value
 
 
-def _verify(where: str, specs: list[tuple[Leaf, Any]], stored: dict, by_path: dict):
-    paths = [spec.path for spec, _ in specs if "checksum" in by_path[spec.path]]
+def _verify(
+    where: str,
+    specs: list[tuple[Leaf, Any]],
+    stored: dict,
+    by_path: dict,
+    version: int,
+) -> None:
+    paths = [spec.path for spec, _ in specs]
     arrays = [jnp.asarray(stored[path]) for path in paths]
-    for path, found in zip(paths, checksums(arrays)):
+    for path, found in zip(paths, checksums(arrays, version)):
         entry = by_path[path]
         if found != entry["checksum"]:
             raise CheckpointError(
@@ -547,7 +629,7 @@ def restore_with(
         meta = restore(ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
     except (KeyError, FileNotFoundError, ValueError):
         meta = {_META_ITEM: None}  # not an eqstate checkpoint: refused just below
-    entries = _check_meta(where, meta[_META_ITEM])
+    entries, version = _check_meta(where, meta[_META_ITEM])
     by_path = check_entries(where, target, [spec for spec, _ in specs], entries)
     if not specs:  # Nothing to read: a checkpoint of no arrays has no `state` item.
         return values_from_arrays(expected, [], [], by_path)
@@ -561,7 +643,7 @@ def restore_with(
             "incomplete (changed or cut short after they were written); copy it "
             "again or use an earlier checkpoint."
         ) from e
-    _verify(where, specs, stored, by_path)
+    _verify(where, specs, stored, by_path, version)
     arrays = [_value(spec, leaf, stored[spec.path]) for spec, leaf in specs]
     return values_from_arrays(expected, specs, arrays, by_path)
 

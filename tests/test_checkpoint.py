@@ -1210,15 +1210,20 @@ def test_weak_types_come_back_as_saved_whatever_the_target(backend, tmp_path):
         assert (loaded[new] * x).dtype == (old.value * x).dtype
 
 
-def _without_weak_types(path: pathlib.Path, backend: str) -> None:
-    """Rewrites the checkpoint at `path` as eqstate wrote it before its entries
-    recorded weak types."""
+def _without_weak_types(path: pathlib.Path, backend: str, values: dict) -> None:
+    """Rewrites the checkpoint at `path`, which holds `values` by path, as eqstate
+    wrote it before its entries recorded weak types (in the Orbax backend's format
+    version 1, with its checksums)."""
     if backend == "orbax":
+        from eqstate import _orbax
+
         meta_file = path / "eqstate" / "metadata"
         meta = json.loads(meta_file.read_text())
         for entry in meta["entries"]:
             entry.pop("weak_type", None)
-        meta_file.write_text(json.dumps(meta))
+            entry["checksum"] = _orbax.checksums([values[entry["path"]]], 1)[0]
+        del meta["entries_crc32"]
+        meta_file.write_text(json.dumps({**meta, "version": 1}))
         return
     header, data = _header(path), path.read_bytes()[_data_start(path) :]
     for entry in header["entries"]:
@@ -1231,7 +1236,7 @@ def test_a_checkpoint_without_weak_types_takes_the_targets(backend, tmp_path):
     saved, target = _scale_states(False), _scale_states(True)
     path = _ckpt_path(tmp_path, backend)
     es.save(path, es.values_of(saved), backend=backend)
-    _without_weak_types(path, backend)
+    _without_weak_types(path, backend, {s.name: s.value for s in saved})
     loaded = es.load(path, es.values_of(target), backend=backend)
     for old, new in zip(saved, target):
         assert loaded[new].weak_type == new.value.weak_type

@@ -1,6 +1,7 @@
 """The Orbax backend of `eqstate.save` / `eqstate.load` and `eqstate.CheckpointManager`,
 in one process; `test_multi_process.py` runs them across processes."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from eqstate import _orbax
+from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .helpers import tree_bitwise_equal, unchecked_new
@@ -98,21 +100,142 @@ def test_orbax_round_trips_values_split_along_a_later_axis_of_an_explicit_mesh(
     assert all(loaded[s].sharding.spec == spec for s in es.states_of(target))
 
 
-def test_orbax_checksums_do_not_depend_on_the_placement():
+# The values stored in checkpoints of each format version: a change would refuse
+# every earlier checkpoint of that version.
+_PINNED_CHECKSUMS = {
+    1: [2956984320, 2677125184, 4231120544, 1454964103],
+    2: [
+        3752665816936513480,
+        6037356004539565040,
+        3625128629409687066,
+        5841783868567822132,
+    ],
+}
+
+
+@pytest.mark.parametrize("version", sorted(_PINNED_CHECKSUMS))
+def test_orbax_checksums_do_not_depend_on_the_placement(version):
     x = jnp.arange(64.0).reshape(4, 8, 2)
     values = [x, x.astype(jnp.bfloat16), x.astype(jnp.int8), x > 20]
-    # The values stored in checkpoints: a change would refuse every earlier one.
-    expected = [2956984320, 2677125184, 4231120544, 1454964103]
-    assert _orbax.checksums(values) == expected
-    assert _orbax.checksums([jax.device_put(v, jax.devices()[3]) for v in values]) == (
-        expected
-    )
+    expected = _PINNED_CHECKSUMS[version]
+    assert _orbax.checksums(values, version) == expected
+    on_device_3 = [jax.device_put(v, jax.devices()[3]) for v in values]
+    assert _orbax.checksums(on_device_3, version) == expected
     specs = [P("a"), P(None, "b"), P(None, None, "a"), P("a", "b"), P(None, ("a", "b"))]
     for axis_type in (AxisType.Auto, AxisType.Explicit):
         mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(axis_type,) * 2)
         for spec in specs:
             placed = [jax.device_put(v, NamedSharding(mesh, spec)) for v in values]
-            assert _orbax.checksums(placed) == expected, (axis_type, spec)
+            assert _orbax.checksums(placed, version) == expected, (axis_type, spec)
+
+
+def _meta_file(path) -> "os.PathLike":
+    return path / "eqstate" / "metadata"
+
+
+def _as_version_1(path, values: list) -> None:
+    """Rewrites the `eqstate` item of the checkpoint at `path`, which holds `values`
+    in this order, as format version 1 wrote it."""
+    meta = json.loads(_meta_file(path).read_text())
+    for entry, checksum in zip(meta["entries"], _orbax.checksums(values, 1)):
+        entry["checksum"] = checksum
+    del meta["entries_crc32"]
+    _meta_file(path).write_text(json.dumps({**meta, "version": 1}))
+
+
+def _sign_flipped(x: np.ndarray, *at: int) -> np.ndarray:
+    flipped = x.copy()
+    flipped.view(np.uint32)[list(at)] ^= np.uint32(1 << 31)
+    return flipped
+
+
+def test_orbax_load_refuses_values_that_differ_from_their_entry_by_two_sign_flips(
+    tmp_path,
+):
+    x = np.arange(1.0, 1001.0, dtype=np.float32)
+    flipped = _sign_flipped(x, 3, 700)
+    # Format version 1 gave each word an odd weight modulo 2**32: flipping the top
+    # bit of any two words adds 2**32, which left its checksum as it was.
+    assert _orbax.checksums([jnp.asarray(x)], 1) == _orbax.checksums(
+        [jnp.asarray(flipped)], 1
+    )
+    w = es.ParamState(jnp.asarray(x), name="w")
+    es.save(tmp_path / "a", es.values_of(w), backend="orbax")
+    w.value = jnp.asarray(flipped)
+    es.save(tmp_path / "b", es.values_of(w), backend="orbax")
+    # b's arrays, described by a's entries: what a damaged disk could leave.
+    shutil.copyfile(_meta_file(tmp_path / "a"), _meta_file(tmp_path / "b"))
+    with pytest.raises(es.CheckpointError, match=r"corrupted: the values of entry `w`"):
+        es.load(tmp_path / "b", es.values_of(w))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    words=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40),
+    data=st.data(),
+)
+def test_an_orbax_checksum_changes_with_any_word_and_any_two_sign_bits(words, data):
+    x = np.array(words, np.uint32)
+    i = data.draw(st.integers(0, len(x) - 1), label="changed word")
+    other = data.draw(st.integers(0, 2**32 - 1).filter(lambda v: v != x[i]))
+    changed = x.copy()
+    changed[i] = other
+    assert _orbax.checksums([jnp.asarray(changed)]) != _orbax.checksums(
+        [jnp.asarray(x)]
+    )
+    if len(x) > 1:
+        j = data.draw(st.integers(0, len(x) - 1).filter(lambda j: j != i), label="j")
+        flipped = _sign_flipped(x, i, j)
+        assert _orbax.checksums([jnp.asarray(flipped)]) != _orbax.checksums(
+            [jnp.asarray(x)]
+        )
+
+
+def _rename_checksum_key(meta: dict) -> None:
+    entry = meta["entries"][0]
+    entry["chdcksum"] = entry.pop("checksum")  # one bit: 'e' ^ 0x01 is 'd'
+
+
+def _flip_weak_type(meta: dict) -> None:
+    entry = meta["entries"][0]
+    entry["weak_type"] = not entry["weak_type"]
+
+
+@pytest.mark.parametrize(
+    "version, damage",
+    [
+        (1, _rename_checksum_key),
+        (2, _rename_checksum_key),
+        (2, _flip_weak_type),
+        (2, lambda meta: meta.pop("entries_crc32")),
+    ],
+    ids=["v1 checksum key", "v2 checksum key", "v2 weak type", "v2 entries crc32"],
+)
+def test_orbax_load_refuses_damaged_entries(tmp_path, version, damage):
+    w = es.ParamState(jnp.arange(8.0), name="w")
+    es.save(tmp_path / "c", es.values_of(w), backend="orbax")
+    if version == 1:
+        _as_version_1(tmp_path / "c", [w.value])
+    meta = json.loads(_meta_file(tmp_path / "c").read_text())
+    damage(meta)
+    _meta_file(tmp_path / "c").write_text(json.dumps(meta))
+    with pytest.raises(es.CheckpointError, match=r"corrupted: its `eqstate` item"):
+        es.load(tmp_path / "c", es.values_of(w))
+
+
+def test_orbax_loads_a_checkpoint_of_format_version_1_bit_exactly(tmp_path, getkey):
+    model = {
+        "w": es.ParamState(jax.random.normal(getkey(), (5, 3)), name="w"),
+        "half": es.State(jnp.arange(6.0, dtype=jnp.bfloat16), name="half"),
+        "rng": es.RandomState(3, name="rng"),
+    }
+    es.save(tmp_path / "c", es.values_of(model), model=model, backend="orbax")
+    stored = [model["half"].value, model["rng"].value, model["w"].value]  # by path
+    stored[1] = jax.random.key_data(stored[1])
+    _as_version_1(tmp_path / "c", stored)
+    assert json.loads(_meta_file(tmp_path / "c").read_text())["version"] == 1
+    loaded = es.load(tmp_path / "c", model)
+    assert tree_bitwise_equal(loaded, es.values_of(model))
 
 
 # Plain Orbax, restoring with no target, says that it reads the shardings from the
