@@ -465,6 +465,9 @@ def save_orbax(
 ) -> None:
     """`eqstate.save(path, states, model=model, backend='orbax')`."""
     ocp = orbax("Saving a checkpoint with the Orbax backend")
+    # Numbered before anything can fail: a save that fails in some processes only
+    # still takes its number there, so that later saves' barriers keep matching.
+    number = next(_SWAPS)
     _refuse_to_replace(path)
     args, _ = _save_args(ocp, states, model)
     # Through a symlink, the directory it leads to is replaced and the link stays.
@@ -472,10 +475,10 @@ def save_orbax(
     with _saving(path):
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             checkpointer.save(target + _STAGING, args=args, force=True)
-        _swap_in(ocp, target)
+        _swap_in(ocp, target, number)
 
 
-def _swap_in(ocp: Any, target: str) -> None:
+def _swap_in(ocp: Any, target: str, number: int) -> None:
     """Moves the checkpoint written at `target + _STAGING` to `target`, replacing
     what is there (process 0 alone, the others waiting for it). Until the new one is
     in place, the old one is at `target` or, for the two renames between, at
@@ -493,7 +496,7 @@ def _swap_in(ocp: Any, target: str) -> None:
     finally:
         # Reached by process 0 also when a rename fails, so that no process waits
         # for it until the barrier times out.
-        ocp.multihost.sync_global_processes(f"eqstate_save_swap_{next(_SWAPS)}")
+        ocp.multihost.sync_global_processes(f"eqstate_save_swap_{number}")
 
 
 # Loading -----------------------------------------------------------------------------

@@ -1482,6 +1482,36 @@ def test_an_orbax_save_that_fails_while_writing_keeps_the_checkpoint_it_replaces
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def test_the_barrier_of_an_orbax_save_does_not_depend_on_earlier_saves_failing(
+    tmp_path, monkeypatch
+):
+    # Every process waits for process 0's swap at a barrier named by the save's
+    # number. A save that failed in one process only, before its swap, took no
+    # number there: every later barrier of that process had another name than the
+    # others', and the processes waited for each other until it timed out.
+    import orbax.checkpoint as ocp
+
+    barriers = []
+    monkeypatch.setattr(
+        ocp.multihost, "sync_global_processes", lambda name, **_: barriers.append(name)
+    )
+    w = es.ParamState(jnp.arange(3.0), name="w")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    es.save(tmp_path / "a", es.values_of(w), backend="orbax")
+    with monkeypatch.context() as patch:
+        patch.setattr(ocp.CompositeCheckpointHandler, "save", full_disk)
+        with pytest.raises(es.CheckpointError, match="No space left"):
+            es.save(tmp_path / "b", es.values_of(w), backend="orbax")
+    es.save(tmp_path / "c", es.values_of(w), backend="orbax")
+    swaps = [name for name in barriers if name.startswith("eqstate_save_swap_")]
+    first, third = (int(name.rsplit("_", 1)[1]) for name in swaps)
+    # The number a process whose second save succeeded gives the third.
+    assert third == first + 2
+
+
 def test_an_orbax_save_through_a_symlink_replaces_the_checkpoint_it_leads_to(tmp_path):
     w = es.ParamState(jnp.arange(3.0), name="w")
     real, link = tmp_path / "real", tmp_path / "link"
