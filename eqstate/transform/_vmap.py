@@ -578,6 +578,8 @@ def split_like_mapped(lane_keys: Any, axes: tuple, args: tuple) -> Any:
     """`lane_keys` (mapped on axis 0), split over the mesh axes that the mapped axis
     of the first mapped array is split over in its type (explicit mesh axes), since
     `jax.vmap` needs every mapped axis split alike; as they are otherwise."""
+    if not jtu.tree_leaves(lane_keys):
+        return lane_keys  # no random state: no walk over the arguments
     found = _first_mapped_array(axes, args)
     if found is None:
         return lane_keys
@@ -587,10 +589,9 @@ def split_like_mapped(lane_keys: Any, axes: tuple, args: tuple) -> Any:
     axis %= len(leaf.shape)
     if sharding is None or axis >= len(spec) or spec[axis] is None:
         return lane_keys
-    # On the leaf's mesh (its devices, for a concrete leaf): a bare
-    # `PartitionSpec` needs a mesh set around the call.
-    mesh = getattr(getattr(leaf, "sharding", None), "mesh", sharding.mesh)
-    split = jax.sharding.NamedSharding(mesh, PartitionSpec(spec[axis]))
+    split = jax.sharding.NamedSharding(
+        _mesh_of(leaf, sharding), PartitionSpec(spec[axis])
+    )
     return jtu.tree_map(lambda k: jax.sharding.reshard(k, split), lane_keys)
 
 
@@ -677,8 +678,14 @@ def _unsplit(x: Any) -> Any:
     sharding = getattr(jax.typeof(x), "sharding", None)
     if sharding is None or all(entry is None for entry in sharding.spec):
         return x
-    mesh = getattr(getattr(x, "sharding", None), "mesh", sharding.mesh)
-    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, PartitionSpec()))
+    replicated = jax.sharding.NamedSharding(_mesh_of(x, sharding), PartitionSpec())
+    return jax.sharding.reshard(x, replicated)
+
+
+def _mesh_of(x: Any, type_sharding: Any) -> Any:
+    """The mesh of `x`: its concrete sharding's (its devices), else its type's. A
+    bare `PartitionSpec` would need a mesh set around the call."""
+    return getattr(getattr(x, "sharding", None), "mesh", type_sharding.mesh)
 
 
 def _differs_across_lanes(value: Any) -> bool:
