@@ -548,6 +548,32 @@ def test_axis_env_lets_collectives_trace():
     assert (out == 4).all()
 
 
+def _sized_by_axis(s: es.State):
+    def f(x):
+        s.value = s.value + 1
+        return x * jax.lax.axis_size("i") + jax.lax.psum(x, "i")
+
+    return f
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_axis_env_yields_to_an_axis_of_that_name_around_the_call(size):
+    # Traced under the declared size inside a `vmap` of another, `axis_size` baked
+    # in 4 where the call ran over 8 lanes.
+    s = es.State(jnp.zeros(()))
+    sf = StatefulFunction(_sized_by_axis(s), axis_env=[("i", 4)])
+    assert "psum" in str(sf.make_jaxpr(1.0).get_jaxpr())  # traces outside any vmap
+    expected = jnp.full(size, 2.0 * size)
+
+    def lane(x):
+        return sf.jaxpr_call(es.values_of(sf.get_states()), x)[1]
+
+    assert (jax.vmap(lane, axis_name="i")(jnp.ones(size)) == expected).all()
+    out = es.transform.vmap(sf, axis_name="i")(jnp.ones(size))
+    assert (out == expected).all()
+    assert s.value == 1
+
+
 def test_abstracted_axes_are_refused_clearly():
     with pytest.raises(NotImplementedError, match="abstracted_axes"):
         StatefulFunction(lambda x: x, abstracted_axes=({0: "n"},))

@@ -9,6 +9,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import jax
+
 from .. import _context, _jax_compat as compat
 from .._context import rule_reads
 from .._custom_types import MISSING
@@ -80,6 +82,10 @@ class FunctionTraces:
     - `fun`, `name`: the function, and its name for messages.
     - `parser`: splits its calls (static arguments) into `CallArgs`.
     - `state_returns`, `axis_env`: as for `StatefulFunction`.
+    - `axes_around_win`: whether a named axis that a transform around a call binds
+        replaces the one `axis_env` declares under that name (`StatefulFunction`'s
+        `axis_env`, which stands in for such a transform), rather than binding a new
+        axis inside it (`vmap`'s own axis).
     """
 
     def __init__(
@@ -89,12 +95,14 @@ class FunctionTraces:
         parser: ArgParser,
         state_returns: tuple[str, ...] = ("write",),
         axis_env: Sequence[tuple[Hashable, int]] | None = None,
+        axes_around_win: bool = False,
     ):
         self.fun = fun
         self.name = name
         self.parser = parser
         self.state_returns = state_returns
         self.axis_env = axis_env
+        self.axes_around_win = axes_around_win
         self._cache: OrderedDict[Hashable, list[Trace]] = OrderedDict()
         self._pending: dict[Hashable, threading.RLock] = {}
         self._lock = threading.Lock()
@@ -109,7 +117,12 @@ class FunctionTraces:
         """A new cache for the same function, holding no trace (and counting into
         these `stats`)."""
         fresh = FunctionTraces(
-            self.fun, self.name, self.parser, self.state_returns, self.axis_env
+            self.fun,
+            self.name,
+            self.parser,
+            self.state_returns,
+            self.axis_env,
+            self.axes_around_win,
         )
         fresh.stats = self.stats
         return fresh
@@ -128,7 +141,16 @@ class FunctionTraces:
         return kept
 
     def parse(self, args: tuple, kwargs: dict) -> CallArgs:
-        return self.parser.parse(args, kwargs, self.axis_env)
+        return self.parser.parse(args, kwargs, self._axis_env())
+
+    def _axis_env(self) -> Sequence[tuple[Hashable, int]] | None:
+        """The named axes a call is traced inside besides those around it."""
+        env = self.axis_env
+        if env and self.axes_around_win:
+            # Traced under the declared size, `jax.lax.axis_size` and the like
+            # would bake in a size the call does not run with.
+            env = tuple((name, size) for name, size in env if not _bound(name))
+        return env
 
     # ------------------------------------------------------------------- lookups
 
@@ -220,7 +242,7 @@ class FunctionTraces:
                     frame,
                     name=self.name,
                     state_returns=self.state_returns,
-                    axis_env=self.axis_env,
+                    axis_env=self._axis_env(),
                 )
                 # Stored before the key's lock is dropped: a thread arriving after
                 # that finds the trace instead of tracing again.
@@ -377,3 +399,12 @@ def _summarise_keys(keys: list, limit: int = 3) -> str:
         return "It has no trace yet."
     shown = "; ".join(repr(k) for k in keys[-limit:])
     return f"It has {len(keys)} trace(s); the most recent key(s): {shown}."
+
+
+def _bound(axis_name: Hashable) -> bool:
+    """Whether a transform around this code binds the named axis."""
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True

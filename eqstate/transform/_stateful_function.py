@@ -101,7 +101,10 @@ class StatefulFunction:
             position too. A name no parameter has raises `ValueError` (any name
             fits a `fun` taking `**kwargs`).
         - `axis_env`: `(axis_name, size)` pairs, so that collectives over those named
-            axes can be traced (as in `jax.make_jaxpr`).
+            axes can be traced (as in `jax.make_jaxpr`). A call made inside a
+            transform that binds one of these names (a `jax.vmap` with that
+            `axis_name`, a `shard_map` over that mesh axis) is traced with that
+            transform's axis instead, whatever its size.
         - `abstracted_axes`: dynamic shapes. JAX 0.10 has no dynamic-shape tracing, so
             anything but `None` raises `NotImplementedError`.
         - `state_returns`: which states the pure form returns: `'write'` (those
@@ -140,7 +143,9 @@ class StatefulFunction:
         self.axis_env = None if axis_env is None else tuple(axis_env)
         self.state_returns = returns
         self.cache_type = cache_type
-        self._traces = FunctionTraces(fun, self.name, parser, returns, self.axis_env)
+        self._traces = FunctionTraces(
+            fun, self.name, parser, returns, self.axis_env, axes_around_win=True
+        )
         # With `cache_type='jit'`, eager calls go through `jit`'s plans.
         self._dispatch = JitDispatch(self._traces) if cache_type == "jit" else None
 
