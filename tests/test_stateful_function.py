@@ -283,6 +283,29 @@ def test_jaxpr_call_with_a_sequence_of_other_shapes_on_a_miss_says_to_pass_a_dic
     assert (out == 2.0).all() and a.value.shape == (2,)
 
 
+def test_a_state_dict_of_other_shapes_that_fails_the_function_names_those_states():
+    # Values of other shapes trace the function again, as `jax.jit` would; the
+    # function's own shape error said nothing of which state's value changed.
+    s = es.State(jnp.zeros(2), name="s")
+    w = es.ParamState(jnp.ones((3, 2)), name="w")
+
+    def f(x):
+        s.value = s.value + x @ w.value
+        return s.value.sum()
+
+    sf = StatefulFunction(f)
+    sf.jaxpr_call(es.values_of([s, w]), jnp.ones(3))
+    with pytest.raises(TypeError) as info:
+        sf.jaxpr_call(es.StateDict({s: s.value, w: jnp.ones((4, 2))}), jnp.ones(3))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "ParamState 'w' gets f32[4,2], where the trace had f32[3,2]" in notes
+    assert "State 's'" not in notes
+    # An error with the values the trace saw has no such note.
+    with pytest.raises(TypeError) as info:
+        sf.jaxpr_call(es.values_of([s, w]), jnp.ones(4))
+    assert "traced f again" not in "\n".join(getattr(info.value, "__notes__", []))
+
+
 @pytest.mark.parametrize("traced_weak", [True, False])
 def test_jaxpr_call_with_a_sequence_accepts_another_weak_type_as_a_state_dict(
     traced_weak,

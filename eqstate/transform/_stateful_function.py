@@ -11,7 +11,7 @@ from jaxtyping import PyTree
 from .. import _context, _jax_compat as compat
 from .._custom_types import PyTreeDef
 from .._errors import StateValueError
-from .._pretty_print import first_and_more, state_label
+from .._pretty_print import dtype_summary, first_and_more, state_label
 from .._run import run
 from .._state import State
 from .._state_dict import state_dict_of, StateDict
@@ -19,6 +19,7 @@ from . import _function_traces
 from ._call_args import ArgParser, CallArgs
 from ._dispatch import JitDispatch
 from ._function_traces import FunctionTraces
+from ._leaves import signature
 from ._report import (
     check_sequence,
     misfits,
@@ -524,7 +525,10 @@ class StatefulFunction:
             [`eqstate.transform.StatefulFunction.get_states`][] of the call's cache
             key (its most recently used trace). If another trace of that key fits
             the values (states of other shapes, which the function may touch in
-            another order), the call uses it, with each value given to its state.
+            another order), the call uses it, with each value given to its state;
+            with a `StateDict` of other shapes, the function is traced again (an
+            error from that trace carries a note naming the states whose values
+            changed).
         - `*args`, `**kwargs`: the function's arguments.
 
         **Returns:**
@@ -557,9 +561,13 @@ class StatefulFunction:
         return self._call_with_sequence(tuple(state_vals), call)
 
     def _call_with_dict(self, sd: StateDict, call: CallArgs) -> tuple[StateDict, Any]:
-        trace, out, updated, new_values = self._traces.call_against(
-            call, *_against_dict(sd), self._jit_options()
-        )
+        try:
+            trace, out, updated, new_values = self._traces.call_against(
+                call, *_against_dict(sd), self._jit_options()
+            )
+        except Exception as exc:
+            self._note_other_shapes(exc, sd, call)
+            raise
         self._refuse_lost_writes(trace)
         out, updated, fresh, new_values = trace.under_fresh_handles(
             out, list(updated), list(new_values)
@@ -568,6 +576,32 @@ class StatefulFunction:
         result.update(zip(trace.updated_states, updated))
         result.update(zip(fresh, new_values))
         return state_dict_of(result), out
+
+    def _note_other_shapes(self, exc: Exception, sd: StateDict, call: CallArgs) -> None:
+        """Notes on `exc`, raised by a call with `sd`, the states that `sd` gives
+        values of other shapes or dtypes than this call's last trace saw: the
+        function was traced again for those, and that trace may be what failed."""
+        latest = self._traces.latest(call.key)
+        if latest is None:
+            return
+        changed = []
+        for state in latest.states:
+            if state not in sd:
+                continue
+            before = [sig[:2] for sig in latest.leaf_signatures(state)]
+            now = [signature(x)[:2] for x in jtu.tree_leaves(sd[state])]
+            if now != before:
+                changed.append(
+                    f"{state_label(state)} gets {_shapes_text(now)}, where the trace "
+                    f"had {_shapes_text(before)}"
+                )
+        if changed:
+            exc.add_note(
+                f"`jaxpr_call` traced {self.name} again because the StateDict gives "
+                f"states values of other shapes or dtypes than its last trace for "
+                f"these arguments saw: {'; '.join(changed)}. If those values are not "
+                "meant for this function, check how the StateDict was built."
+            )
 
     def _call_with_sequence(self, values: tuple, call: CallArgs) -> tuple[tuple, Any]:
         refuse_ints_too_large(values)
@@ -705,6 +739,15 @@ def calls_through(sf: StatefulFunction, dispatch: JitDispatch) -> None:
     `dispatch`'s plans, and gives its flat `jax.jit` the same options: `jit` shares
     its plans with its `stateful_function`."""
     sf._dispatch = dispatch
+
+
+def _shapes_text(signatures: list[tuple]) -> str:
+    """Leaf `(shape, dtype)` pairs as `f32[4,2]`, joined."""
+    texts = [
+        f"{dtype_summary(dtype)}[{','.join(map(str, shape))}]"
+        for shape, dtype in signatures
+    ]
+    return ", ".join(texts) if texts else "no array"
 
 
 def _against_dict(sd: StateDict) -> tuple[Callable, Callable]:
