@@ -710,6 +710,20 @@ def test_non_array_leaves_are_static():
     assert sf(jnp.ones(2), "double")[0] == 2 and sf(jnp.ones(2), "same")[0] == 1
 
 
+def test_an_unknown_key_error_lists_the_known_keys_readably():
+    # The keys hold JAX's whole configuration: printed as they are, hundreds of
+    # characters of flags hid the arguments' shapes.
+    s = es.State(jnp.zeros(2), name="s")
+    sf = StatefulFunction(lambda x, flag: s.value + x, static_argnums=1)
+    sf.make_jaxpr(jnp.ones(2), True).make_jaxpr(1.5, False)
+    with pytest.raises(es.UnknownCacheKeyError) as info:
+        sf.get_jaxpr(("not", "a", "key"))
+    message = str(info.value)
+    assert "traced leaves (f32[2]) in PyTreeDef" in message
+    assert "(f32[] (weak))" in message and "static 1=False" in message
+    assert len(message) < 600
+
+
 def test_cache_key_default_is_the_most_recent_and_unknown_keys_raise():
     sf = StatefulFunction(lambda x: x + 1)
     with pytest.raises(KeyError, match="has not been traced yet"):

@@ -15,6 +15,7 @@ from .. import _context, _jax_compat as compat
 from .._context import rule_reads
 from .._custom_types import MISSING
 from .._errors import UnknownCacheKeyError, UnstableStatesError
+from .._pretty_print import dtype_summary
 from ._cache_stats import CacheStats
 from ._call_args import ArgParser, CallArgs
 from ._trace import flat_jit, out_shapes, StaleTrace, Trace, trace_function
@@ -397,8 +398,32 @@ def _peek_values(frame: _context.Frame, trace: Trace) -> list | None:
 def _summarise_keys(keys: list, limit: int = 3) -> str:
     if not keys:
         return "It has no trace yet."
-    shown = "; ".join(repr(k) for k in keys[-limit:])
+    shown = "; ".join(_key_text(k) for k in keys[-limit:])
     return f"It has {len(keys)} trace(s); the most recent key(s): {shown}."
+
+
+def _key_text(key: Hashable) -> str:
+    """A cache key made by `ArgParser.parse`, readably: its static arguments and the
+    types of its traced leaves (the JAX configuration and mapped axes it also holds
+    are left out: hundreds of characters); any other key as its `repr`."""
+    if not (isinstance(key, tuple) and len(key) == 5):
+        return repr(key)
+    typed, typed_kw, treedef, signatures, _ = key
+    leaves = ", ".join(_signature_text(sig) for sig in signatures) or "none"
+    text = f"traced leaves ({leaves}) in {treedef}"
+    static = [f"{i}={v!r}" for i, _, v, *_ in typed]
+    static += [f"{k}={v!r}" for k, _, v, *_ in typed_kw]
+    if static:
+        text += f", static {', '.join(static)}"
+    return f"[{text}, and JAX's configuration]"
+
+
+def _signature_text(sig: tuple) -> str:
+    if sig[0] == "static":  # a leaf hashed into the key: a handle, a string, ...
+        return repr(sig[2])
+    shape, dtype = sig[:2]
+    weak = " (weak)" if len(sig) > 2 and sig[2] else ""
+    return f"{dtype_summary(dtype)}[{','.join(map(str, shape))}]{weak}"
 
 
 def _bound(axis_name: Hashable) -> bool:
