@@ -402,11 +402,12 @@ def _summarise_keys(keys: list, limit: int = 3) -> str:
     return f"It has {len(keys)} trace(s); the most recent key(s): {shown}."
 
 
-def _key_text(key: Hashable) -> str:
+def _key_text(key: Any) -> str:
     """A cache key made by `ArgParser.parse`, readably: its static arguments and the
     types of its traced leaves (the JAX configuration and mapped axes it also holds
     are left out: hundreds of characters); any other key as its `repr`."""
-    if not (isinstance(key, tuple) and len(key) == 5):
+    parsed = isinstance(key, tuple) and len(key) == 5
+    if not (parsed and isinstance(key[2], jax.tree_util.PyTreeDef)):
         return repr(key)
     typed, typed_kw, treedef, signatures, _ = key
     leaves = ", ".join(_signature_text(sig) for sig in signatures) or "none"
