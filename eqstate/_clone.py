@@ -20,6 +20,12 @@ from ._state_dict import rekeyed, state_dict_of, StateDict
 
 _T = TypeVar("_T")
 
+INIT_NO_BATCHING = "INIT_NO_BATCHING"
+"""The tag that marks a state to replicate rather than batch when
+[`eqstate.transform.vmap_new_states`][] (or `vmap2_new_states`) creates it, as
+[`eqstate.NonBatchState`][]s are: `es.State(x, tag=INIT_NO_BATCHING)`. The reference
+library's name, kept for ports."""
+
 
 _CLONE_STATE_DICT = """\
 `eqstate.clone` copies the handles of a PyTree (a model), and a StateDict holds none:
@@ -60,13 +66,26 @@ def _register(
     fresh = {s: fresh_copy(s) for s in sorted(states, key=creation_order)}
     if sliced:
         for new in fresh.values():
-            kept = frozenset(pair for pair in new._builds if pair[0] not in sliced)
-            object.__setattr__(new, "_builds", kept)
+            _forget_builds(new, sliced)
     copied = dict(zip(states, rekeyed(values, fresh)))
     for state, new in fresh.items():
         # Registered in that order too: a jitted clone returns handles in it.
         frame.add_new(new, copied[state])
     return rekeyed(_replace_handles(tree, fresh), fresh)
+
+
+def _forget_builds(state: State, sliced: "set[Build] | frozenset[Build]") -> None:
+    """Drops the records of the `sliced` builds from `state`, a member's handle:
+    whether it is replicated is then what the last build left says (a build nested
+    in the constructor may have replicated a state that the one around stacked, or
+    the other way round)."""
+    kept = frozenset(record for record in state._builds if record[0] not in sliced)
+    object.__setattr__(state, "_builds", kept)
+    built = [record for record in kept if record[1]]
+    # Every build honours the tag `INIT_NO_BATCHING`: the inner ones replicated it.
+    if built and state._replicated != INIT_NO_BATCHING:
+        _, _, replicated = max(built, key=lambda record: record[0].serial)
+        object.__setattr__(state, "_replicated", replicated)
 
 
 def clone(tree: _T) -> _T:
@@ -147,7 +166,7 @@ def _outermost_builds(states: tuple[State, ...]) -> "set[Build]":
     one, nested in its constructor, is not what the ensemble's axis comes from)."""
     outermost = set()
     for state in states:
-        builds = [b for b, built in state._builds if built]
+        builds = [b for b, built, _ in state._builds if built]
         if builds:
             outermost.add(max(builds, key=lambda b: b.serial))
     return outermost
@@ -215,12 +234,15 @@ class Build:
         self.serial = next(_BUILDS)
 
 
-def mark_build(state: State, build: Build, *, built: bool) -> None:
+def mark_build(
+    state: State, build: Build, *, built: bool, replicated: bool = False
+) -> None:
     """Records on the handle that the `vmap_new_states` call `build` built `state`
-    (`built=True`), or returned it without building it (a table tied into every
-    member): `member` copies the latter whole in a tree that holds a state `build`
-    built."""
-    object.__setattr__(state, "_builds", state._builds | {(build, built)})
+    (`built=True`), replicating it (`replicated=True`) or stacking it, or returned
+    it without building it (a table tied into every member): `member` copies the
+    latter whole in a tree that holds a state `build` built."""
+    record = (build, built, replicated)
+    object.__setattr__(state, "_builds", state._builds | {record})
 
 
 def stacked_by_its_last_build(state: State) -> bool:
@@ -229,7 +251,7 @@ def stacked_by_its_last_build(state: State) -> bool:
     members of a later build)."""
     if not state._builds or state._replicated:
         return False
-    _, built = max(state._builds, key=lambda pair: pair[0].serial)
+    _, built, _ = max(state._builds, key=lambda record: record[0].serial)
     return built
 
 
@@ -283,10 +305,15 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
     **Returns:**
 
     A standalone copy of member `index`. Writing to it leaves the ensemble as it was.
+    A member of an ensemble of ensembles (a build whose constructor makes another
+    with `vmap_new_states`) is an ensemble of the inner build, whose states are
+    stacked or copied whole as that build made them: its own members are taken the
+    same way.
 
     **Raises:**
 
-    `IndexError` if `index` is out of range; `ValueError` if a stacked state or
+    `IndexError` if `index` is out of range; `TypeError` if it is not an integer
+    (a `bool` included); `ValueError` if a stacked state or
     array has no leading axis, if they disagree on its size (a shared state that
     `shared` does not select), or if the tree holds arrays of an ensemble built with
     `out_axes` other than 0.
@@ -309,6 +336,11 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         assert (ensemble["w"].value[2] != 0).all()
         ```
     """
+    if isinstance(index, bool):  # (NumPy's and JAX's booleans have no `__index__`)
+        raise TypeError(
+            f"`eqstate.member` takes an integer index, got the boolean {index!r} "
+            "(which NumPy indexing reads as a mask, not as member 0 or 1)."
+        )
     index = operator.index(index)
     states = states_of(ensemble)
     values = _context.current_frame().read_many(states) if states else []
@@ -381,9 +413,9 @@ def _copied_whole(states: tuple[State, ...], shared: set[State]) -> set[State]:
     build that built another state of the ensemble (see `mark_build`), and those of
     `shared`."""
     # A state one build stacked may be tied by another into every member of its own.
-    builds = {b for s in states for b, built in s._builds if built}
+    builds = {b for s in states for b, built, _ in s._builds if built}
 
     def tied(state: State) -> bool:
-        return any(b in builds for b, built in state._builds if not built)
+        return any(b in builds for b, built, _ in state._builds if not built)
 
     return {s for s in states if s._replicated or tied(s) or s in shared}

@@ -55,9 +55,10 @@ class State(Generic[_Value]):
     # (True, or "INIT_NO_BATCHING" for that tag, which outer builds honour too even
     # once `state_tag` replaced it) or stacked a value per member (False); None for a
     # state it never built.
-    # `_builds`: `(build, built)` pairs, one per `vmap_new_states` call that built the
-    # state (`built` True) or returned it without building it (False; see
-    # `eqstate.member`). Copies of the handle keep both.
+    # `_builds`: `(build, built, replicated)` records, one per `vmap_new_states` call
+    # that built the state (`built` True; `replicated` if that call gave every member
+    # one value) or returned it without building it (False; see `eqstate.member`).
+    # Copies of the handle keep both.
     __slots__ = (
         "__weakref__",
         "_builds",

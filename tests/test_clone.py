@@ -208,6 +208,58 @@ def test_member_copies_excluded_states_whole_without_being_told(getkey):
         assert tree_bitwise_equal(one["w"].value, ensemble["w"].value[3])
 
 
+class _Tuned(eqx.Module):
+    w: es.ParamState
+    lr: es.State
+
+    def __init__(self, scale=1.0):
+        self.w = es.ParamState(es.random.normal((2,)) * scale, name="w")
+        self.lr = es.State(jnp.arange(4.0) * 0.1, name="lr", tag="hyper")
+
+
+def test_a_member_of_a_member_copies_whole_what_the_inner_build_replicated():
+    # The outer build stacks `lr`, which the inner one replicated: only the outer
+    # build's decision was recorded, so the member of a member took element 2 of
+    # `lr` (whose length happens to be the inner size) for a whole value.
+    inner = es.transform.vmap_new_states(_Tuned, axis_size=4, state_to_exclude="hyper")
+    outer = es.transform.vmap_new_states(inner, axis_size=2)()
+    assert outer.lr.value.shape == (2, 4) and outer.w.value.shape == (2, 4, 2)
+    one = es.member(outer, 1)
+    assert tree_bitwise_equal(one.lr.value, outer.lr.value[1])
+    two = es.member(one, 2)
+    assert tree_bitwise_equal(two.lr.value, outer.lr.value[1])
+    assert tree_bitwise_equal(two.w.value, outer.w.value[1, 2])
+
+
+def test_a_member_of_a_member_slices_what_the_outer_build_replicated():
+    # The other way round: the outer build replicates `w`, which the inner one
+    # stacked; the member of a member must take its own row of it.
+    def make(scale):
+        return {
+            "w": es.ParamState(jnp.full(2, scale), name="w", tag="fixed"),
+            "b": es.ParamState(es.random.normal((3,)), name="b"),
+        }
+
+    def build():
+        return es.transform.vmap_new_states(make, axis_size=4)(jnp.arange(4.0))
+
+    outer = es.transform.vmap_new_states(build, axis_size=2, state_to_exclude="fixed")()
+    assert outer["w"].value.shape == (4, 2) and outer["b"].value.shape == (2, 4, 3)
+    one = es.member(outer, 1)
+    assert tree_bitwise_equal(one["w"].value, outer["w"].value)
+    two = es.member(one, 2)
+    assert tree_bitwise_equal(two["w"].value, outer["w"].value[2])
+    assert tree_bitwise_equal(two["b"].value, outer["b"].value[1, 2])
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_member_refuses_a_boolean_index(index):
+    # `operator.index(True)` is 1: a mask by mistake would give member 1 silently.
+    ensemble = es.transform.vmap_new_states(_Tuned, axis_size=2)()
+    with pytest.raises(TypeError, match="takes an integer index, got the boolean"):
+        es.member(ensemble, index)
+
+
 def test_member_of_a_hand_stacked_ensemble_needs_its_shared_states_named():
     stacked = {
         "w": es.ParamState(jnp.zeros((4, 2)), name="w"),

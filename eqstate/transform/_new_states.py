@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
-from .._clone import Build, mark_build, mark_replicated
+from .._clone import Build, INIT_NO_BATCHING, mark_build, mark_replicated
 from .._context import check_write, has_tracer
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
 from .._errors import BatchAxisError, TraceContextError
@@ -44,11 +44,6 @@ compat.hide_from_tracebacks(__file__)
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
-INIT_NO_BATCHING = "INIT_NO_BATCHING"
-"""The tag that marks a state to replicate rather than batch when
-[`eqstate.transform.vmap_new_states`][] (or `vmap2_new_states`) creates it, as
-[`eqstate.NonBatchState`][]s are: `es.State(x, tag=INIT_NO_BATCHING)`. The reference
-library's name, kept for ports."""
 
 _REPLICATED_BUT_BATCHED = (
     "{label} is {why}, so it is created once for every lane, but its value differs "
@@ -321,17 +316,20 @@ def _build(
         for state in made["new"]:
             expire(state, where)
         raise
-    _mark_build(out, made["new"], size, out_axes)
+    _mark_build(out, made["new"], made["replicated"], size, out_axes)
     return out
 
 
-def _mark_build(out: Any, new: list[State], size: int, out_axes: AxisSpec) -> None:
-    """Records this build on its new states and on the states of `out` that existed
-    before it (a table tied into every member): `member` of a tree holding the
-    former copies the latter whole, as it copies replicated states."""
+def _mark_build(
+    out: Any, new: list[State], replicated: list[bool], size: int, out_axes: AxisSpec
+) -> None:
+    """Records this build on its new states (and which of them it replicated) and on
+    the states of `out` that existed before it (a table tied into every member):
+    `member` of a tree holding the former copies the latter whole, as it copies
+    replicated states."""
     build = Build(size, arrays_leading=_stacks_arrays_first(out_axes))
-    for state in new:
-        mark_build(state, build, built=True)
+    for state, is_replicated in zip(new, replicated, strict=True):
+        mark_build(state, build, built=True, replicated=is_replicated)
     for state in set(states_of((out,))).difference(new):  # `out` may be a StateDict
         mark_build(state, build, built=False)
 
