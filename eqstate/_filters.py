@@ -158,7 +158,9 @@ class AllOf(StateFilter):
 
 @dataclasses.dataclass(frozen=True)
 class Not(StateFilter):
-    """States not matching `filter`."""
+    """States not matching `filter`. Applied at each path of a state, as every filter
+    is: a state found at several paths, matched by `filter` at some of them only, is
+    matched by both (see [`eqstate.states_of`][])."""
 
     filter: StateFilter
 

@@ -404,8 +404,13 @@ def states_of(
         `StateDict` (`TypeError`): use its `states` or `filter` instead.
     - `*filters`: keep the states matching any of these (see [`eqstate.filters`][]);
         every state if none is given. Predicates receive the state's PyTree path.
+        A state found at several paths (a weight tied into two layers) is kept if
+        the filters match it at any of them: a path predicate `F` and
+        `eqstate.filters.Not(F)` then both keep it. To split states into two
+        groups, take one with `F` and the rest as the states not in it.
     - `with_paths`: if `True`, return `(path, state)` pairs, where `path` is a JAX key
-        path (`jax.tree_util.keystr(path)` renders it). (Keyword only argument.)
+        path (`jax.tree_util.keystr(path)` renders it): the first path at which the
+        filters match. (Keyword only argument.)
 
     **Returns:**
 
