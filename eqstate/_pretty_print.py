@@ -32,6 +32,11 @@ def dtype_summary(dtype: Any) -> str:
     return name
 
 
+def shape_summary(shape: tuple, dtype: Any) -> str:
+    """`f32[3,4]` for shape `(3, 4)` and dtype `float32`."""
+    return f"{dtype_summary(dtype)}[{','.join(map(str, shape))}]"
+
+
 def array_summary(x: Any) -> str:
     """`f32[3,4]` for an array or tracer, `repr(x)` for anything else."""
     shape = getattr(x, "shape", None)
@@ -40,10 +45,10 @@ def array_summary(x: Any) -> str:
         return repr(x)
     if isinstance(x, jax.Array) and _deleted(x):
         # Donated: printing it must not fail, and should say why reading it will.
-        return f"{dtype_summary(dtype)}[{','.join(map(str, shape))}] (deleted)"
+        return f"{shape_summary(shape, dtype)} (deleted)"
     if isinstance(x, jax.Array) and is_key(x):
         return f"key<{jax.random.key_impl(x)}>[{','.join(map(str, shape))}]"
-    return f"{dtype_summary(dtype)}[{','.join(map(str, shape))}]"
+    return shape_summary(shape, dtype)
 
 
 def _deleted(x: jax.Array) -> bool:

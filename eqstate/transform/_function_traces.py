@@ -15,7 +15,7 @@ from .. import _context, _jax_compat as compat
 from .._context import rule_reads
 from .._custom_types import MISSING
 from .._errors import UnknownCacheKeyError, UnstableStatesError
-from .._pretty_print import dtype_summary
+from .._pretty_print import shape_summary
 from ._cache_stats import CacheStats
 from ._call_args import ArgParser, CallArgs
 from ._trace import flat_jit, out_shapes, StaleTrace, Trace, trace_function
@@ -424,7 +424,7 @@ def _signature_text(sig: tuple) -> str:
         return repr(sig[2])
     shape, dtype = sig[:2]
     weak = " (weak)" if len(sig) > 2 and sig[2] else ""
-    return f"{dtype_summary(dtype)}[{','.join(map(str, shape))}]{weak}"
+    return f"{shape_summary(shape, dtype)}{weak}"
 
 
 def _bound(axis_name: Hashable) -> bool:

@@ -11,7 +11,7 @@ from jaxtyping import PyTree
 from .. import _context, _jax_compat as compat
 from .._custom_types import PyTreeDef
 from .._errors import StateValueError
-from .._pretty_print import dtype_summary, first_and_more, state_label
+from .._pretty_print import first_and_more, shape_summary, state_label
 from .._run import run
 from .._state import State
 from .._state_dict import state_dict_of, StateDict
@@ -743,10 +743,7 @@ def calls_through(sf: StatefulFunction, dispatch: JitDispatch) -> None:
 
 def _shapes_text(signatures: list[tuple]) -> str:
     """Leaf `(shape, dtype)` pairs as `f32[4,2]`, joined."""
-    texts = [
-        f"{dtype_summary(dtype)}[{','.join(map(str, shape))}]"
-        for shape, dtype in signatures
-    ]
+    texts = [shape_summary(shape, dtype) for shape, dtype in signatures]
     return ", ".join(texts) if texts else "no array"
 
 
