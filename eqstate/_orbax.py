@@ -439,11 +439,10 @@ _SAVING = threading.Lock()
 
 
 @contextlib.contextmanager
-def _saving(where: str) -> Iterator[None]:
-    """Holds `_SAVING`, and turns an `OSError` of Orbax's into `CheckpointError`."""
+def _orbax_write_errors(where: str) -> Iterator[None]:
+    """Turns an `OSError` of Orbax's into `CheckpointError`."""
     try:
-        with _SAVING:
-            yield
+        yield
     except OSError as e:
         raise CheckpointError(
             f"Cannot save a checkpoint to {where!r}: Orbax failed to write it "
@@ -465,17 +464,20 @@ def save_orbax(
 ) -> None:
     """`eqstate.save(path, states, model=model, backend='orbax')`."""
     ocp = orbax("Saving a checkpoint with the Orbax backend")
-    # Numbered before anything can fail: a save that fails in some processes only
-    # still takes its number there, so that later saves' barriers keep matching.
-    number = next(_SWAPS)
-    _refuse_to_replace(path)
-    args, _ = _save_args(ocp, states, model)
-    # Through a symlink, the directory it leads to is replaced and the link stays.
-    target = os.path.realpath(path)
-    with _saving(path):
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            checkpointer.save(target + _STAGING, args=args, force=True)
-        _swap_in(ocp, target, number)
+    with _SAVING:
+        # Numbered in the order in which saves take the lock (saves from several
+        # threads), and before anything can fail: a save that fails in some
+        # processes only still takes its number there. So later saves' barriers
+        # keep matching across processes.
+        number = next(_SWAPS)
+        _refuse_to_replace(path)
+        args, _ = _save_args(ocp, states, model)
+        # Through a symlink, the directory it leads to is replaced and the link stays.
+        target = os.path.realpath(path)
+        with _orbax_write_errors(path):
+            with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+                checkpointer.save(target + _STAGING, args=args, force=True)
+            _swap_in(ocp, target, number)
 
 
 def _swap_in(ocp: Any, target: str, number: int) -> None:
@@ -1020,7 +1022,7 @@ class CheckpointManager:
         fix = _STEP_FIX.format(directory=self.directory)
         _refuse_to_replace(step_path, f"checkpoint {step}", (fix, fix))
         args, _ = _save_args(self._ocp, states, model)
-        with _saving(step_path):
+        with _SAVING, _orbax_write_errors(step_path):
             self._remove_unfinished_saves()
             self._manager.save(step, args=args, force=True)
 

@@ -1512,6 +1512,54 @@ def test_the_barrier_of_an_orbax_save_does_not_depend_on_earlier_saves_failing(
     assert third == first + 2
 
 
+def test_orbax_saves_from_two_threads_meet_their_barriers_in_the_order_they_save(
+    tmp_path, monkeypatch
+):
+    # Each process must reach the swap barriers of its saves in the same order as
+    # every other process. A save took its number before it waited for another
+    # thread's save to finish: the save that waited longer reached the lower
+    # number's barrier last, and with several processes each waited at a barrier of
+    # another name until it timed out.
+    import orbax.checkpoint as ocp
+
+    barriers = []
+    monkeypatch.setattr(
+        ocp.multihost, "sync_global_processes", lambda name, **_: barriers.append(name)
+    )
+    w = es.ParamState(jnp.arange(3.0), name="w")
+    first, second = tmp_path / "first", tmp_path / "second"
+    es.save(first, es.values_of(w), backend="orbax")
+    barriers.clear()
+    looking, go_on = threading.Event(), threading.Event()
+    listdir = os.listdir
+
+    def slow_listdir(path="."):
+        # The first save checks what it replaces slowly.
+        if str(path) == str(first) and not go_on.is_set():
+            looking.set()
+            go_on.wait(30)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", slow_listdir)
+
+    def save(path):
+        es.save(path, es.values_of(w), backend="orbax")
+
+    threads = [threading.Thread(target=save, args=(first,))]
+    threads[0].start()
+    assert looking.wait(30)
+    threads.append(threading.Thread(target=save, args=(second,)))
+    threads[1].start()
+    threads[1].join(1.0)  # It would save meanwhile, if it could.
+    go_on.set()
+    for thread in threads:
+        thread.join(60)
+    swaps = [int(name.rsplit("_", 1)[1]) for name in barriers if "swap" in name]
+    assert len(swaps) == 2 and swaps[1] == swaps[0] + 1
+    assert es.load(first, es.values_of(w))[w].tolist() == [0.0, 1.0, 2.0]
+    assert es.load(second, es.values_of(w))[w].tolist() == [0.0, 1.0, 2.0]
+
+
 def test_an_orbax_save_through_a_symlink_replaces_the_checkpoint_it_leads_to(tmp_path):
     w = es.ParamState(jnp.arange(3.0), name="w")
     real, link = tmp_path / "real", tmp_path / "link"
