@@ -647,6 +647,27 @@ def test_a_custom_vjp_backward_rule_reads_the_values_of_the_forward_pass(
         differentiate(writes_first, 2.0)
 
 
+def test_an_eager_raw_pullback_runs_its_backward_rule_when_called_unlike_eqstates():
+    # As `docs/concepts.md` says: under a raw `jax.vjp` called eagerly, a rule is
+    # eager code, run when the pullback is, so it reads the values states hold then.
+    # `es.transform.vjp` keeps the forward pass's.
+    scale = es.State(jnp.array(2.0), name="scale")
+
+    @jax.custom_vjp
+    def times_scale(x):
+        return x * scale.value
+
+    times_scale.defvjp(
+        lambda x: (x * scale.value, None), lambda _, g: (g * scale.value,)
+    )
+    with es.scope(es.StateDict({scale: jnp.array(5.0)})):
+        out, raw_pullback = jax.vjp(times_scale, 3.0)
+        out_eqstate, eqstate_pullback = es.transform.vjp(times_scale, 3.0)
+    assert out == out_eqstate == 15.0
+    assert eqstate_pullback(1.0)[0] == 5.0
+    assert raw_pullback(1.0)[0] == 2.0  # the world's value, after the scope
+
+
 def _surrogate_reading(threshold):
     @jax.custom_vjp
     def surrogate(x):
