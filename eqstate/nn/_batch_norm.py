@@ -250,10 +250,12 @@ class BatchNorm(eqx.Module):
         inference if `x` looks like one example of a square shape
         `(num_features, num_features, ...)` called per example inside `jax.vmap` or
         `eqx.filter_vmap` (mapped there, while the running statistics are not),
-        which would be normalised along the wrong axis. [`eqstate.transform.vmap`][]
-        traces one lane before mapping it, so the layer cannot see that it is mapped
-        there: such an example is not refused, and is normalised along the wrong
-        axis. Call the layer on the whole batch.
+        which would be normalised along the wrong axis. The layer sees only the
+        innermost transform around it: with a `jax.jit`, `jax.checkpoint` or loop
+        between the vmap and the layer, or under [`eqstate.transform.vmap`][]
+        (which traces one lane before mapping it), it cannot see that it is mapped,
+        and such an example is not refused but normalised along the wrong axis.
+        Call the layer on the whole batch.
         """
         x = jnp.asarray(x)
         if inference is None:
