@@ -170,10 +170,13 @@ def test_jit_of_model_and_x_after_the_same_model_sees_every_change(getkey):
     assert (f(model, x) == 4.0).all()
 
 
+@pytest.mark.parametrize("labelled", [False, True])
 @pytest.mark.parametrize("donate", [False, True])
-def test_jit_of_model_and_x_switches_plans_for_one_model(donate):
-    # Repeated `f(model, x)` calls reuse the plan found for the first; a call whose
-    # shapes need other states, or a cleared cache, must not run the old plan.
+def test_jit_of_model_and_x_switches_plans_for_one_model(donate, labelled):
+    # Repeated `f(model, x)` calls reuse the plan found for the first (an output of
+    # arrays alone, without donation: straight through that call's function); a
+    # call whose shapes need other states, or a cleared cache, must not run the old
+    # plan.
     class Pair(eqx.Module):
         short: es.State
         long: es.State
@@ -186,13 +189,14 @@ def test_jit_of_model_and_x_switches_plans_for_one_model(donate):
     def f(m, x):
         target = m.short if x.shape[0] < 3 else m.long
         target.value = target.value + mode["add"] * x.sum()
-        return {"scaled": x * m.scale.value, "label": "out"}
+        out = {"scaled": x * m.scale.value}
+        return {**out, "label": "out"} if labelled else out
 
     expected = {"short": 0.0, "long": 0.0}
-    for n in (2, 2, 2, 4, 4, 2, 4, 2):
+    for n in (2, 2, 2, 4, 4, 2, 4, 2, 2, 2):
         out = f(model, jnp.ones(n))
         expected["short" if n < 3 else "long"] += n
-        assert out["label"] == "out" and (out["scaled"] == 2.0).all()
+        assert out.get("label", "out") == "out" and (out["scaled"] == 2.0).all()
         assert float(model.short.value) == expected["short"]
         assert float(model.long.value) == expected["long"]
     mode["add"] = 10.0  # the function changed: stale until the cache is cleared
@@ -201,6 +205,35 @@ def test_jit_of_model_and_x_switches_plans_for_one_model(donate):
     f(model, jnp.ones(2))
     assert float(model.short.value) == expected["short"] + 40.0
     assert float(model.scale.value) == 2.0
+
+
+def test_repeated_calls_of_model_and_x_follow_the_context_and_fail_cleanly():
+    # After a few calls `f(model, x)` at top level, the next goes straight through
+    # the last one's function: inside a scope or a raw transform it must still read
+    # and write there, and a call that fails must write nothing.
+    class Counter(eqx.Module):
+        total: es.State
+
+    model = Counter(es.State(jnp.zeros(())))
+
+    @es.transform.jit
+    def add(m, x):
+        x = eqx.error_if(x, x < 0, "negative")
+        m.total.value = m.total.value + x.sum()
+        return m.total.value * 2
+
+    for _ in range(3):
+        add(model, jnp.ones(()))
+    with es.scope(es.StateDict({model.total: jnp.array(10.0)})) as scope:
+        assert add(model, jnp.ones(())) == 22.0
+    assert float(model.total.value) == 3.0 and scope.states[model.total] == 11.0
+    assert float(add(model, jnp.ones(()))) == 8.0
+    with pytest.raises(es.TraceContextError):
+        jax.vmap(lambda x: add(model, x))(jnp.ones(3))  # a write in a raw transform
+    with pytest.raises(eqx.EquinoxRuntimeError, match="negative"):
+        add(model, -jnp.ones(()))
+    assert float(model.total.value) == 4.0
+    assert float(add(model, jnp.ones(()))) == 10.0
 
 
 def test_stateful_function_with_a_model_argument(getkey):

@@ -630,80 +630,102 @@ class JitDispatch:
         plan = self._current
         if plan is None:
             return self._call_unplanned(args, kwargs)
-        frame = _current_frame()
+        pair = self._splitter.pair
+        if pair is not None and not (
+            len(args) == 2
+            and args[0] is pair.model
+            and type(args[1]) is ArrayImpl
+            and not kwargs
+            and pair.copies == pair.containers
+        ):
+            pair = None  # Not `f(model, x)` with the last such call's model, unchanged.
         try:
-            if frame is not WORLD or not is_top_level():
-                return self._call_in_frame(plan, frame, args, kwargs)
-            split = plan.split
-            bound = None
-            if split:
-                pair = self._splitter.pair
-                if (
-                    pair is not None
-                    and len(args) == 2
-                    and args[0] is pair.model
-                    and type(args[1]) is ArrayImpl
-                    and not kwargs
-                    and pair.copies == pair.containers
-                ):
-                    # `f(model, x)` with the model of the last such call, unchanged:
-                    # `Recent.split`, inlined (half of what eqstate adds to passing a
-                    # model rather than closing over it).
-                    key, dynamic = pair.key, [*pair.leaves, args[1]]
-                else:
-                    key, dynamic = self._splitter.split(args, kwargs)
-                # Each argument structure (a model's handles) has a plan of its own;
-                # a `KeyError` sends a new one down the unplanned path.
-                plan = self._plans_by_key[key]
+            if (
+                pair is not None
+                and (fast := pair.fast) is not None
+                and _current_frame() is WORLD
+                and is_top_level()
+            ):
+                # At top level, with the plans unchanged since the last such call
+                # (see `Recent.fast`): the branch below for that call's plan,
+                # inlined (what eqstate adds to passing a model rather than closing
+                # over it).
+                plan, jitted = fast
+                values = _WORLD_VALUES
+                get = plan.get_read
+                out, updated = jitted(
+                    plan.get_written(values),
+                    get(values) if get is not None else None,
+                    *pair.leaves,
+                    args[1],
+                )
             else:
-                key, dynamic = _UNSPLIT
-                if self._has_static:
-                    static = self._static_key(args, kwargs)
-                    if len(self._plans_by_static) > 1:
-                        # Static arguments that select other states have plans of
-                        # their own (one in use: the current plan).
-                        plan = self._plans_by_static.get(static, plan)
-                    bound = plan.bound.get((len(args), len(kwargs), static))
-                    if bound is None:
-                        bound = self._bind(plan, args, kwargs, static)
-            # The hot path, inlined: one dict lookup per state each way.
-            values = _WORLD_VALUES
-            written = plan.get_written(values)
-            jitted = plan.jitted
-            if plan.donates:
-                jitted, written = plan.function_for(written)
-            get = plan.get_read
-            read = get(values) if get is not None else None
-            if split:
-                # `_run_split`, inlined (about 1% of a call at ten states).
-                out, updated = jitted[key](written, read, *dynamic)
-                if not plan.simple_out:
-                    out = self._splitter.output(key, out)
-            elif bound:
-                jitted, at = bound
-                if at is None:
+                frame = _current_frame()
+                if frame is not WORLD or not is_top_level():
+                    return self._call_in_frame(plan, frame, args, kwargs)
+                split = plan.split
+                bound = None
+                if split:
+                    if pair is not None:
+                        # `Recent.split`, inlined.
+                        key, dynamic = pair.key, [*pair.leaves, args[1]]
+                    else:
+                        key, dynamic = self._splitter.split(args, kwargs)
+                    # Each argument structure (a model's handles) has a plan of its
+                    # own; a `KeyError` sends a new one down the unplanned path.
+                    plan = self._plans_by_key[key]
+                else:
+                    key, dynamic = _UNSPLIT
+                    if self._has_static:
+                        static = self._static_key(args, kwargs)
+                        if len(self._plans_by_static) > 1:
+                            # Static arguments that select other states have plans of
+                            # their own (one in use: the current plan).
+                            plan = self._plans_by_static.get(static, plan)
+                        bound = plan.bound.get((len(args), len(kwargs), static))
+                        if bound is None:
+                            bound = self._bind(plan, args, kwargs, static)
+                # The hot path, inlined: one dict lookup per state each way.
+                values = _WORLD_VALUES
+                written = plan.get_written(values)
+                jitted = plan.jitted
+                if plan.donates:
+                    jitted, written = plan.function_for(written)
+                get = plan.get_read
+                read = get(values) if get is not None else None
+                if split:
+                    # `_run_split`, inlined (about 1% of a call at ten states).
+                    out, updated = jitted[key](written, read, *dynamic)
+                    if not plan.simple_out:
+                        out = self._splitter.output(key, out)
+                    elif pair is not None and not plan.donates:
+                        pair.fast = (plan, jitted[key])
+                elif bound:
+                    jitted, at = bound
+                    if at is None:
+                        out, updated = jitted(written, read, *args)
+                    else:
+                        rest = [a for i, a in enumerate(args) if i not in at]
+                        out, updated = jitted(written, read, *rest)
+                elif kwargs or self._static_positions:
+                    # Not `args` and `kwargs` themselves: a refused call takes the
+                    # unplanned path with the caller's own static values, not their
+                    # `Static` wrappers.
+                    typed = kwargs
+                    names = self._static_names
+                    if names and not names.isdisjoint(kwargs):
+                        typed = self._typed_static(kwargs)
+                    if self._static_positions:
+                        signed = self._signed_static(args)
+                        out, updated = jitted(written, read, *signed, **typed)
+                    else:
+                        out, updated = jitted(written, read, *args, **typed)
+                elif len(args) == 1:
+                    # Spelled out: a call through `*args` builds JAX's dispatch a
+                    # tuple.
+                    out, updated = jitted(written, read, args[0])
+                else:
                     out, updated = jitted(written, read, *args)
-                else:
-                    rest = [a for i, a in enumerate(args) if i not in at]
-                    out, updated = jitted(written, read, *rest)
-            elif kwargs or self._static_positions:
-                # Not `args` and `kwargs` themselves: a refused call takes the
-                # unplanned path with the caller's own static values, not their
-                # `Static` wrappers.
-                typed = kwargs
-                names = self._static_names
-                if names and not names.isdisjoint(kwargs):
-                    typed = self._typed_static(kwargs)
-                if self._static_positions:
-                    signed = self._signed_static(args)
-                    out, updated = jitted(written, read, *signed, **typed)
-                else:
-                    out, updated = jitted(written, read, *args, **typed)
-            elif len(args) == 1:
-                # Spelled out: a call through `*args` builds JAX's dispatch a tuple.
-                out, updated = jitted(written, read, args[0])
-            else:
-                out, updated = jitted(written, read, *args)
         except _REFUSALS as exc:
             return self._after_refusal(exc, plan, args, kwargs)
         except jax.errors.JaxRuntimeError as exc:
@@ -797,7 +819,15 @@ class JitDispatch:
             if len(self._plans_by_key) >= KEYS_KEPT:
                 self._plans_by_key.clear()
             self._plans_by_key[split[0]] = plan
+            self._forget_fast_call()
         return out, plan.unpack(updated)
+
+    def _forget_fast_call(self) -> None:
+        """Makes the next call `f(model, x)` find its plan again (see `Recent.fast`),
+        after the plans by key changed."""
+        pair = self._splitter.pair
+        if pair is not None:
+            pair.fast = None
 
     def _static_key(self, args: tuple, kwargs: dict) -> tuple:
         """The static arguments of a call, each with its type (and a float with its
@@ -1067,6 +1097,7 @@ class JitDispatch:
         for key, found in list(self._plans_by_key.items()):
             if found is plan:
                 self._plans_by_key.pop(key, None)
+        self._forget_fast_call()
         for static, found in list(self._plans_by_static.items()):
             if found is plan:
                 self._plans_by_static.pop(static, None)

@@ -325,7 +325,16 @@ class Recent:
     the next such call with the same model, unchanged, takes it without flattening
     anything (`split`)."""
 
-    __slots__ = ("containers", "copies", "key", "leaves", "model", "n", "others")
+    __slots__ = (
+        "containers",
+        "copies",
+        "fast",
+        "key",
+        "leaves",
+        "model",
+        "n",
+        "others",
+    )
 
     def __init__(
         self,
@@ -340,6 +349,9 @@ class Recent:
         self.n, self.key, self.model, self.leaves = n, key, model, leaves
         # See `_mutable_containers`.
         self.copies, self.containers, self.others = copies, containers, others
+        # `(plan, jitted function)` of the last call, for `JitDispatch` to call
+        # the next one directly; dropped when its plans change.
+        self.fast: tuple | None = None
 
     def split(self, args: tuple) -> tuple[int, list] | None:
         """`(key, dynamic leaves)` of `args` if it is such a call with this model,
