@@ -22,6 +22,11 @@ makes eqstate slower or its errors less precise, never wrong:
   another. Without it, reading a state inside a raw transform that stages out raises
   in eqstate traces too, as at top level.
 
+- the effect a collective over a named axis records (`psum` inside `shard_map`) is told
+  apart from those that can fail while a computation runs (`can_fail_at_run_time`),
+  so that `jit(donate_states=True)` donates such functions. Without it every effect
+  counts as one that can fail, and they run without donation.
+
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
 """
@@ -76,6 +81,7 @@ def _from_jax(name: str, modules: tuple[Any, ...]) -> Any:
 _TRACE_MODULES = (jex_core, _core)
 _set_current_trace: Any = _from_jax("set_current_trace", _TRACE_MODULES)
 _find_top_trace: Any = _from_jax("find_top_trace", _TRACE_MODULES)
+_NamedAxisEffect: Any = _from_jax("NamedAxisEffect", (_core,))
 
 
 try:  # JAX 0.10: the traces of transforms that evaluate at once when called eagerly.
@@ -354,6 +360,14 @@ def is_batched_here(x: Any) -> bool:
         getattr(x, "_trace", None) is current_trace()
         and getattr(x, "batch_dim", None) is not None
     )
+
+
+def can_fail_at_run_time(effect: Any) -> bool:
+    """Whether a jaxpr equation with this effect can raise while the computation runs
+    (a callback's, an I/O's effect). A collective over a named axis (`psum`,
+    `axis_index` inside `shard_map`) records the axis it uses as its effect, and
+    cannot."""
+    return _NamedAxisEffect is None or not isinstance(effect, _NamedAxisEffect)
 
 
 def in_manual_axes() -> bool:

@@ -229,6 +229,37 @@ def test_vary_types_a_value_as_varying_inside_shard_map(check_vma):
     assert seen == [frozenset({"x"}) if check_vma else frozenset(), True]
 
 
+def test_a_collectives_effect_cannot_fail_at_run_time_but_a_callbacks_can():
+    mesh = jax.make_mesh(
+        (len(jax.devices()),), ("x",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
+
+    def effects(f, *args):
+        return [
+            e for eqn in _all_eqns(jax.make_jaxpr(f)(*args).jaxpr) for e in eqn.effects
+        ]
+
+    summed = jax.shard_map(
+        lambda a: jax.lax.psum(a + jax.lax.axis_index("x"), "x"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P(),
+    )
+    collective = effects(summed, jnp.ones(len(jax.devices())))
+    assert collective and not any(map(compat.can_fail_at_run_time, collective))
+    callback = effects(lambda a: jax.debug.callback(print, a), 1.0)
+    assert callback and all(map(compat.can_fail_at_run_time, callback))
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _all_eqns(inner)
+
+
 def test_flat_trees_in_a_scan_compare_by_value():
     def grouping(jaxpr):
         params = jaxpr.eqns[0].params.values()

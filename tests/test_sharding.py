@@ -6,6 +6,7 @@ import functools as ft
 import importlib.util
 import pathlib
 import unittest.mock
+import warnings
 
 import eqstate as es
 import jax
@@ -160,6 +161,23 @@ def test_jit_writes_states_placed_on_a_mesh_of_explicit_and_auto_axes():
     assert (b.value == 2).all()
 
 
+def test_a_dimension_split_over_auto_then_explicit_axes_comes_out_explicit_first():
+    # As the multi-device how-to says: inside a computation JAX places a value on
+    # its explicit axes (its type) before its auto ones.
+    mesh = jax.make_mesh(
+        (N // 2, 2), ("e", "u"), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
+    w = es.State(jnp.arange(float(N * N)).reshape(N, N), name="w")
+
+    @es.transform.jit(state_shardings=NamedSharding(mesh, P(("u", "e"))))
+    def step():
+        w.value = w.value + 1
+
+    step()
+    assert w.value.sharding.is_equivalent_to(NamedSharding(mesh, P(("e", "u"))), 2)
+    assert (w.value == jnp.arange(float(N * N)).reshape(N, N) + 1).all()
+
+
 @pytest.mark.parametrize("lower", (False, True))
 def test_jit_state_shardings_of_a_higher_rank_than_a_state_name_it(lower):
     split = NamedSharding(_mesh(), P("x"))
@@ -176,6 +194,33 @@ def test_jit_state_shardings_of_a_higher_rank_than_a_state_name_it(lower):
         with pytest.raises(ValueError, match=r"State 'b' .*shape \(\) \(rank 0\)"):
             f.lower() if lower else f()
     assert es.transform.jit(lambda: c.value.sum(), state_shardings=split)() == 0
+
+
+@pytest.mark.parametrize("given", (False, True), ids=("kept", "state_shardings"))
+def test_jit_after_a_call_on_a_sharded_state_takes_a_value_of_lower_rank(given):
+    # The plan made by the first call holds the sharding of the state's rank-2
+    # value; a later call with a rank-1 value (through `es.run`) must not get a
+    # constraint of rank 2 from JAX: a kept sharding no longer applies, and
+    # `state_shardings` that cannot fit the value are named as on a first call.
+    split = NamedSharding(_mesh(), P(None, "x"))
+    v = es.State(jnp.ones((2, N)), name="v")
+    es.shard([v], _mesh(), P(None, "x"))
+
+    @es.transform.jit(state_shardings=split if given else None)
+    def step():
+        v.value = v.value + 1
+        return v.value.sum()
+
+    assert step() == 4 * N
+    assert v.value.sharding.is_equivalent_to(split, 2)
+    if given:
+        with pytest.raises(ValueError, match=r"State 'v' .*shape \(8,\) \(rank 1\)"):
+            es.run(step, es.StateDict({v: jnp.ones(N)}))
+    else:
+        new, out = es.run(step, es.StateDict({v: jnp.ones(N)}))
+        assert out == 2 * N and (new[v] == 2).all()
+    assert step() == 6 * N  # the rank-2 value, still split
+    assert v.value.sharding.is_equivalent_to(split, 2)
 
 
 def test_jit_state_shardings_as_a_prefix_of_a_states_value():
@@ -365,6 +410,32 @@ def test_jit_state_shardings_on_an_explicit_mesh_match_jax_reshard(placed):
 
 
 @pytest.mark.counts_compilations
+def test_jit_donates_a_state_written_in_a_shard_map_with_collectives():
+    # A collective records its named axis as an effect, which cannot make a call
+    # fail while it runs: donation stays on, as `jax.jit` donates such a function.
+    mesh = _mesh("a")
+    total = es.State(jnp.zeros((N, 256)), name="total")
+    es.shard([total], mesh, P("a"))
+
+    @es.transform.shard_map(
+        mesh=mesh, in_specs=(), out_specs=P(), state_specs={total: P("a")}
+    )
+    def add_and_sum():
+        total.value = total.value + jax.lax.axis_index("a")
+        return jax.lax.psum(total.value.sum(), "a")
+
+    step = es.transform.jit(add_and_sum, donate_states=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "does not donate" warning
+        step()
+        buffers = [
+            s.data.unsafe_buffer_pointer() for s in total.value.addressable_shards
+        ]
+        assert step() == 2 * 256 * sum(range(N))
+    reused = [s.data.unsafe_buffer_pointer() for s in total.value.addressable_shards]
+    assert reused == buffers  # updated in place: donated
+
+
 def test_shard_map_threads_states_with_their_specs():
     mesh = _mesh("data")
     per_device = es.State(jnp.zeros(N), name="per_device")

@@ -214,12 +214,23 @@ class _Plan:
         if not self.fits(trace):
             raise _PlanMismatch
         out, updated, _ = trace.split_outputs(trace.run(call.leaves, values))
-        constraints = self.out_constraints
         updated = [
-            _constrained(v, constraints[s]) if s in constraints else v
-            for s, v in zip(self.updated_states, updated)
+            self._constrained_out(s, v) for s, v in zip(self.updated_states, updated)
         ]
         return trace.build_output(out, ()), self.pack(updated)
+
+    def _constrained_out(self, state: State, value: Any) -> Any:
+        """A written state's new value, constrained to its `state_shardings` or to
+        the sharding it kept; unconstrained where it kept one of a higher rank than
+        the value has now (a value of another rank, e.g. one of `eqstate.run`)."""
+        sharding = self.out_constraints.get(state)
+        if sharding is None:
+            return value
+        if state in self.in_constraints:  # from `state_shardings`
+            _check_rank(state, value, sharding)
+        elif _too_many_axes(value, sharding) is not None:
+            return value
+        return _constrained(value, sharding)
 
     def _in_trace_order(self, written: list, read: list) -> list:
         """The values of the plan's states in the order of `states`, constrained to
@@ -230,7 +241,9 @@ class _Plan:
         values = [by_state[s] for s in self.states]
         for i, state in enumerate(self.states):
             if state in self.in_constraints:
-                values[i] = _constrained(values[i], self.in_constraints[state])
+                sharding = self.in_constraints[state]
+                _check_rank(state, values[i], sharding)
+                values[i] = _constrained(values[i], sharding)
         return values
 
     def fits(self, trace: Trace) -> bool:
@@ -287,10 +300,10 @@ def _constrained(value: Any, sharding: Any) -> Any:
     )
 
 
-def _check_rank(state: State, value: Any, sharding: Any) -> None:
-    """Raises `ValueError` naming `state` if `sharding` (one for every leaf of
-    `value`, or a PyTree of them, see `_constrained`) splits more axes than a leaf
-    has. (An uneven split is legal in `jit`.)"""
+def _too_many_axes(value: Any, sharding: Any) -> tuple[Any, Any] | None:
+    """A leaf of `value` and its sharding (`sharding` is one for every leaf, or a
+    PyTree of them, see `_constrained`) that splits more axes than the leaf has, or
+    `None`. (An uneven split is legal in `jit`.)"""
     pairs = []
     if isinstance(sharding, jax.sharding.Sharding):
         pairs = [(sharding, x) for x in jax.tree_util.tree_leaves(value)]
@@ -305,14 +318,25 @@ def _check_rank(state: State, value: Any, sharding: Any) -> None:
     for leaf_sharding, x in pairs:
         spec = getattr(leaf_sharding, "spec", None)
         if spec is not None and len(spec) > jnp.ndim(x):
-            raise ValueError(
-                f"`state_shardings` gives {state_label(state, value)} the sharding "
-                f"{leaf_sharding}, whose PartitionSpec has {len(spec)} entries, but "
-                f"its value has shape {jnp.shape(x)} (rank {jnp.ndim(x)}). Give it a "
-                "sharding of a lower rank (`PartitionSpec()` for a scalar), e.g. "
-                "with a mapping `{filter: sharding}` or a function `(state, value) "
-                "-> Sharding | None` that matches only the states it fits."
-            )
+            return leaf_sharding, x
+    return None
+
+
+def _check_rank(state: State, value: Any, sharding: Any) -> None:
+    """Raises `ValueError` naming `state` if `sharding` (from `state_shardings`)
+    splits more axes than a leaf of `value` has."""
+    found = _too_many_axes(value, sharding)
+    if found is None:
+        return
+    leaf_sharding, x = found
+    raise ValueError(
+        f"`state_shardings` gives {state_label(state, value)} the sharding "
+        f"{leaf_sharding}, whose PartitionSpec has {len(leaf_sharding.spec)} entries, "
+        f"but its value has shape {jnp.shape(x)} (rank {jnp.ndim(x)}). Give it a "
+        "sharding of a lower rank (`PartitionSpec()` for a scalar), e.g. with a "
+        "mapping `{filter: sharding}` or a function `(state, value) -> Sharding | "
+        "None` that matches only the states it fits."
+    )
 
 
 def _is_none(x: Any) -> bool:
@@ -439,9 +463,12 @@ _CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback"})
 
 def may_fail_at_run_time(jaxpr: Any) -> bool:
     """Whether a jaxpr holds an operation that can raise while it runs (a callback,
-    e.g. `eqx.error_if` or `jax.debug.callback`, or another side effect)."""
+    e.g. `eqx.error_if` or `jax.debug.callback`, or another side effect; not a
+    collective's)."""
     for eqn in jaxpr.eqns:
-        if eqn.effects or eqn.primitive.name in _CALLBACKS:
+        if eqn.primitive.name in _CALLBACKS or any(
+            map(compat.can_fail_at_run_time, eqn.effects)
+        ):
             return True
         if any(may_fail_at_run_time(sub) for sub in sub_jaxprs(eqn.params)):
             return True

@@ -226,12 +226,14 @@ def jit(
         function constrains those states to their sharding on input, and their new
         values on output (on explicit mesh axes it moves them there with
         `jax.sharding.reshard`, which changes their type, as in JAX; a mesh may mix
-        explicit and auto axes). A sharding
+        explicit and auto axes, and a dimension split over axes of both kinds
+        comes out split over its explicit axes first). A sharding
         whose PartitionSpec has more entries than a state's value has axes raises
         `ValueError` naming the state (an uneven split is legal, as in `jax.jit`).
         Written states
         not named here keep the sharding each of their leaves had when the function
-        was first called with them, also when that call was inside another
+        was first called with them (not applied to a leaf of fewer axes than it
+        splits: a value of another rank), also when that call was inside another
         transform (`grad`, `scan`, an outer `jit`; call `clear_cache()` after
         re-sharding them): the sharding of their value in the context that holds it
         for that call (the world, or the dictionary of an `eqstate.scope` or
