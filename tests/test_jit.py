@@ -1,3 +1,4 @@
+import functools as ft
 import re
 from typing import Any
 
@@ -523,6 +524,29 @@ def test_each_static_value_compiles_one_program(how):
         out = calls(t, s)
         assert (out == s).all() and out.dtype == jnp.float32, (t, s, out)
     assert int(count.value) == 3 * 5  # Three training calls per round, five rounds.
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        es.transform.jit,
+        lambda f: es.transform.grad(f, grad_states=es.ParamState),
+        es.transform.checkpoint,
+        lambda f: es.transform.StatefulFunction(ft.partial(f, scale=2.0)),
+    ],
+    ids=["jit", "grad", "checkpoint", "partial"],
+)
+def test_jax_errors_about_tracers_name_the_users_function(transform):
+    # As JAX's message for `jax.jit` names the function it traced, not eqstate's
+    # wrapper of it.
+    w = es.ParamState(jnp.array(2.0), name="w")
+
+    def branching_loss(x, scale=1.0):
+        return w.value * x * scale if x > 0 else -w.value * x
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        transform(branching_loss)(jnp.array(0.3))
+    assert re.search(r"function branching_loss at .*test_jit\.py:\d+", str(info.value))
 
 
 def test_a_key_error_of_the_function_while_jax_retraces_runs_it_once():

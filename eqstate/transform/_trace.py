@@ -2,6 +2,8 @@
 a call evaluates it."""
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -254,6 +256,17 @@ def trace_function(
         known.extend(result)
 
 
+_LEAVES = inspect.Signature(
+    [inspect.Parameter("leaves", inspect.Parameter.VAR_POSITIONAL)]
+)
+
+
+def _unpartial(fun: Callable) -> Callable:
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    return fun
+
+
 def _trace_once(
     fun: Callable,
     call: CallArgs,
@@ -284,6 +297,10 @@ def _trace_once(
             # JAX checks for leaked tracers as soon as this trace ends.
             frame.release()
 
+    # JAX's errors about tracers (`if x > 0:`) then name the user's function and
+    # where it is, not this one; its arguments are still `leaves[i]`.
+    pure.__wrapped__ = _unpartial(fun)  # type: ignore[attr-defined]
+    pure.__signature__ = _LEAVES  # type: ignore[attr-defined]
     in_leaves = list(call.leaves)
     for value in outer:
         in_leaves.extend(struct(signature(x)) for x in jtu.tree_leaves(value))
