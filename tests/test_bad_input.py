@@ -1428,6 +1428,17 @@ def checkpointed_for_loop_float_base():
 
 
 @case(
+    "`checkpointed_scan` with a `bool` as its `base`",
+    TypeError,
+    r"`base` must be an integer of at least 2, or None, got True",
+)
+def checkpointed_scan_bool_base():
+    return lambda: es.transform.checkpointed_scan(
+        lambda c, x: (c, x), 0, jnp.ones(3), base=True
+    ), []
+
+
+@case(
     "a state created in a `checkpointed_scan` body",
     es.NewStateError,
     "body of `checkpointed_scan` creates states",

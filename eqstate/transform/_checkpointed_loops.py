@@ -46,6 +46,8 @@ def _check_base(base: Any) -> int | None:
     if base is None:
         return None
     try:
+        if isinstance(base, bool):  # `True` is an integer, 1, to `operator.index`
+            raise TypeError
         base = operator.index(base)
     except TypeError:
         raise TypeError(
