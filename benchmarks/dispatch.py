@@ -195,7 +195,7 @@ def main(sizes: tuple[int, ...] = (1, 10, 100, 1000), quick: bool = False) -> No
     print("| N | jit(model, x) / jit(closed) | floor(array) / floor |")
     print("| --- | --- | --- |")
     for n, (ratio, jax_alone) in model_ratios.items():
-        print(f"| {n} | {ratio:.2f} | {jax_alone:.2f} |")
+        print(f"| {n} | {ratio:.3f} | {jax_alone:.3f} |")
     print("\nfirst trace, ms (eqstate traces the stateful function once)\n")
     print("| N | jax.make_jaxpr(pure) | StatefulFunction.make_jaxpr | us per state |")
     print("| --- | --- | --- | --- |")
