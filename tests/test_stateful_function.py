@@ -325,6 +325,26 @@ def test_jaxpr_call_with_a_sequence_accepts_another_weak_type_as_a_state_dict(
     assert new[0].weak_type == new_dict[b].weak_type == other.weak_type
 
 
+def test_a_sequence_of_another_weak_type_fitting_an_older_trace_is_traced_again():
+    # The newest trace of the key has `a` of 4 entries; the weakly typed values fit
+    # the older one of 2 but for their weak types, as the docstring allows.
+    a = es.State(jnp.ones(2), name="a")
+    b = es.State(jnp.ones(3), name="b")
+
+    def f():
+        b.value = b.value * 2
+        return a.value.sum() * 10 + b.value.sum()
+
+    sf = StatefulFunction(f).make_jaxpr()
+    sf.jaxpr_call(es.StateDict({a: jnp.ones(4), b: jnp.ones(3)}))
+    assert sf.get_states() == (b, a)
+    weak = [jnp.full(3, 7.0), jnp.full(2, 5.0)]
+    assert weak[0].weak_type
+    (b_after, a_after), out = sf.jaxpr_call(weak)
+    assert out == 142.0 and (b_after == 14.0).all() and (a_after == 5.0).all()
+    assert b_after.weak_type  # written from the weak value, as a write would
+
+
 def test_jaxpr_call_inside_jit_matches_the_pure_program(model):
     f, w, b, count = model
     sf = StatefulFunction(f)

@@ -191,6 +191,11 @@ class FunctionTraces:
             variants = self._cache.get(key)
             return variants[0] if variants else None
 
+    def variants(self, key: Hashable) -> tuple[Trace, ...]:
+        """The kept traces for `key`, the most recently used first."""
+        with self._lock:
+            return tuple(self._cache.get(key, ()))
+
     def _resolve_key(self, cache_key: Hashable) -> Hashable:
         if cache_key == ():
             if self._last_key is MISSING:

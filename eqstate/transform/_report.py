@@ -134,6 +134,15 @@ def check_sequence(name: str, trace: Trace, values: Sequence[Any]) -> bool:
     return False
 
 
+def fits_but_for_weak_types(trace: Trace, values: Sequence[Any]) -> bool:
+    """Whether state values aligned with `trace.states` have the structures, shapes
+    and dtypes `trace` was made with (their weak types may differ)."""
+    return not any(
+        _differs_beyond_weak_types(value, treedef, trace.leaf_signatures(state))
+        for state, value, treedef in zip(trace.states, values, trace.state_defs)
+    )
+
+
 def _differs_beyond_weak_types(value: Any, treedef: PyTreeDef, sigs: list) -> bool:
     leaves, actual = jtu.tree_flatten(value)
     shapes_and_dtypes = [signature(x)[:2] for x in leaves]

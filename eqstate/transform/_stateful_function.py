@@ -22,6 +22,7 @@ from ._function_traces import FunctionTraces
 from ._leaves import signature
 from ._report import (
     check_sequence,
+    fits_but_for_weak_types,
     misfits,
     refuse_ints_too_large,
     refuse_new_states,
@@ -677,11 +678,16 @@ class StatefulFunction:
                 return [by_state[s] for s in t.states]
 
             found = self._traces.find(call.key, values_of)
-            if found is None:
-                # `check_sequence` names the value that differs from `latest`'s (or
-                # traces again for one that differs only in weak type).
-                return latest, aligned, values
-            return found[0], aligned, tuple(found[1])
+            if found is not None:
+                return found[0], aligned, tuple(found[1])
+            # A trace that the values fit but for weak types: the caller traces
+            # again for them. Else `check_sequence` names what differs from
+            # `latest`'s values.
+            for trace in self._traces.variants(call.key):
+                near = values_of(trace)
+                if near is not None and fits_but_for_weak_types(trace, near):
+                    return trace, aligned, tuple(near)
+            return latest, aligned, values
         try:
             trace = self._traces.trace_for(call, _context.current_frame())
         except Exception as exc:
