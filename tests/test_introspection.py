@@ -60,11 +60,23 @@ def test_cache_stats_of_a_jitted_function_count_its_traces():
         count.value = count.value + 1
         return x
 
-    for _ in range(5):
+    step(jnp.ones(2))
+    # One lookup, which found nothing (JAX's trace of the call then finds the
+    # eqstate trace again, and is not counted as another lookup).
+    assert (step.get_cache_stats()["hits"], step.get_cache_stats()["misses"]) == (0, 1)
+    for _ in range(4):
         step(jnp.ones(2))
     step(jnp.ones(3))
     stats = step.get_cache_stats()
     assert stats["traces"] == stats["misses"] == 2 and count.value == 6
+    assert stats["hits"] == 0
+
+
+def test_cache_stats_of_a_stateful_function_compiled_by_jit_count_a_miss_once():
+    sf = es.transform.StatefulFunction(lambda x: x * 2, cache_type="jit")
+    sf(jnp.ones(2))
+    stats = sf.get_cache_stats()
+    assert (stats["hits"], stats["misses"], stats["traces"]) == (0, 1, 1)
 
 
 def test_cache_stats_are_consistent_across_threads():

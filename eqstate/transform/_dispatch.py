@@ -203,7 +203,9 @@ class _Plan:
             parent = lambda: Overlay(frame, moved)  # noqa: E731
         try:
             call = traces.parse(args, kwargs)
-            trace, _ = traces.lookup(call, parent, values_of)
+            # The call counted its lookup: in `_call_unplanned`, or not at all
+            # (a planned call: steady-state calls are not counted).
+            trace, _ = traces.lookup(call, parent, values_of, count_hit=False)
         except StaleTrace:
             # This call's states or their shapes fit no trace of the plan's states:
             # the unplanned path picks another plan.

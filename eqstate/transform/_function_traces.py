@@ -217,26 +217,28 @@ class FunctionTraces:
         call: CallArgs,
         parent: "_context.Frame | Callable[[], _context.Frame]",
         values_of: ValuesOf,
+        count_hit: bool = True,
     ) -> tuple[Trace, list]:
         """The trace for `call` whose states fit `values_of(trace)`, and those values.
         On a miss it traces against `parent` (a frame, or a function making one). A
         trace is only ever used with values of the structure, shapes and dtypes it was
         made with: the cache keeps up to `VARIANTS` per argument key, for callers
-        (e.g. threads) whose states differ in shape.
+        (e.g. threads) whose states differ in shape. `count_hit=False` for a lookup
+        of a call that already counted its own (a plan's, when JAX traces it).
 
         **Raises:**
 
         `StaleTrace` if even a fresh trace does not fit the caller's values (its
         states changed shape meanwhile, or it wants values for other states).
         """
-        found = self.find(call.key, values_of)
+        found = self.find(call.key, values_of, count_hit)
         if found is not None:
             return found
         with self._lock:
             key_lock = self._pending.setdefault(call.key, threading.RLock())
         # Concurrent first calls with the same key and shapes trace once.
         with key_lock:
-            found = self.find(call.key, values_of)
+            found = self.find(call.key, values_of, count_hit)
             if found is not None:
                 return found
             frame = parent() if callable(parent) else parent
@@ -261,17 +263,18 @@ class FunctionTraces:
             raise StaleTrace
         return trace, values
 
-    def find(self, key: Hashable, values_of: ValuesOf) -> tuple[Trace, list] | None:
+    def find(
+        self, key: Hashable, values_of: ValuesOf, count_hit: bool = True
+    ) -> tuple[Trace, list] | None:
         """A kept trace for `key` that fits `values_of(trace)`, and those values."""
-        with self._lock:
-            variants = tuple(self._cache.get(key, ()))
-        for trace in variants:
+        for trace in self.variants(key):
             if trace.has_custom_rules and trace.rule_reads_before != rule_reads():
                 continue  # Its rules may hold values read then: see `rule_reads`.
             values = values_of(trace)
             if values is not None and trace.stale_state(values) is None:
                 self._touch(key, trace)
-                self.stats.hit()
+                if count_hit:
+                    self.stats.hit()
                 return trace, values
         return None
 
