@@ -1482,8 +1482,22 @@ def test_an_orbax_save_that_fails_while_writing_keeps_the_checkpoint_it_replaces
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+@pytest.fixture
+def swap_barriers(monkeypatch):
+    """The numbers of the swap barriers Orbax saves wait at, in the order they do
+    (recorded instead of waiting: one process)."""
+    import orbax.checkpoint as ocp
+
+    barriers = []
+    monkeypatch.setattr(
+        ocp.multihost, "sync_global_processes", lambda name, **_: barriers.append(name)
+    )
+    prefix = "eqstate_save_swap_"
+    return lambda: [int(n[len(prefix) :]) for n in barriers if n.startswith(prefix)]
+
+
 def test_the_barrier_of_an_orbax_save_does_not_depend_on_earlier_saves_failing(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, swap_barriers
 ):
     # Every process waits for process 0's swap at a barrier named by the save's
     # number. A save that failed in one process only, before its swap, took no
@@ -1491,10 +1505,6 @@ def test_the_barrier_of_an_orbax_save_does_not_depend_on_earlier_saves_failing(
     # others', and the processes waited for each other until it timed out.
     import orbax.checkpoint as ocp
 
-    barriers = []
-    monkeypatch.setattr(
-        ocp.multihost, "sync_global_processes", lambda name, **_: barriers.append(name)
-    )
     w = es.ParamState(jnp.arange(3.0), name="w")
 
     def full_disk(*args, **kwargs):
@@ -1506,30 +1516,23 @@ def test_the_barrier_of_an_orbax_save_does_not_depend_on_earlier_saves_failing(
         with pytest.raises(es.CheckpointError, match="No space left"):
             es.save(tmp_path / "b", es.values_of(w), backend="orbax")
     es.save(tmp_path / "c", es.values_of(w), backend="orbax")
-    swaps = [name for name in barriers if name.startswith("eqstate_save_swap_")]
-    first, third = (int(name.rsplit("_", 1)[1]) for name in swaps)
+    first, third = swap_barriers()
     # The number a process whose second save succeeded gives the third.
     assert third == first + 2
 
 
 def test_orbax_saves_from_two_threads_meet_their_barriers_in_the_order_they_save(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, swap_barriers
 ):
     # Each process must reach the swap barriers of its saves in the same order as
     # every other process. A save took its number before it waited for another
     # thread's save to finish: the save that waited longer reached the lower
     # number's barrier last, and with several processes each waited at a barrier of
     # another name until it timed out.
-    import orbax.checkpoint as ocp
-
-    barriers = []
-    monkeypatch.setattr(
-        ocp.multihost, "sync_global_processes", lambda name, **_: barriers.append(name)
-    )
     w = es.ParamState(jnp.arange(3.0), name="w")
     first, second = tmp_path / "first", tmp_path / "second"
     es.save(first, es.values_of(w), backend="orbax")
-    barriers.clear()
+    (before,) = swap_barriers()
     looking, go_on = threading.Event(), threading.Event()
     listdir = os.listdir
 
@@ -1554,8 +1557,7 @@ def test_orbax_saves_from_two_threads_meet_their_barriers_in_the_order_they_save
     go_on.set()
     for thread in threads:
         thread.join(60)
-    swaps = [int(name.rsplit("_", 1)[1]) for name in barriers if "swap" in name]
-    assert len(swaps) == 2 and swaps[1] == swaps[0] + 1
+    assert swap_barriers() == [before, before + 1, before + 2]
     assert es.load(first, es.values_of(w))[w].tolist() == [0.0, 1.0, 2.0]
     assert es.load(second, es.values_of(w))[w].tolist() == [0.0, 1.0, 2.0]
 
