@@ -271,32 +271,40 @@ def _save_args(
 def _refuse_values_that_differ_across_processes(
     leaves: list, arrays: list[jax.Array], sums: list[int]
 ) -> None:
-    """Raises `CheckpointError` if an array each process holds apart (not one array
-    across them) has another value in some process, by its checksum: the checkpoint
-    would keep process 0's, and every other process would load it as its own (a
-    random state seeded by rank, a data loader's position). Every process takes part
-    (one small all-gather), and all raise alike."""
+    """Raises `CheckpointError` if an array has another value in some process, by its
+    checksum: the checkpoint would keep process 0's, and every other process would
+    load it as its own. Either each process holds it apart (a random state seeded by
+    rank, a data loader's position), or it is one array across the processes whose
+    copies differ (such a value written by a jitted step: JAX takes a value each
+    process holds apart as one that every process holds alike). Every process takes
+    part (one small all-gather), and all raise alike. The checksum of one array
+    across the processes is computed by them together, and is the same in each
+    unless their copies differ."""
     if jax.process_count() == 1 or not arrays:
         return
     from jax.experimental import multihost_utils
 
-    local = [x.is_fully_addressable for x in arrays]
-    mine = np.array(
-        [divmod(c, 2**32) if own else (0, 0) for c, own in zip(sums, local)],
-        np.uint32,
-    ).reshape(-1)
+    mine = np.array([divmod(c, 2**32) for c in sums], np.uint32).reshape(-1)
     every = np.asarray(multihost_utils.process_allgather(mine))
     differs = np.flatnonzero((every != every[:1]).any(axis=0)) // 2
-    if differs.size:
-        spec, _ = leaves[differs[0]]
-        raise CheckpointError(
-            f"The value at {spec.path!r} differs between processes: each holds its "
-            "own (not one array across them), and a checkpoint keeps one value per "
-            "state, process 0's, which every process would load. Give every process "
-            "the same value (seed a `RandomState` alike in every process), or hold "
-            "one value per process in an array across them "
-            "(`jax.make_array_from_process_local_data`). Nothing was written."
+    if not differs.size:
+        return
+    spec, _ = leaves[differs[0]]
+    if arrays[differs[0]].is_fully_addressable:
+        how = "each holds its own (not one array across them)"
+    else:
+        how = (
+            "it is one array across them, but their copies differ (a jitted step "
+            "wrote it from values that differed: JAX takes a value each process "
+            "holds apart as one they all hold alike)"
         )
+    raise CheckpointError(
+        f"The value at {spec.path!r} differs between processes: {how}, and a "
+        "checkpoint keeps one value per state, process 0's, which every process "
+        "would load. Give every process the same value (seed a `RandomState` alike "
+        "in every process), or hold one value per process in an array across them "
+        "(`jax.make_array_from_process_local_data`). Nothing was written."
+    )
 
 
 def _process_0s(step: int | None) -> int | None:

@@ -335,6 +335,31 @@ def _orbax_checks(report, workdir, mesh, gather, check):
         es.save(path + "-same", es.values_of(same), model=same)
         return {"errors": errors, "written": os.path.exists(path)}
 
+    @check("orbax_values_a_step_made_differ_between_processes")
+    def _():
+        # A value seeded by rank, written by a jitted step together with an array
+        # across the processes: JAX returns one array across them whose copies
+        # differ, which a checkpoint would keep process 0's copy of.
+        import jax
+
+        w = es.ParamState(jnp.zeros(8), name="w")
+        es.shard([w], mesh, P("d"))
+        rng = es.RandomState(200 + jax.process_index(), name="rng")
+
+        @es.transform.jit
+        def step():
+            w.value = w.value + jax.random.normal(rng.split_key(), (8,))
+
+        step()
+        path = os.path.join(workdir, "made-to-differ")
+        try:
+            es.save(
+                path, es.values_of({"w": w, "rng": rng}), model={"w": w, "rng": rng}
+            )
+        except es.CheckpointError as e:
+            return {"error_text": str(e), "written": os.path.exists(path)}
+        return {"error_text": None, "written": os.path.exists(path)}
+
     @check("latest_step_of_process_0")
     def _():
         # What `CheckpointManager.load` loads when the processes list the directory
@@ -678,6 +703,13 @@ def test_orbax_refuses_a_value_that_differs_between_processes(run):
         assert len(result["errors"]) == 2 and not result["written"]
         for error in result["errors"]:
             assert "The value at 'rng' differs between processes" in error
+
+
+def test_orbax_refuses_a_value_whose_copies_a_jitted_step_made_differ(run):
+    for result in _both(run, "orbax_values_a_step_made_differ_between_processes"):
+        assert not result["written"]
+        assert "The value at 'rng' differs between processes" in result["error_text"]
+        assert "one array across them, but their copies differ" in result["error_text"]
 
 
 def test_every_process_loads_the_step_process_0_sees_as_the_latest(run):
