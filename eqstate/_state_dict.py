@@ -483,10 +483,20 @@ def _placed(state: State, value: Any, sharding: jax.sharding.Sharding) -> Any:
     try:
         return device_put_apart(value, sharding)
     except (ValueError, AssertionError) as error:  # JAX's, naming no state
-        raise ValueError(
-            f"Cannot place {state_label(state, value)} with {sharding}: {error or ''}"
-            " Give it a sharding that fits its shape (each split dimension divisible "
+        fix = (
+            "Give it a sharding that fits its shape (each split dimension divisible "
             "by the devices along it, no more entries than dimensions)."
+        )
+        if "same on each process" in str(error):
+            fix = (
+                "A value placed across the processes must be the same in each: give "
+                "the state the same value in every process (seed a `RandomState` "
+                "alike), or build one array from each process's part with "
+                "`jax.make_array_from_process_local_data`."
+            )
+        raise ValueError(
+            f"Cannot place {state_label(state, value)} with {sharding}: "
+            f"{error or ''} {fix}"
         ) from error
 
 

@@ -360,6 +360,17 @@ def _orbax_checks(report, workdir, mesh, gather, check):
             return {"error_text": str(e), "written": os.path.exists(path)}
         return {"error_text": None, "written": os.path.exists(path)}
 
+    @check("shard_a_value_that_differs_between_processes")
+    def _():
+        import jax
+
+        pos = es.State(jnp.array(100 * jax.process_index()), name="pos")
+        try:
+            es.shard([pos], mesh, P())
+        except ValueError as e:
+            return str(e)
+        return None
+
     @check("latest_step_of_process_0")
     def _():
         # What `CheckpointManager.load` loads when the processes list the directory
@@ -710,6 +721,13 @@ def test_orbax_refuses_a_value_whose_copies_a_jitted_step_made_differ(run):
         assert not result["written"]
         assert "The value at 'rng' differs between processes" in result["error_text"]
         assert "one array across them, but their copies differ" in result["error_text"]
+
+
+def test_placing_a_value_that_differs_between_processes_says_so(run):
+    for message in _both(run, "shard_a_value_that_differs_between_processes"):
+        assert message.startswith("Cannot place State 'pos'")
+        assert "must be the same in each" in message
+        assert "divisible" not in message
 
 
 def test_every_process_loads_the_step_process_0_sees_as_the_latest(run):
