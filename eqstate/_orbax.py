@@ -436,6 +436,31 @@ def _refuse_to_replace(
         )
 
 
+def _refuse_to_replace_in_any_process(path: str, *refusal: Any) -> None:
+    """`_refuse_to_replace(path, *refusal)` in every process, all raising if one
+    does: the others would otherwise begin the save and wait for that process in
+    Orbax's collectives until they time out (one small all-gather)."""
+    try:
+        _refuse_to_replace(path, *refusal)
+        refused: Exception | None = None
+    except (CheckpointError, OSError) as error:
+        refused = error
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flags = np.asarray(
+            multihost_utils.process_allgather(np.int32(refused is not None))
+        ).reshape(-1)
+        if refused is None and flags.any():
+            raise CheckpointError(
+                f"Cannot save a checkpoint to {path!r}: process "
+                f"{int(np.flatnonzero(flags)[0])} refused to save there (see its "
+                "error), so no process saves. Nothing was written or removed."
+            )
+    if refused is not None:
+        raise refused
+
+
 # Orbax numbers each save from one counter shared by the whole process, and the
 # save's later steps read the number back: two saves started at once from two
 # threads write into each other's temporary directories, fail, and leave the paths
@@ -478,7 +503,7 @@ def save_orbax(
         # processes only still takes its number there. So later saves' barriers
         # keep matching across processes.
         number = next(_SWAPS)
-        _refuse_to_replace(path)
+        _refuse_to_replace_in_any_process(path)
         args, _ = _save_args(ocp, states, model)
         # Through a symlink, the directory it leads to is replaced and the link stays.
         target = os.path.realpath(path)
@@ -1028,7 +1053,7 @@ class CheckpointManager:
                 "save a later step."
             )
         fix = _STEP_FIX.format(directory=self.directory)
-        _refuse_to_replace(step_path, f"checkpoint {step}", (fix, fix))
+        _refuse_to_replace_in_any_process(step_path, f"checkpoint {step}", (fix, fix))
         args, _ = _save_args(self._ocp, states, model)
         with _SAVING, _orbax_write_errors(step_path):
             self._remove_unfinished_saves()

@@ -371,6 +371,29 @@ def _orbax_checks(report, workdir, mesh, gather, check):
             return str(e)
         return None
 
+    @check("orbax_save_one_process_refuses")
+    def _():
+        # Process 1 would replace a file: it refuses, and so must process 0, which
+        # would otherwise wait for it inside Orbax's save; the next save then runs.
+        import jax
+
+        w = es.ParamState(jnp.arange(8.0), name="w")
+        es.shard([w], mesh, P("d"))
+        rank = jax.process_index()
+        path = os.path.join(workdir, f"refused-{rank}")
+        if rank == 1:
+            with open(path, "w") as f:
+                f.write("not a checkpoint")
+        try:
+            es.save(path, es.values_of({"w": w}), model={"w": w}, backend="orbax")
+            refusal = None
+        except es.CheckpointError as e:
+            refusal = str(e)
+        after = os.path.join(workdir, "after-refusal")
+        es.save(after, es.values_of({"w": w}), model={"w": w}, backend="orbax")
+        loaded = es.load(after, {"w": w})[w]
+        return {"refusal": refusal, "loaded": gather(loaded)}
+
     @check("latest_step_of_process_0")
     def _():
         # What `CheckpointManager.load` loads when the processes list the directory
@@ -728,6 +751,14 @@ def test_placing_a_value_that_differs_between_processes_says_so(run):
         assert message.startswith("Cannot place State 'pos'")
         assert "must be the same in each" in message
         assert "divisible" not in message
+
+
+def test_an_orbax_save_that_one_process_refuses_is_refused_by_every_process(run):
+    refusals = [r["refusal"] for r in _both(run, "orbax_save_one_process_refuses")]
+    assert "refused-1': it is a file, not an Orbax checkpoint" in refusals[1]
+    assert "process 1 refused to save there" in refusals[0]
+    for result in _both(run, "orbax_save_one_process_refuses"):
+        assert result["loaded"] == list(range(8))
 
 
 def test_every_process_loads_the_step_process_0_sees_as_the_latest(run):
