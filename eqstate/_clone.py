@@ -1,7 +1,6 @@
 """Copies of models holding handles: `clone` and `member`."""
 
 import itertools
-import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,6 +10,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _context
+from ._arguments import integer
 from ._custom_types import Filter
 from ._pretty_print import state_label, value_summary
 from ._run import states_of
@@ -336,12 +336,7 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         assert (ensemble["w"].value[2] != 0).all()
         ```
     """
-    if isinstance(index, bool):  # (NumPy's and JAX's booleans have no `__index__`)
-        raise TypeError(
-            f"`eqstate.member` takes an integer index, got the boolean {index!r} "
-            "(which NumPy indexing reads as a mask, not as member 0 or 1)."
-        )
-    index = operator.index(index)
+    index = integer(index, "index", at_least=None, owner="`eqstate.member`'s ")
     states = states_of(ensemble)
     values = _context.current_frame().read_many(states) if states else []
     # Selected as `states_of` selects: by any of the paths a state is found at.

@@ -10,6 +10,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _context, _jax_compat as compat
+from ._arguments import flag
 from ._custom_types import Filter, MISSING
 from ._errors import (
     RAW_TRANSFORM_READ,
@@ -439,6 +440,7 @@ def states_of(
             "states are its keys. Pass the model, or use the StateDict's `states` or "
             "`filter(...)`."
         )
+    flag(with_paths, "with_paths", owner="`states_of`'s ")
     refuse_static_handles(pytree)
     predicates = [to_predicate(f) for f in filters]
     found: dict[State, tuple] = {}

@@ -13,6 +13,7 @@ import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
 from . import _context
+from ._arguments import text
 from ._context import current_frame, label_here, to_checked_value
 from ._errors import BatchAxisError, EXPIRED_STATE, StateValueError
 from ._pretty_print import state_doc, state_label
@@ -86,12 +87,8 @@ class State(Generic[_Value]):
             argument.)
         - `name`: a name shown in messages and printing. (Keyword only argument.)
         """
-        for label, text in (("tag", tag), ("name", name)):
-            if text is not None and not isinstance(text, str):
-                raise TypeError(
-                    f"A state's `{label}` must be a string or None, got {text!r} (a "
-                    f"{type(text).__name__}). E.g. `{label}={str(text)!r}`."
-                )
+        text(tag, "tag", owner="A state's ")
+        text(name, "name", owner="A state's ")
         object.__setattr__(self, "_tag", tag)
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_expired_in", None)
@@ -369,6 +366,8 @@ def made_as_copy(state: State) -> bool:
 
 def _key_count(n: Any) -> int:
     try:
+        if isinstance(n, bool):
+            raise TypeError
         n = operator.index(n)
     except TypeError:
         raise TypeError(
@@ -383,7 +382,7 @@ def _key_count(n: Any) -> int:
 def _as_key(seed_or_key: Any, impl: Any = None) -> Any:
     """A typed key from `seed_or_key`, an integer seed (making a key of `impl`, by
     default JAX's default implementation) or a typed key."""
-    if isinstance(seed_or_key, (str, bytes)) or not (
+    if isinstance(seed_or_key, (str, bytes, bool)) or not (
         isinstance(seed_or_key, (int, np.integer)) or hasattr(seed_or_key, "dtype")
     ):
         raise TypeError(

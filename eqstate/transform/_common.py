@@ -1,7 +1,6 @@
 """Helpers the transforms share: static leaves through JAX transforms, the states a
 spec names, and PyTrees split into arrays and the rest."""
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -235,24 +234,6 @@ def partition(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
         return jtu.tree_unflatten(treedef, full)
 
     return dynamic, rebuild
-
-
-def positive_int(value: Any, name: str, example: str = "") -> int:
-    """`value` as a Python int: any integer `operator.index` takes, not a `bool`
-    (which it would take as 0 or 1). Raises `TypeError` naming `name` (followed by
-    `example`, a usage) for anything else, and `ValueError` if it is not positive."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        size = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"`{name}` must be a positive integer or None, got {value!r} (a "
-            f"{type(value).__name__}){example}."
-        ) from None
-    if size <= 0:
-        raise ValueError(f"`{name}` must be a positive integer, got {size}.")
-    return size
 
 
 def predicate_axes(predicate: Any) -> frozenset:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
+from .._arguments import text
 from .._clone import Build, INIT_NO_BATCHING, mark_build, mark_replicated
 from .._context import check_write, has_tracer
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
@@ -540,6 +541,7 @@ def vmap_new_states(
             "supported. Use `eqstate.transform.vmap` to map over existing states."
         )
     axis_size = checked_axis_size(axis_size)
+    text(state_tag, "state_tag")
     excluded = to_predicate(state_to_exclude)
     options = dict(
         in_axes=in_axes,

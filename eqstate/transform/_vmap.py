@@ -221,7 +221,7 @@ def parse_state_axes(spec: Any, what: str) -> list[tuple[int, Callable]]:
         return []
     if isinstance(spec, StateDict):
         spec = spec.states
-    if isinstance(spec, dict) and all(isinstance(k, int) for k in spec):
+    if isinstance(spec, dict) and all(_is_axis(k) for k in spec):
         pairs = []
         for axis, filter in spec.items():
             if isinstance(filter, StateDict):
@@ -234,6 +234,10 @@ def parse_state_axes(spec: Any, what: str) -> list[tuple[int, Callable]]:
             f"got keys {list(spec)!r}."
         )
     return [(0, to_predicate(spec))]
+
+
+def _is_axis(key: Any) -> bool:
+    return isinstance(key, int) and not isinstance(key, bool)
 
 
 def _refuse_named_shared(in_states: Any) -> None:
