@@ -609,11 +609,13 @@ def grad(
         differentiates every leaf of the states, as `jax.grad` does (`float0`
         gradients for integers).
     - `argnums`: the positional arguments to differentiate with respect to. Defaults
-        to `0` without `grad_states`, to none with them. As in `eqx.filter_grad`,
-        their leaves that are not floating-point arrays (integers, Python numbers)
-        get `None` rather than `jax.grad`'s `TypeError`. Without `grad_states`, a
-        handle in them gets `None` too; if the function uses floating-point
-        `ParamState`s they hold, `grad` warns once, naming them.
+        to `0` without `grad_states`, to none with them. Their floating-point
+        leaves are differentiated, Python floats included, as by `jax.grad`
+        (`grad(lambda x: x**2)(3.0)` is `6.0`; `eqx.filter_grad` gives `None`).
+        Their other leaves (integers, booleans) get `None`, as in
+        `eqx.filter_grad`, rather than `jax.grad`'s `TypeError`. Without
+        `grad_states`, a handle in them gets `None` too; if the function uses
+        floating-point `ParamState`s they hold, `grad` warns once, naming them.
     - `has_aux`: `fun` returns `(value, aux)`.
     - `return_value`: also return the function's value.
     - `holomorphic`, `allow_int`: as in `jax.grad`. (Keyword only arguments.)

@@ -54,9 +54,10 @@ class StatefulFunction:
     Arguments are split as `jax.jit` would trace them, plus the leniency of
     `eqx.filter_jit`: array leaves and Python scalars are traced (so `f(1.0)` and
     `f(2.0)` share a trace), other leaves (strings, functions, ...) are static and
-    part of the cache key. Outputs
-    may hold non-array leaves (returned as they were while tracing) and the handles
-    of new states, but not pre-existing handles.
+    part of the cache key. Outputs may hold non-array leaves (returned as they were
+    while tracing), handles that existed before the call (a module holding them,
+    say: the caller gets the same handles back) and the handles of new states
+    (fresh ones at each call).
 
     !!! Example
 
