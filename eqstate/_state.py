@@ -12,10 +12,17 @@ import numpy as np
 import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
-from . import _context
+from . import _context, _jax_compat as compat
 from ._arguments import text
 from ._context import current_frame, label_here, to_checked_value
-from ._errors import BatchAxisError, EXPIRED_STATE, StateValueError
+from ._errors import (
+    BatchAxisError,
+    EXPIRED_STATE,
+    FORGOTTEN_VALUE,
+    HANDLE_GIVEN_TO_JAX,
+    HandleGivenToJax,
+    StateValueError,
+)
 from ._pretty_print import state_doc, state_label
 from ._serialisation_guard import not_an_array, refuse_if_serialised
 
@@ -31,8 +38,11 @@ class State(Generic[_Value]):
     """A handle that names a piece of state.
 
     A handle is immutable, equal only to itself and hashed by identity, and it is a
-    PyTree *leaf*: it never holds a value. It has no truth value either: `if state:`
-    raises `TypeError` (test `state.value`). Its value lives in the innermost context
+    PyTree *leaf*: it never holds a value. It has no truth value either (`if state:`
+    raises `TypeError`), and it is no array: operators, indexing and `len` raise
+    `TypeError`, and JAX refuses it where it takes an array (an argument of
+    `jax.jit`) with [`eqstate.TraceContextError`][]. Read `state.value` for all of
+    these. Its value lives in the innermost context
     (the world, a [`eqstate.scope`][], or the trace of an eqstate transform), which
     [`eqstate.State.value`][] reads and writes.
 
@@ -154,13 +164,17 @@ class State(Generic[_Value]):
     # handles (`es.assign({w: ..., b: ...})`) is a PyTree: JAX sorts dict keys.
     def __lt__(self, other: object) -> bool:
         if not isinstance(other, State):
-            return NotImplemented
+            _refuse_as_array(self, "`<`", "state.value < x")
         return self._order < other._order
 
     def __gt__(self, other: object) -> bool:
         if not isinstance(other, State):
-            return NotImplemented
+            _refuse_as_array(self, "`>`", "state.value > x")
         return self._order > other._order
+
+    # NumPy arrays defer to the handle's operators (below) rather than map them over
+    # their elements.
+    __array_ufunc__ = None
 
     def __bool__(self) -> NoReturn:
         # Else `if done:`, with `.value` forgotten, would always be taken.
@@ -208,6 +222,53 @@ class State(Generic[_Value]):
 
     def __repr__(self) -> str:
         return wl.pformat(self)
+
+
+def _refuse_as_array(state: State, use: str, example: str) -> NoReturn:
+    raise TypeError(
+        FORGOTTEN_VALUE.format(label=label_here(state), use=use, eg=example)
+    )
+
+
+def _refusal(use: str, example: str) -> Any:
+    def refuse(self: State, *args: Any) -> NoReturn:
+        _refuse_as_array(self, use, example)
+
+    return refuse
+
+
+# Forgetting `.value` (`self.w @ x`, `-state`, `state[0]`) would get Python's bare
+# "unsupported operand type(s)": every operator on a handle names it instead. They are
+# set here, out of type checkers' sight, so that these still flag such a use.
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "matmul": "@", "truediv": "/"}
+_BINARY |= {"floordiv": "//", "mod": "%", "pow": "**", "lshift": "<<"}
+_BINARY |= {"rshift": ">>", "and": "&", "xor": "^", "or": "|"}
+for _name, _op in _BINARY.items():
+    setattr(State, f"__{_name}__", _refusal(f"`{_op}`", f"state.value {_op} x"))
+    setattr(State, f"__r{_name}__", _refusal(f"`{_op}`", f"x {_op} state.value"))
+for _name, _op in {"le": "<=", "ge": ">="}.items():
+    setattr(State, f"__{_name}__", _refusal(f"`{_op}`", f"state.value {_op} x"))
+for _name, _use, _example in (
+    ("neg", "`-`", "-state.value"),
+    ("pos", "`+`", "+state.value"),
+    ("invert", "`~`", "~state.value"),
+    ("abs", "`abs`", "abs(state.value)"),
+    ("divmod", "`divmod`", "divmod(state.value, x)"),
+    ("rdivmod", "`divmod`", "divmod(x, state.value)"),
+    ("getitem", "indexing", "state.value[i]"),
+    ("len", "`len`", "len(state.value)"),
+    ("float", "`float`", "float(state.value)"),
+    ("int", "`int`", "int(state.value)"),
+    ("complex", "`complex`", "complex(state.value)"),
+):
+    setattr(State, f"__{_name}__", _refusal(_use, _example))
+
+
+def _given_to_jax(state: State) -> NoReturn:
+    raise HandleGivenToJax(HANDLE_GIVEN_TO_JAX.format(label=label_here(state)))
+
+
+compat.refuse_as_array(State, _given_to_jax)
 
 
 class ShortTermState(State[_Value]):
