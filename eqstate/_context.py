@@ -278,6 +278,22 @@ def _array_to_write(state: Any, new: Any) -> Any:
         ) from None
 
 
+def to_new_value(state: Any, value: Any) -> Any:
+    """`value` as a new value of `state`, of any structure, shape and dtype: each leaf
+    made an array as a write makes it, and refused as a write refuses it (an object
+    JAX cannot make an array of, a deleted array, a leaked tracer), naming `state`."""
+
+    def leaf(x: Any) -> Any:
+        _refuse_deleted(state, x)
+        if isinstance(x, Tracer) and compat.is_dead_tracer(x):
+            raise TraceContextError(
+                LEAKED_TRACER_WRITE.format(label=state_label(state))
+            )
+        return _array_to_write(state, x)
+
+    return jtu.tree_map(leaf, value)
+
+
 def _check_abstract_leaf(state: Any, old: jax.ShapeDtypeStruct, new: Any) -> Any:
     """`new` for a leaf of an abstract StateDict (a `jax.ShapeDtypeStruct`), which
     it must match in shape and dtype."""
@@ -315,10 +331,17 @@ def _write_hint(old: Any, new: Any) -> str:
             "first (e.g. `value.sum(axis=0)`), or, if they are batch axes (one value "
             "per member of an ensemble), create the state inside "
             "`eqstate.transform.vmap_new_states` so that it has them too."
+            f"{_NEW_SHAPE_HINT}"
         )
     if new.shape != old.shape:
-        return ""
+        return _NEW_SHAPE_HINT
     return f" Convert it first, e.g. `value.astype({old.dtype})`."
+
+
+_NEW_SHAPE_HINT = (
+    " To give the state a value of another shape (a new batch size, say), call "
+    "`eqstate.init_states({state: value})` outside transforms."
+)
 
 
 def check_write(state: Any, old: Any, new: Any) -> Any:
@@ -330,7 +353,7 @@ def check_write(state: Any, old: Any, new: Any) -> Any:
         raise StateValueError(
             f"Cannot write a value with PyTree structure {new_def} to "
             f"{state_label(state)}, whose value has structure {old_def}. A write must "
-            "keep the structure, shape and dtype of the current value."
+            f"keep the structure, shape and dtype of the current value.{_NEW_SHAPE_HINT}"
         )
     leaves = [_cast_leaf(state, o, n) for o, n in zip(old_leaves, new_leaves)]
     return jtu.tree_unflatten(old_def, leaves)

@@ -1,5 +1,7 @@
 """Every exception eqstate raises, and the message text they share."""
 
+import dataclasses
+
 
 class StateNotFoundError(KeyError):
     """A state was read or written where no context holds its value."""
@@ -108,3 +110,19 @@ class UnknownCacheKeyError(KeyError):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
+
+FROZEN_MODULE = (
+    "eqstate: an `eqx.Module` is frozen once `__init__` returns, so a method cannot set "
+    "its fields (`self.loss = eqstate.State(loss)` in `__call__`, as a brainstate "
+    "module may). Create the state in `__init__`, with a value of its shape, and write "
+    "it in `__call__`: `self.loss.value = loss`. Or return the value."
+)
+
+
+def note_frozen_module(error: BaseException) -> None:
+    """Adds `FROZEN_MODULE` to a `dataclasses.FrozenInstanceError` (once): Equinox's
+    own message names only the field."""
+    if isinstance(error, dataclasses.FrozenInstanceError) and FROZEN_MODULE not in (
+        getattr(error, "__notes__", ())
+    ):
+        error.add_note(FROZEN_MODULE)

@@ -13,6 +13,7 @@ from . import _context, _jax_compat as compat
 from ._arguments import flag
 from ._custom_types import Filter, MISSING
 from ._errors import (
+    note_frozen_module,
     RAW_TRANSFORM_READ,
     StateNotFoundError,
     StateValueError,
@@ -20,7 +21,8 @@ from ._errors import (
 )
 from ._filters import to_predicate
 from ._pretty_print import state_label, value_summary
-from ._state import is_state, State
+from ._shapes import is_key
+from ._state import is_state, RandomState, State
 from ._state_dict import state_dict_of, StateDict
 from ._static_fields import refuse_static_handles
 
@@ -259,6 +261,8 @@ class scope:
         assert self._frame is not None
         if exc_type is None:
             self._states = state_dict_of(dict(self._frame.values))
+        else:
+            note_frozen_module(exc_value)
         # A task or thread that copied the context inside the block still holds the
         # frame: ending it makes its later uses raise instead of changing the result.
         self._frame.end()
@@ -518,12 +522,7 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
         assert (w.value == 1).all()
         ```
     """
-    if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
-        raise TypeError(
-            "`eqstate.assign` takes a StateDict or a mapping from state handles to new "
-            f"values, got {type(values).__name__} {values!r:.60}. E.g. "
-            "`eqstate.assign({w: new_w})`."
-        )
+    _check_mapping(values, "assign")
     states = list(values)
     if not states:
         return
@@ -535,3 +534,108 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
         _context.refuse_leaked_tracers(state, values[state], eager)
         checked[state] = _context.check_write(state, old, values[state])
     frame.commit(checked)
+
+
+def _check_mapping(values: Any, name: str) -> None:
+    if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
+        raise TypeError(
+            f"`eqstate.{name}` takes a StateDict or a mapping from state handles to "
+            f"new values, got {type(values).__name__} {values!r:.60}. E.g. "
+            f"`eqstate.{name}({{w: new_w}})`."
+        )
+
+
+_NEW_SHAPE_IN_TRANSFORM = (
+    "Cannot give {label} the value {new} inside an eqstate transform: a traced "
+    "function keeps the structure and shape of every state it uses, which its trace "
+    "takes as inputs. Call `eqstate.init_states` before calling the transformed "
+    "function (which traces again for the new shapes): in eager code, or inside "
+    "`eqstate.scope` or `eqstate.run`."
+)
+
+
+def init_states(values: Mapping[State, PyTree] | PyTree) -> None:
+    """Gives states new values of any structure, shape or dtype, all at once, as
+    when they were created: what brainstate's `init_state(batch_size)` and
+    `reset_state` do, such as giving a hidden state the batch size of the next
+    sequence. A write (`state.value = ...`, [`eqstate.assign`][]) must keep the
+    structure, shape and dtype of the current value; this is the separate, explicit
+    way to change them.
+
+    A state keeps its structure and shape within a traced function, so this changes
+    them only outside eqstate's transforms: in eager code, and inside
+    [`eqstate.scope`][] and [`eqstate.run`][] (also under `jax.jit`). Inside a
+    transform, values that keep the structure and shape are written as by
+    [`eqstate.assign`][], and any other raises [`eqstate.StateValueError`][] with
+    nothing written, so that a layer's `init_state` may be called everywhere with
+    the batch size it already has.
+
+    **Arguments:**
+
+    - `values`: a [`eqstate.StateDict`][] or mapping from handles to their new
+        values (PyTrees of arrays). Each state must have a value in the innermost
+        context already; a [`eqstate.RandomState`][] takes typed keys.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import equinox as eqx
+        import jax.numpy as jnp
+
+        class Integrator(eqx.Module):
+            h: es.ShortTermState
+
+            def __init__(self, size):
+                self.h = es.ShortTermState(jnp.zeros(size))
+
+            def init_state(self, batch_size):
+                es.init_states({self.h: jnp.zeros((batch_size, *self.h.value.shape[-1:]))})
+
+            def __call__(self, x):
+                self.h.value = self.h.value + x
+                return self.h.value
+
+        layer = Integrator(3)
+        layer.init_state(8)
+        step = es.transform.jit(layer)
+        assert step(jnp.ones((8, 3))).shape == (8, 3)
+        layer.init_state(2)  # a new batch size: `step` traces again
+        assert step(jnp.ones((2, 3))).shape == (2, 3)
+        ```
+    """
+    _check_mapping(values, "init_states")
+    states = list(values)
+    frame = _context.current_frame()
+    if not isinstance(frame, _context.World | _context.DictFrame):
+        current = _read_to_write(frame, states)
+        for state, old in zip(states, current):
+            new = _context.to_new_value(state, values[state])
+            if not _same_structure_and_shapes(old, new):
+                label, shown = state_label(state, old), value_summary(new)
+                raise StateValueError(
+                    _NEW_SHAPE_IN_TRANSFORM.format(label=label, new=shown)
+                )
+        assign(values)
+        return
+    new = {}
+    for state in states:
+        frame.fetch(state)  # Raises for a state that has no value here.
+        value = _context.to_new_value(state, values[state])
+        _context.refuse_leaked_tracers(state, value, compat.is_top_level())
+        if isinstance(state, RandomState) and not all(
+            map(is_key, jtu.tree_leaves(value))
+        ):
+            raise StateValueError(
+                f"Cannot give {state_label(state)} the value {value_summary(value)}: a "
+                "RandomState holds typed PRNG keys (`jax.random.key`)."
+            )
+        new[state] = value
+    frame.commit(new)
+
+
+def _same_structure_and_shapes(old: PyTree, new: PyTree) -> bool:
+    old_leaves, old_def = jtu.tree_flatten(old)
+    new_leaves, new_def = jtu.tree_flatten(new)
+    shapes = [(o.shape, n.shape) for o, n in zip(old_leaves, new_leaves)]
+    return old_def == new_def and all(o == n for o, n in shapes)

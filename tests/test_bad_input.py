@@ -1394,14 +1394,24 @@ def cell_batch_mismatch():
 
 @case(
     "changing the batch of an RNN cell inside a transform",
-    ValueError,
-    r"Cannot change the batch shape of the hidden state of LSTMCell.*\(\) to \(8,\)",
+    es.StateValueError,
+    r"Cannot give ShortTermState 'hidden' \(f32\[3\]\) the value f32\[8,3\] inside",
 )
 def cell_reset_batch_in_transform():
     cell = enn.LSTMCell(2, 3)
     return lambda: es.transform.jit(lambda: cell.reset(batch_size=8))(), es.states_of(
         cell
     )
+
+
+@case(
+    "`init_states` changing a shape inside a transform",
+    es.StateValueError,
+    r"Cannot give ShortTermState 'h' \(f32\[3\]\) the value f32\[4\] inside an eqstate",
+)
+def init_states_in_transform():
+    h = es.ShortTermState(jnp.zeros(3), name="h")
+    return es.transform.jit(lambda: es.init_states({h: jnp.zeros(4)})), [h]
 
 
 @case(

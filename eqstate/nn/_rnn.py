@@ -16,9 +16,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact, PRNGKeyArray
 
-from .. import _context, random
+from .. import random
 from .._arguments import flag, integer
 from .._pretty_print import state_label
+from .._run import init_states
 from .._state import ParamState, ShortTermState
 from ._ensemble import refuse_stacked_call
 
@@ -156,39 +157,22 @@ class _RecurrentCell(eqx.Module):
             for one batch axis, a Python int or a NumPy or JAX integer scalar; a
             tuple of them for several; `()` for none), so that the next
             calls take inputs of shape `(*batch, input_size)`. Changing the batch
-            shape gives the state a value of a new shape, which only a context
-            holding values can do: call it in eager code, or inside
-            [`eqstate.scope`][] or [`eqstate.run`][] (also under `jax.jit`), not
-            inside an eqstate transform. By default the batch shape stays as it is,
-            and the reset is an ordinary write that works everywhere. The hidden
+            shape gives the state a value of a new shape with
+            [`eqstate.init_states`][], so only outside eqstate's transforms: in
+            eager code, or inside [`eqstate.scope`][] or [`eqstate.run`][] (also
+            under `jax.jit`). By default the batch shape stays as it is, and the
+            reset is an ordinary write that works everywhere. The hidden
             state of an ensemble built by [`eqstate.transform.vmap_new_states`][]
             has the members axis first: give it too,
             `reset(batch_size=(members, batch))`.
         """
         states = self._carry_states()
         current = [state.value for state in states]
-        if batch_size is None:
-            for state, value in zip(states, current):
-                state.value = jnp.zeros_like(value)
-            return
-        shape = (*_batch_shape(type(self).__name__, batch_size), self.hidden_size)
-        zeros = {s: jnp.zeros(shape, v.dtype) for s, v in zip(states, current)}
-        if all(v.shape == shape for v in current):
-            for state, value in zeros.items():
-                state.value = value
-            return
-        frame = _context.current_frame()
-        if not isinstance(frame, (_context.World, _context.DictFrame)):
-            raise ValueError(
-                f"Cannot change the batch shape of the hidden state of {self._name()} "
-                f"from {current[0].shape[:-1]} to {shape[:-1]} inside an eqstate "
-                "transform: a state keeps its shape within a traced function. Call "
-                "`cell.reset(batch_size=...)` before calling the transformed function "
-                "(it retraces for the new shape), or map over the batch with "
-                "`eqstate.transform.vmap` and a hidden state that has the batch axis."
-            )
-        # A new value of another shape, as when the state was created: not a write.
-        frame.commit(zeros)
+        batch = current[0].shape[:-1]
+        if batch_size is not None:
+            batch = _batch_shape(type(self).__name__, batch_size)
+        shape = (*batch, self.hidden_size)
+        init_states({s: jnp.zeros(shape, v.dtype) for s, v in zip(states, current)})
 
     def _check_dtype(self, x: Array) -> None:
         """`ValueError` for a complex input to a real cell, whose update would drop its

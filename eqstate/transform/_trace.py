@@ -16,6 +16,7 @@ from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
 from .._custom_types import PyTreeDef
+from .._errors import note_frozen_module
 from .._state import expire, fresh_copy, is_state, made_as_copy, State
 from .._state_dict import rekeyed
 from ._call_args import CallArgs
@@ -292,6 +293,9 @@ def _trace_once(
         token = _context.enter(frame)
         try:
             return recorder.outputs(frame, fun(*args, **kwargs))
+        except BaseException as error:
+            note_frozen_module(error)
+            raise
         finally:
             _context.leave(token)
             # JAX checks for leaked tracers as soon as this trace ends.
