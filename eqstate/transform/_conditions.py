@@ -33,7 +33,7 @@ from ._common import (
 )
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
-from ._staged import staged
+from ._equinox_errors import with_equinox_errors
 
 
 compat.hide_from_tracebacks(__file__)
@@ -93,8 +93,7 @@ def _switch(
 ) -> Any:
     """`switch`, whose errors call each branch by its name in `names`."""
     _check_index(index)
-    # As `jax.lax.switch`: to int32 first (a large index wraps), then clamp. Also the
-    # compiled program of a top-level call (see `staged`) takes no larger integer.
+    # As `jax.lax.switch`: to int32 first (a large index wraps), then clamp.
     index = jax.lax.convert_element_type(index, jnp.int32)
     if jit_disabled() and not _context.has_tracer(index):
         chosen = min(max(int(index), 0), len(branches) - 1)
@@ -141,7 +140,7 @@ def _switch(
         return branch
 
     try:
-        out, new_values = staged(
+        out, new_values = with_equinox_errors(
             lambda index, entry, operands: jax.lax.switch(
                 index,
                 [make_branch(*tbn) for tbn in zip(traced, branches, names)],
