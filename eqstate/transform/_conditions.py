@@ -407,7 +407,7 @@ def ifelse(
 def _checked(index: Any, failed: Any) -> Any:
     """`index`, checked that `failed` is false: at once if it is known now, else as
     the program runs where the platform can raise there."""
-    if not isinstance(failed, jax.core.Tracer):
+    if not _context.has_tracer(failed):
         if failed:
             raise eqx.EquinoxRuntimeError(_NOT_EXACTLY_ONE)
         return index
