@@ -37,9 +37,9 @@ from ._common import (
 from ._conditions import cond
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
+from ._equinox_errors import with_equinox_errors
 from ._eval_shape import eval_shape
 from ._progress_bar import ProgressBar
-from ._staged import staged
 
 
 compat.hide_from_tracebacks(__file__)
@@ -346,7 +346,7 @@ def _scan(
         _check_carry_types(user_carry, new_carry, f"The body of {what[0]}", "carry")
         return (new_carry, carried.carry_out(updates, state_values)), y
 
-    (final, state_values), ys = staged(
+    (final, state_values), ys = with_equinox_errors(
         lambda carry, xs: loop(step, carry, xs, n, reverse, unroll, pbar),
         (init, carried.initial()),
         xs,
@@ -475,7 +475,7 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
         _check_carry_types(val, out, "`body_fun` of `while_loop`", "val")
         return out, carried.carry_out(updates, state_values)
 
-    final, state_values = staged(
+    final, state_values = with_equinox_errors(
         lambda carry: jax.lax.while_loop(loop_cond, loop_body, carry),
         (hidden, carried.initial()),
     )

@@ -21,8 +21,8 @@ from ._common import (
     WeakCarry,
 )
 from ._discovery import Discovery
+from ._equinox_errors import with_equinox_errors
 from ._loops import _loop_length, _scan, _slice
-from ._staged import staged
 from ._trace import sub_jaxprs, Trace
 from ._vmap import key_after_lanes, written_alike, written_per_lane
 
@@ -126,7 +126,7 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     entry = [values[s] for s in carried]
     weak = WeakCarry(entry)
     chunk = _chunk_function(traced, values, written, randoms, weak)
-    state_values, ys = staged(
+    state_values, ys = with_equinox_errors(
         lambda entry, xs: _scan_chunks(chunk, entry, xs, n, size), strong(entry), xs
     )
     traced.commit(dict(zip(carried, weak.restored(state_values))))

@@ -21,8 +21,8 @@ from .._state_dict import state_dict_of
 from ._common import constrained_to, hide_static, show_static
 from ._decorator import decorator_form
 from ._discovery import Discovery, traces_for
+from ._equinox_errors import with_equinox_errors
 from ._function_traces import FunctionTraces
-from ._staged import staged
 from ._view import View
 from ._vmap import placeholder
 
@@ -294,7 +294,9 @@ def _call_sharded(
         out_specs=(out_specs, [state_spec[s] for s in written]),
         check_vma=check_vma,
     )
-    out, new_values = staged(lambda values, args: sharded(values, *args), values, args)
+    out, new_values = with_equinox_errors(
+        lambda values, args: sharded(values, *args), values, args
+    )
     traced.commit(dict(zip(written, new_values)))
     return show_static(out)
 
