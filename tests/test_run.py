@@ -334,9 +334,9 @@ def test_init_states_gives_states_values_of_new_shapes_and_dtypes():
 def test_init_states_is_all_or_nothing():
     h = es.ShortTermState(jnp.zeros(3), name="h")
     rng = es.RandomState(0, name="rng")
-    with pytest.raises(es.StateValueError, match="RandomState 'rng'.*typed PRNG keys"):
+    with pytest.raises(es.StateValueError, match=r"RandomState 'rng'.*typed PRNG keys"):
         es.init_states({h: jnp.zeros(5), rng: jnp.zeros(2)})
-    with pytest.raises(es.StateValueError, match="'abc'.*ShortTermState 'h'"):
+    with pytest.raises(es.StateValueError, match=r"'abc'.*ShortTermState 'h'"):
         es.init_states({h: "abc"})
     assert h.value.shape == (3,)
 

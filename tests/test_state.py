@@ -429,7 +429,7 @@ def test_a_model_holding_handles_given_to_a_raw_jax_transform_gets_eqstates_erro
             r"an array.*`eqstate.transform.jit`, `eqstate.transform.grad`",
         ):
             transform(lambda m, x: m(x).sum())(model, x)
-    with pytest.raises(es.TraceContextError, match="read it: `state.value`"):
+    with pytest.raises(es.TraceContextError, match=r"read it: `state\.value`"):
         jnp.dot(model.w, x)
     # eqstate's transforms carry it.
     assert es.transform.jit(lambda m, x: m(x))(model, x).shape == (2,)
