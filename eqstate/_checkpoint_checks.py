@@ -12,11 +12,11 @@ from jax.core import Tracer
 from jaxtyping import PyTree
 
 from ._checkpoint_paths import Leaf
-from ._context import cast_breaks, to_value
 from ._errors import CheckpointError
 from ._jax_compat import is_top_level
 from ._pretty_print import state_label
 from ._state import State
+from ._write_checks import cast_breaks, to_value
 
 
 _UNDER_TRANSFORM = (

@@ -25,6 +25,12 @@ from ._shapes import is_key
 from ._state import is_state, RandomState, State
 from ._state_dict import state_dict_of, StateDict
 from ._static_fields import refuse_static_handles
+from ._write_checks import (
+    check_write,
+    refuse_leaked_tracers,
+    to_new_value,
+    to_value,
+)
 
 
 _P = ParamSpec("_P")
@@ -185,7 +191,7 @@ def _scope_value(state: State, value: Any) -> Any:
             "scope or `eqstate.run` needs values to compute with. Pass arrays, e.g. "
             "`jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)`."
         )
-    return _context.to_value(value)
+    return to_value(value)
 
 
 class scope:
@@ -531,8 +537,8 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     current = _read_to_write(frame, states)
     checked = {}
     for state, old in zip(states, current):
-        _context.refuse_leaked_tracers(state, values[state], eager)
-        checked[state] = _context.check_write(state, old, values[state])
+        refuse_leaked_tracers(state, values[state], eager)
+        checked[state] = check_write(state, old, values[state])
     frame.commit(checked)
 
 
@@ -610,7 +616,7 @@ def init_states(values: Mapping[State, PyTree] | PyTree) -> None:
     if not isinstance(frame, _context.World | _context.DictFrame):
         current = _read_to_write(frame, states)
         for state, old in zip(states, current):
-            new = _context.to_new_value(state, values[state])
+            new = to_new_value(state, values[state])
             if not _same_structure_and_shapes(old, new):
                 label, shown = state_label(state, old), value_summary(new)
                 raise StateValueError(
@@ -621,8 +627,8 @@ def init_states(values: Mapping[State, PyTree] | PyTree) -> None:
     new = {}
     for state in states:
         frame.fetch(state)  # Raises for a state that has no value here.
-        value = _context.to_new_value(state, values[state])
-        _context.refuse_leaked_tracers(state, value, compat.is_top_level())
+        value = to_new_value(state, values[state])
+        refuse_leaked_tracers(state, value, compat.is_top_level())
         if isinstance(state, RandomState) and not all(
             map(is_key, jtu.tree_leaves(value))
         ):

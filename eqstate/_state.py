@@ -14,10 +14,9 @@ from jaxtyping import ArrayLike, PyTree
 
 from . import _context, _jax_compat as compat
 from ._arguments import text
-from ._context import current_frame, label_here, to_checked_value
+from ._context import current_frame, label_here
 from ._errors import (
     BatchAxisError,
-    EXPIRED_STATE,
     FORGOTTEN_VALUE,
     HANDLE_GIVEN_TO_JAX,
     HandleGivenToJax,
@@ -25,6 +24,7 @@ from ._errors import (
 )
 from ._pretty_print import state_doc, state_label
 from ._serialisation_guard import not_an_array, refuse_if_serialised
+from ._write_checks import to_checked_value
 
 
 _Value = TypeVar("_Value")
@@ -62,23 +62,9 @@ class State(Generic[_Value]):
         ```
     """
 
-    # `_replicated`: whether `vmap_new_states` gave every member this state's one value
-    # (True, or "INIT_NO_BATCHING" for that tag, which outer builds honour too even
-    # once `state_tag` replaced it) or stacked a value per member (False); None for a
-    # state it never built.
-    # `_builds`: `(build, built, replicated)` records, one per `vmap_new_states` call
-    # that built the state (`built` True; `replicated` if that call gave every member
-    # one value) or returned it without building it (False; see `eqstate.member`).
-    # Copies of the handle keep both.
-    __slots__ = (
-        "__weakref__",
-        "_builds",
-        "_expired_in",
-        "_name",
-        "_order",
-        "_replicated",
-        "_tag",
-    )
+    # Its identity only: what other modules know about a handle (the records of the
+    # ensembles built of it, the trace it expired with) they keep by handle.
+    __slots__ = ("__weakref__", "_name", "_order", "_tag")
 
     def __init__(
         self,
@@ -101,10 +87,7 @@ class State(Generic[_Value]):
         text(name, "name", owner="A state's ")
         object.__setattr__(self, "_tag", tag)
         object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_expired_in", None)
         object.__setattr__(self, "_order", (next(_CREATION_ORDER),))
-        object.__setattr__(self, "_replicated", None)
-        object.__setattr__(self, "_builds", frozenset())
         try:
             converted = to_checked_value(self, value)
         except TypeError as error:
@@ -358,23 +341,6 @@ def _check_single_key(state: RandomState, key: Any) -> None:
         )
 
 
-def shared_by_members(state: State) -> bool:
-    """Whether every member of an ensemble shares `state`'s one value: a
-    `NonBatchState`, or a state `vmap_new_states` replicated rather than stacked
-    (tagged `INIT_NO_BATCHING`, or selected by its `state_to_exclude`)."""
-    return isinstance(state, NonBatchState) or bool(state._replicated)
-
-
-def why_shared(state: State) -> str:
-    """What makes `state` shared (see `shared_by_members`), for error messages."""
-    if isinstance(state, NonBatchState):
-        return "a NonBatchState is shared whole by every lane"
-    return (
-        "`vmap_new_states` replicated it (tagged `INIT_NO_BATCHING`, or selected by "
-        "`state_to_exclude`): every member shares its one value"
-    )
-
-
 # Held while a key is read, split and advanced in eager code, so that threads drawing
 # from one random state (the default one in the world) never get the same key.
 KEY_LOCK = threading.RLock()
@@ -394,13 +360,6 @@ def retag(state: State, tag: str) -> None:
     object.__setattr__(state, "_tag", tag)
 
 
-def expire(state: State, where: str, message: str = EXPIRED_STATE) -> None:
-    """Marks `state` as created inside the trace of `where`, which has ended: a read of
-    it outside that trace raises `TraceContextError` with `message`, a template with
-    `{label}` and `{where}` (by default: it escaped through a side effect)."""
-    object.__setattr__(state, "_expired_in", (message, where))
-
-
 def fresh_copy(state: State, *, in_place: bool = True) -> State:
     """A new, unregistered handle of the same kind, tag and name as `state`, placed
     right after it in creation order (`in_place`), or as created now."""
@@ -412,7 +371,6 @@ def fresh_copy(state: State, *, in_place: bool = True) -> State:
                 object.__setattr__(fresh, slot, getattr(state, slot))
     if hasattr(state, "__dict__"):
         fresh.__dict__.update(state.__dict__)
-    object.__setattr__(fresh, "_expired_in", None)
     # Right after the handle it copies (and its earlier copies), so that a `StateDict`
     # holding the copy in its place flattens like one holding the original.
     order = state._order if in_place else ()
@@ -478,10 +436,7 @@ def lazy_world_state(
     state = object.__new__(cls)
     object.__setattr__(state, "_tag", None)
     object.__setattr__(state, "_name", name)
-    object.__setattr__(state, "_expired_in", None)
     object.__setattr__(state, "_order", (next(_CREATION_ORDER),))
-    object.__setattr__(state, "_replicated", None)
-    object.__setattr__(state, "_builds", frozenset())
     _context.WORLD.add_lazy(state, make_value)
     return state
 

@@ -11,11 +11,11 @@ import numpy as np
 from jax.core import Tracer
 
 from .. import _jax_compat as compat
-from .._context import is_weak, to_array
 from .._filters import to_predicate
 from .._shapes import shape_dtype
 from .._state import is_state, State
 from .._state_dict import StateDict
+from .._write_checks import is_weak, to_array
 from ._leaves import dynamic_mask, in_module, is_dynamic
 from ._split_args import same_static, Static
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _context, _jax_compat as compat
-from .._context import current_frame as _current_frame, has_tracer, WORLD
+from .._context import current_frame as _current_frame, WORLD
 from .._custom_types import MISSING
 from .._errors import HandleGivenToJax
 from .._jax_compat import is_top_level
@@ -31,6 +31,7 @@ from .._pretty_print import state_label
 from .._shapes import is_key
 from .._state import State
 from .._state_dict import sharding_rule
+from .._write_checks import has_tracer
 from ._call_args import CallArgs
 from ._common import constrained_to
 from ._equinox_errors import EQUINOX_ERRORS, raise_equinox_error
