@@ -147,7 +147,7 @@ def values_to_save(states: Mapping[State, PyTree]) -> dict[State, PyTree]:
 def check_savable(spec: Leaf, leaf: Any) -> None:
     """Raises `CheckpointError` if `leaf`, the array stored as `spec`, cannot be
     stored: a tracer, an array that has been deleted, or a `float0` array."""
-    what = f"Cannot save `{spec.path}` ({state_label(spec.state)}): its value"
+    what = f"Cannot save {spec.where}: its value"
     if isinstance(leaf, Tracer):
         raise CheckpointError(
             f"{what} is a JAX tracer, which leaked out of a `jax.jit`, `jax.vmap`, "

@@ -59,7 +59,6 @@ from ._checkpoint_checks import check_savable
 from ._checkpoint_paths import Leaf
 from ._errors import CheckpointError
 from ._multi_process import is_orbax_checkpoint, require_fully_addressable, SAVE_FIX
-from ._pretty_print import state_label
 
 
 _MAGIC = b"\x93EQSTATE"
@@ -85,9 +84,7 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 
 def _host_bytes(spec: Leaf, leaf: Any) -> memoryview:
     check_savable(spec, leaf)
-    require_fully_addressable(
-        leaf, f"`{spec.path}` ({state_label(spec.state)})", "save", SAVE_FIX
-    )
+    require_fully_addressable(leaf, spec.where, "save", SAVE_FIX)
     if spec.key_impl is not None:
         leaf = jax.random.key_data(leaf)
     array = np.ascontiguousarray(_little_endian(np.asarray(leaf)))
@@ -347,11 +344,13 @@ def _parse_header(path: str, raw: bytes) -> list[dict[str, Any]]:
     return header["entries"]
 
 
-def read_array(spec: Leaf, entry: dict[str, Any], data: memoryview) -> jax.Array:
+def read_array(spec: Leaf, entry: dict[str, Any], data: memoryview) -> Any:
     """The array of a checked `entry` of the data section `data`, as `spec` expects it
-    (PRNG keys wrapped again)."""
+    (PRNG keys wrapped again, NumPy arrays left as such)."""
     raw = data[entry["offset"] : entry["offset"] + entry["length"]]
     array = _little_endian(np.frombuffer(raw, dtype=spec.dtype)).reshape(spec.shape)
+    if spec.numpy:
+        return np.array(array)  # a copy, which does not hold on to the whole file
     value = jnp.asarray(array)
     if spec.key_impl is not None:
         value = jax.random.wrap_key_data(value, impl=spec.key_impl)

@@ -1,20 +1,30 @@
-"""Matching a checkpoint's entries to the states of the target it is loaded into, and
-the messages that say how they differ. Both checkpoint formats check entries this
-way."""
+"""What a checkpoint holds: the arrays saved from a model or a StateDict, and the
+matching of a checkpoint's entries to the target it is loaded into, with the messages
+that say how they differ. Both checkpoint formats use these."""
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint_paths import Leaf, state_paths
+from ._checkpoint_checks import values_to_save
+from ._checkpoint_paths import (
+    is_loadable_array,
+    Leaf,
+    model_arrays,
+    ModelArray,
+    refuse_model_arrays,
+    state_paths,
+    stored_leaves,
+)
 from ._errors import CheckpointError
-from ._pretty_print import first_and_more, state_label
-from ._run import values_of
-from ._state import is_state, State
-from ._state_dict import StateDict
+from ._pretty_print import first_and_more
+from ._run import assign, states_of, values_of
+from ._state import is_state
+from ._state_dict import state_dict_of, StateDict
 
 
 def is_state_mapping(x: Any) -> bool:
@@ -22,11 +32,19 @@ def is_state_mapping(x: Any) -> bool:
     return isinstance(x, Mapping) and all(is_state(s) for s in x)
 
 
-def load_target(
-    model_or_states: PyTree, model: PyTree | None
-) -> tuple[StateDict, dict[State, str], str]:
-    """The target's expected values, the path of each of its states, and its name in
-    messages."""
+class Target(NamedTuple):
+    """What a checkpoint is loaded into."""
+
+    name: str  # in messages: "the model", "the StateDict"
+    expected: dict[Any, PyTree]  # the current value of each state and model array
+    specs: list[tuple[Leaf, Any]]  # every array it expects, with its current value
+    model: tuple[list[Any], Any] | None  # a model's leaves and structure; None: a dict
+
+
+def load_target(model_or_states: PyTree, model: PyTree | None) -> Target:
+    """The target of a load: a StateDict (or mapping of states), its states' paths
+    taken from `model` or their names; or a model, whose arrays and states' values
+    are loaded by their paths in it."""
     if is_state_mapping(model_or_states):
         expected = (
             model_or_states
@@ -36,15 +54,77 @@ def load_target(
         name = (
             "the StateDict" if model is None else "the StateDict (paths from `model`)"
         )
-        return expected, state_paths(expected.states, model, "load"), name
+        paths = state_paths(expected.states, model, "load")
+        return Target(name, dict(expected), stored_leaves(paths, expected), None)
     if model is not None:
         raise TypeError(
             "`eqstate.load` takes `model=` only when its target is a StateDict, which "
             "then says which states to load and `model` gives their paths. To load "
-            "every state of a model, call `eqstate.load(path, model)`."
+            "a whole model, its arrays and its states, call "
+            "`model = eqstate.load(path, model)`."
         )
-    expected = values_of(model_or_states)
-    return expected, state_paths(expected.states, model_or_states, "load"), "the model"
+    arrays, leaves, treedef = model_arrays(model_or_states, is_loadable_array)
+    states = values_of(model_or_states)
+    paths: dict[Any, str] = state_paths(states.states, model_or_states, "load")
+    paths.update((array, array.path) for array in arrays)
+    expected = {**states, **arrays}
+    return Target(
+        "the model", expected, stored_leaves(paths, expected), (leaves, treedef)
+    )
+
+
+def _short_repr(x: Any, limit: int = 60) -> str:
+    text = repr(x)
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{text} (a {type(x).__name__})"
+
+
+def leaves_to_save(
+    model_or_states: PyTree, model: PyTree | None
+) -> list[tuple[Leaf, Any]]:
+    """Every array to save, with its path: those of the values of a mapping of
+    states, their paths from `model` or their names; or, for a model, its own arrays
+    and its states' values, by their paths in it."""
+    if is_state_mapping(model_or_states):
+        if model is not None:
+            refuse_model_arrays(model)
+        values = values_to_save(model_or_states)
+        return stored_leaves(state_paths(tuple(values), model, "save"), values)
+    if model is not None:
+        raise TypeError(
+            "`eqstate.save` takes `model=` only with a StateDict of the values to "
+            "save, to give their paths. To save a whole model, its arrays and its "
+            "states' values, call `eqstate.save(path, model)`."
+        )
+    arrays, _, _ = model_arrays(model_or_states)
+    if not arrays and not states_of(model_or_states):
+        raise TypeError(
+            "`eqstate.save(path, model)` saves the arrays and the states' values a "
+            f"model holds, but {_short_repr(model_or_states)} holds neither. Pass "
+            "the model (an `eqx.Module`, or any PyTree of arrays and handles), or a "
+            "StateDict of the values to save, e.g. `eqstate.values_of(model)`."
+        )
+    values: dict[Any, PyTree] = values_to_save(values_of(model_or_states))
+    paths: dict[Any, str] = state_paths(tuple(values), model_or_states, "save")
+    paths.update((array, array.path) for array in arrays)
+    values.update(arrays)
+    return stored_leaves(paths, values)
+
+
+def loaded_into(target: Target, values: Mapping[Any, PyTree]) -> Any:
+    """What loading `values` (one for each key of `target.expected`) returns: a
+    StateDict of the states' values; or, for a model, the model with its arrays
+    replaced, its states' values then written to the innermost context."""
+    states = state_dict_of({s: v for s, v in values.items() if is_state(s)})
+    if target.model is None:
+        return states
+    leaves, treedef = target.model
+    leaves = list(leaves)
+    for owner, value in values.items():
+        if isinstance(owner, ModelArray):
+            leaves[owner.place] = value
+    assign(states)
+    return jtu.tree_unflatten(treedef, leaves)
 
 
 def _array_summary(dtype: Any, shape: tuple[int, ...], key_impl: str | None) -> str:
@@ -56,8 +136,20 @@ def _array_summary(dtype: Any, shape: tuple[int, ...], key_impl: str | None) -> 
 def _mismatch(path: str, target: str, needed: list, extra: list) -> CheckpointError:
     lines = [f"The checkpoint {path!r} does not match {target}."]
     if needed:
-        missing = (f"`{spec.path}` (for {state_label(spec.state)})" for spec in needed)
+        missing = (
+            f"`{spec.path}`"
+            + ("" if isinstance(spec.owner, ModelArray) else f" (for {spec.label})")
+            for spec in needed
+        )
         lines.append(f"It has no entry {first_and_more(missing)}.")
+    if any(isinstance(spec.owner, ModelArray) for spec in needed):
+        lines.append(
+            "It lacks arrays of the model (the weights of `eqx.nn` layers, say): it "
+            "may hold the states alone, saved with `eqstate.save(path, states, "
+            "model=model)`. Load those into the states alone, keeping the model's "
+            "arrays: `eqstate.assign(eqstate.load(path, eqstate.values_of(model), "
+            "model=model))`."
+        )
     if extra:
         held = (f"`{entry['path']}`" for entry in extra)
         lines.append(f"It holds {first_and_more(held)}, which {target} does not have.")
@@ -94,11 +186,11 @@ def check_entries(
     for spec in specs:
         entry = by_path[spec.path]
         found = (entry["dtype"], tuple(entry["shape"]), entry.get("key_impl"))
-        held = _held_as(spec.dtype)
+        held = spec.dtype if spec.numpy else _held_as(spec.dtype)
         if found != (spec.dtype.name, spec.shape, spec.key_impl):
             problems.append(
                 f"`{spec.path}` holds {_array_summary(*found)}, but "
-                f"{state_label(spec.state)} expects "
+                f"{spec.label} expects "
                 f"{_array_summary(spec.dtype.name, spec.shape, spec.key_impl)}"
             )
             stored = entry["dtype"]
@@ -106,7 +198,7 @@ def check_entries(
         elif held != spec.dtype:
             problems.append(
                 f"`{spec.path}` holds {spec.dtype.name}, which JAX holds as {held.name} "
-                f"while 64-bit types are off: {state_label(spec.state)} would get "
+                f"while 64-bit types are off: {spec.label} would get "
                 "other values"
             )
             narrowed = True

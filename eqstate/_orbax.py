@@ -35,7 +35,7 @@ import threading
 import weakref
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, overload, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -43,27 +43,24 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from ._checkpoint_checks import (
-    check_savable,
-    refuse_under_transforms,
-    values_to_save,
+from ._checkpoint_checks import check_savable, refuse_under_transforms
+from ._checkpoint_match import (
+    check_entries,
+    leaves_to_save,
+    load_target,
+    loaded_into,
+    Target,
 )
-from ._checkpoint_match import check_entries, load_target
-from ._checkpoint_paths import (
-    Leaf,
-    made_where,
-    state_paths,
-    stored_leaves,
-    target_sharding,
-    values_from_arrays,
-)
+from ._checkpoint_paths import Leaf, made_where, target_sharding, values_from_arrays
 from ._errors import CheckpointError
 from ._multi_process import device_put
-from ._pretty_print import first_and_more, state_label
+from ._pretty_print import first_and_more
 from ._shapes import is_key
 from ._state import State
 from ._state_dict import StateDict
 
+
+_M = TypeVar("_M")
 
 _FORMAT = "eqstate-orbax"
 _VERSION = 2
@@ -219,23 +216,22 @@ def _as_int(checksum: np.ndarray) -> int:
 # Saving ------------------------------------------------------------------------------
 
 
-def _stored_array(spec: Leaf, leaf: Any) -> jax.Array:
+def _stored_array(spec: Leaf, leaf: Any) -> Any:
     check_savable(spec, leaf)
     return jax.random.key_data(leaf) if spec.key_impl is not None else leaf
 
 
 def _save_args(
-    ocp: Any, states: Mapping[State, PyTree], model: PyTree | None
+    ocp: Any, leaves: list[tuple[Leaf, Any]]
 ) -> tuple[Any, list[dict[str, Any]]]:
-    """Orbax's save arguments for `states`, and the eqstate entries they describe."""
-    values = values_to_save(states)
-    leaves = stored_leaves(state_paths(tuple(values), model, "save"), values)
+    """Orbax's save arguments for the arrays `leaves`, and the eqstate entries they
+    describe."""
     arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
     _refuse_what_orbax_cannot_save(leaves)
     _refuse_paths_orbax_merges(leaves)
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
-    sums = checksums(arrays)
+    sums = checksums([jnp.asarray(x) for x in arrays])
     _refuse_values_that_differ_across_processes(leaves, arrays, sums)
     for (spec, _), array, checksum in zip(leaves, arrays, sums):
         entry: dict[str, Any] = {
@@ -248,9 +244,10 @@ def _save_args(
         if spec.key_impl is not None:
             entry["key_impl"] = spec.key_impl
         entries.append(entry)
-        if jax.process_count() > 1 and array.is_fully_addressable:
+        if spec.numpy or (jax.process_count() > 1 and _is_process_local(array)):
             # A process-local value is the same on every process (they run the same
-            # program): Orbax saves NumPy arrays from the first process only.
+            # program): Orbax saves NumPy arrays from the first process only. (It
+            # has no type for NumPy scalars.)
             array = np.asarray(array)
         tree[spec.path] = array
     meta = {
@@ -268,8 +265,12 @@ def _save_args(
     return ocp.args.Composite(**items), entries
 
 
+def _is_process_local(x: Any) -> bool:
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
 def _refuse_values_that_differ_across_processes(
-    leaves: list, arrays: list[jax.Array], sums: list[int]
+    leaves: list, arrays: list[Any], sums: list[int]
 ) -> None:
     """Raises `CheckpointError` if an array has another value in some process, by its
     checksum: the checkpoint would keep process 0's, and every other process would
@@ -290,7 +291,7 @@ def _refuse_values_that_differ_across_processes(
     if not differs.size:
         return
     spec, _ = leaves[differs[0]]
-    if arrays[differs[0]].is_fully_addressable:
+    if _is_process_local(arrays[differs[0]]):
         how = "each holds its own (not one array across them)"
     else:
         how = (
@@ -357,7 +358,7 @@ def _refuse_what_orbax_cannot_save(leaves: list[tuple[Leaf, Any]]) -> None:
             continue
         raise CheckpointError(
             f"Cannot save entry `{spec.path}` (shape {tuple(spec.shape)}, dtype "
-            f"{spec.dtype}) of {state_label(spec.state)} with the Orbax backend: "
+            f"{spec.dtype}) of {spec.label} with the Orbax backend: "
             f"Orbax cannot save {why}. Nothing was written or removed. Save with "
             f"`backend='single-file'`, which stores it bit for bit, or {fix}."
         )
@@ -373,8 +374,8 @@ def _refuse_paths_orbax_merges(leaves: list[tuple[Leaf, Any]]) -> None:
         other = seen.setdefault(stored, spec)
         if other is not spec:
             raise CheckpointError(
-                f"Cannot save entries `{other.path}` (of {state_label(other.state)}) "
-                f"and `{spec.path}` (of {state_label(spec.state)}) with the Orbax "
+                f"Cannot save entries `{other.path}` (of {other.label}) "
+                f"and `{spec.path}` (of {spec.label}) with the Orbax "
                 f"backend: Orbax drops a path's trailing '/', so it would store both "
                 f"under `{stored}`, one over the other. Nothing was written or "
                 "removed. Rename one of the keys, or save with "
@@ -492,10 +493,8 @@ _REPLACED = ".eqstate-replaced"
 _SWAPS = itertools.count()
 
 
-def save_orbax(
-    path: str, states: Mapping[State, PyTree], *, model: PyTree | None = None
-) -> None:
-    """`eqstate.save(path, states, model=model, backend='orbax')`."""
+def save_orbax(path: str, leaves: list[tuple[Leaf, Any]]) -> None:
+    """`eqstate.save(path, ..., backend='orbax')` of the arrays `leaves`."""
     ocp = orbax("Saving a checkpoint with the Orbax backend")
     with _SAVING:
         # Numbered in the order in which saves take the lock (saves from several
@@ -504,7 +503,7 @@ def save_orbax(
         # keep matching across processes.
         number = next(_SWAPS)
         _refuse_to_replace_in_any_process(path)
-        args, _ = _save_args(ocp, states, model)
+        args, _ = _save_args(ocp, leaves)
         # Through a symlink, the directory it leads to is replaced and the link stays.
         target = os.path.realpath(path)
         with _orbax_write_errors(path):
@@ -624,6 +623,8 @@ def _restore_args(ocp: Any, specs: list[tuple[Leaf, Any]]) -> dict[str, Any]:
 
 
 def _value(spec: Leaf, leaf: Any, stored: Any) -> Any:
+    if spec.numpy:
+        return stored
     with made_where(leaf):
         value = jnp.asarray(stored)
         if spec.key_impl is not None:
@@ -654,21 +655,19 @@ def _verify(
             )
 
 
-def restore_with(
-    restore: Any, where: str, model_or_states: PyTree, model: PyTree | None
-) -> StateDict:
-    """Loads into the target through `restore(args)`, an Orbax restore call of one
-    checkpoint: reads eqstate's entries, checks them against the target, restores
-    each array onto the target's sharding, and verifies the checksums."""
+def restore_with(restore: Any, where: str, target: Target) -> dict[Any, PyTree]:
+    """The values of `target.expected`, read through `restore(args)`, an Orbax
+    restore call of one checkpoint: reads eqstate's entries, checks them against the
+    target, restores each array onto the target's sharding, and verifies the
+    checksums."""
     ocp = orbax("Loading an Orbax checkpoint")
-    expected, paths, target = load_target(model_or_states, model)
-    specs = stored_leaves(paths, expected)
+    expected, specs = target.expected, target.specs
     try:
         meta = restore(ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
     except (KeyError, FileNotFoundError, ValueError):
         meta = {_META_ITEM: None}  # not an eqstate checkpoint: refused just below
     entries, version = _check_meta(where, meta[_META_ITEM])
-    by_path = check_entries(where, target, [spec for spec, _ in specs], entries)
+    by_path = check_entries(where, target.name, [spec for spec, _ in specs], entries)
     if not specs:  # Nothing to read: a checkpoint of no arrays has no `state` item.
         return values_from_arrays(expected, [], [], by_path)
     args = ocp.args.PyTreeRestore(restore_args=_restore_args(ocp, specs))
@@ -686,18 +685,14 @@ def restore_with(
     return values_from_arrays(expected, specs, arrays, by_path)
 
 
-def load_orbax(
-    path: str, model_or_states: PyTree, *, model: PyTree | None = None
-) -> StateDict:
-    """`eqstate.load(path, model_or_states, model=model, backend='orbax')`."""
+def load_orbax(path: str, target: Target) -> dict[Any, PyTree]:
+    """`eqstate.load(path, ..., backend='orbax')`: the values of `target.expected`."""
     ocp = orbax("Loading an Orbax checkpoint")
     if not os.path.isdir(path):
         raise CheckpointError(f"No Orbax checkpoint at {path!r}: " + _why_none(path))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         restore = ft.partial(checkpointer.restore, os.path.abspath(path))
-        return restore_with(
-            lambda args: restore(args=args), path, model_or_states, model
-        )
+        return restore_with(lambda args: restore(args=args), path, target)
 
 
 def _why_none(path: str) -> str:
@@ -897,20 +892,21 @@ class CheckpointManager:
         import eqstate as es
         import jax.numpy as jnp
 
-        w = es.ParamState(jnp.zeros(3), name="w")
+        model = {"w": es.ParamState(jnp.zeros(3)), "b": jnp.zeros(2)}
         with tempfile.TemporaryDirectory() as directory:
             with es.CheckpointManager(directory, max_to_keep=2) as manager:
                 for step in range(1, 5):
-                    w.value = w.value + 1
-                    manager.save(step, es.values_of(w))
+                    model["w"].value = model["w"].value + 1
+                    manager.save(step, model)
                 manager.wait_until_finished()
                 assert manager.steps() == (3, 4)
 
             # Later, perhaps in a new process: resume from the latest checkpoint.
-            w.value = jnp.zeros(3)
+            fresh = {"w": es.ParamState(jnp.zeros(3)), "b": jnp.ones(2)}
             with es.CheckpointManager(directory) as manager:
-                es.assign(manager.load(es.values_of(w)))
-                assert manager.latest_step() == 4 and (w.value == 4).all()
+                fresh = manager.load(fresh)
+                assert manager.latest_step() == 4
+            assert (fresh["w"].value == 4).all() and (fresh["b"] == 0).all()
         ```
     """
 
@@ -1006,19 +1002,21 @@ class CheckpointManager:
     def save(
         self,
         step: int | np.integer | jax.Array,
-        states: Mapping[State, PyTree],
+        model_or_states: PyTree,
         *,
         model: PyTree | None = None,
     ) -> None:
-        """Saves the values of `states` as checkpoint `step`.
+        """Saves a model (its arrays and its states' values), or the values of a
+        `StateDict`, as checkpoint `step`.
 
         **Arguments:**
 
         - `step`: the checkpoint's number, a non-negative integer (a NumPy or 0-d
             JAX integer too), e.g. the training step; higher than every step saved
             before.
-        - `states`, `model`: as in [`eqstate.save`][]: the values, and a PyTree
-            holding the handles that gives each state its path (else state names).
+        - `model_or_states`, `model`: as in [`eqstate.save`][]: a model, saved
+            whole; or a `StateDict` of values, and a PyTree holding their handles
+            (and no arrays) that gives each state its path (else state names).
             (`model` is a keyword only argument.)
 
         **Raises:**
@@ -1032,7 +1030,7 @@ class CheckpointManager:
         """
         refuse_under_transforms(
             "save",
-            "step(x)\n    manager.save(n, eqstate.values_of(model), model=model)",
+            "step(x)\n    manager.save(n, model)",
         )
         self._refuse_if_closed("save")
         step = _as_step(step, self.directory)
@@ -1054,42 +1052,60 @@ class CheckpointManager:
             )
         fix = _STEP_FIX.format(directory=self.directory)
         _refuse_to_replace_in_any_process(step_path, f"checkpoint {step}", (fix, fix))
-        args, _ = _save_args(self._ocp, states, model)
+        leaves = leaves_to_save(model_or_states, model)
+        args, _ = _save_args(self._ocp, leaves)
         with _SAVING, _orbax_write_errors(step_path):
             self._remove_unfinished_saves()
             self._manager.save(step, args=args, force=True)
 
+    @overload
     def load(
         self,
-        model_or_states: PyTree,
+        model_or_states: Mapping[State, PyTree],
         *,
         step: int | np.integer | jax.Array | None = None,
         model: PyTree | None = None,
-    ) -> StateDict:
+    ) -> StateDict: ...
+
+    @overload
+    def load(
+        self,
+        model_or_states: _M,
+        *,
+        step: int | np.integer | jax.Array | None = None,
+    ) -> _M: ...
+
+    def load(
+        self,
+        model_or_states: Any,
+        *,
+        step: int | np.integer | jax.Array | None = None,
+        model: PyTree | None = None,
+    ) -> Any:
         """Loads checkpoint `step` (by default the latest) into the target.
 
         **Arguments:**
 
-        - `model_or_states`, `model`: the target, as in [`eqstate.load`][]. Its
-            current values give the expected shapes and dtypes, and the sharding
-            each loaded array gets. (`model` is a keyword only argument.)
+        - `model_or_states`, `model`: the target, as in [`eqstate.load`][]: a model,
+            or a `StateDict`. Its current values give the expected shapes and
+            dtypes, and the sharding each loaded array gets. (`model` is a keyword
+            only argument.)
         - `step`: which checkpoint; `None` for the latest: in a program of several
             processes, the latest that process 0 sees, in every process (another
             program may save while they look). (Keyword only argument.)
 
         **Returns:**
 
-        A [`eqstate.StateDict`][] of the loaded values; pass it to
-        [`eqstate.assign`][].
+        As [`eqstate.load`][]: the model with its arrays loaded, its states'
+        values written (`model = manager.load(model)`); or, for a `StateDict`, a
+        [`eqstate.StateDict`][] of the loaded values, with nothing written.
 
         **Raises:**
 
         [`eqstate.CheckpointError`][] if there is no such checkpoint or the manager
         is closed, or as [`eqstate.load`][] does (inside a JAX transform too).
         """
-        refuse_under_transforms(
-            "load", "eqstate.assign(manager.load(model))\n    step(x)"
-        )
+        refuse_under_transforms("load", "model = manager.load(model)\n    step(x)")
         self._refuse_if_closed("load")
         self._manager.wait_until_finished()
         steps = self.steps()
@@ -1113,11 +1129,11 @@ class CheckpointManager:
                     f"No checkpoint {step} in {self.directory!r}; it holds steps "
                     f"{list(steps)}."
                 )
+        target = load_target(model_or_states, model)
         restore = ft.partial(self._manager.restore, step)
         where = os.path.join(self.directory, str(step))
-        return restore_with(
-            lambda args: restore(args=args), where, model_or_states, model
-        )
+        values = restore_with(lambda args: restore(args=args), where, target)
+        return loaded_into(target, values)
 
     def latest_step(self) -> int | None:
         """The highest step saved (or being saved), or `None` if there is none. Steps

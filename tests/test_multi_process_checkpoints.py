@@ -44,19 +44,17 @@ def test_orbax_round_trips_every_dtype_bit_exactly_onto_the_targets_sharding(
     model = _model(getkey)
     mesh = jax.make_mesh((len(jax.devices()),), ("d",))
     es.shard(model, mesh, {model["arrays"][0]: P("d")})
-    es.save(tmp_path / "ckpt", es.values_of(model), model=model, backend="orbax")
+    es.save(tmp_path / "ckpt", model, backend="orbax")
     assert (tmp_path / "ckpt").is_dir()
 
     target = _model(getkey, zeros=True)
     es.shard(target, mesh, {target["arrays"][1]: P("d")})  # another layout
-    loaded = es.load(tmp_path / "ckpt", target)  # a directory: Orbax, by default
-    saved = es.values_of(model)
+    es.load(tmp_path / "ckpt", target)  # a directory: Orbax, by default
     assert tree_bitwise_equal(
-        [loaded[s] for s in es.states_of(target)],
-        [saved[s] for s in es.states_of(model)],
+        [s.value for s in es.states_of(target)], [s.value for s in es.states_of(model)]
     )
-    assert loaded[target["arrays"][0]].sharding.spec == P()
-    assert loaded[target["arrays"][1]].sharding.spec == P("d")
+    assert target["arrays"][0].value.sharding.spec == P()
+    assert target["arrays"][1].value.sharding.spec == P("d")
 
 
 def _split_later(shape, spec, mesh, fill):
@@ -86,18 +84,16 @@ def test_orbax_round_trips_values_split_along_a_later_axis_of_an_explicit_mesh(
     model = _split_later(shape, spec, mesh, lambda s: jax.random.normal(getkey(), s))
     target = _split_later(shape, spec, mesh, jnp.zeros)
     if via == "save":
-        es.save(tmp_path / "ckpt", es.values_of(model), model=model, backend="orbax")
-        loaded = es.load(tmp_path / "ckpt", target)
+        es.save(tmp_path / "ckpt", model, backend="orbax")
+        es.load(tmp_path / "ckpt", target)
     else:
         with es.CheckpointManager(tmp_path / "run") as manager:
-            manager.save(1, es.values_of(model), model=model)
-            loaded = manager.load(target)
-    saved = es.values_of(model)
+            manager.save(1, model)
+            manager.load(target)
     assert tree_bitwise_equal(
-        [loaded[s] for s in es.states_of(target)],
-        [saved[s] for s in es.states_of(model)],
+        [s.value for s in es.states_of(target)], [s.value for s in es.states_of(model)]
     )
-    assert all(loaded[s].sharding.spec == spec for s in es.states_of(target))
+    assert all(s.value.sharding.spec == spec for s in es.states_of(target))
 
 
 # The values stored in checkpoints of each format version: a change would refuse
@@ -234,7 +230,7 @@ def test_orbax_loads_a_checkpoint_of_format_version_1_bit_exactly(tmp_path, getk
     stored[1] = jax.random.key_data(stored[1])
     _as_version_1(tmp_path / "c", stored)
     assert json.loads(_meta_file(tmp_path / "c").read_text())["version"] == 1
-    loaded = es.load(tmp_path / "c", model)
+    loaded = es.load(tmp_path / "c", es.values_of(model), model=model)
     assert tree_bitwise_equal(loaded, es.values_of(model))
 
 
