@@ -143,12 +143,11 @@ def save(
     """
     refuse_under_transforms("save", _SAVE_FIX)
     path = os.fspath(path)
-    leaves = leaves_to_save(model_or_states, model)
     if resolve_backend(backend, path, "save") == "orbax":
         from ._orbax import save_orbax
 
-        return save_orbax(path, leaves)
-    write_checkpoint(path, leaves)
+        return save_orbax(path, model_or_states, model)
+    write_checkpoint(path, leaves_to_save(model_or_states, model))
 
 
 @overload

@@ -34,7 +34,7 @@ import sys
 import threading
 import weakref
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload, TypeVar
 
 import jax
@@ -53,7 +53,7 @@ from ._checkpoint_match import (
 )
 from ._checkpoint_paths import Leaf, made_where, target_sharding, values_from_arrays
 from ._errors import CheckpointError
-from ._multi_process import device_put
+from ._multi_process import agree_on_save, device_put, exchange
 from ._pretty_print import first_and_more
 from ._shapes import is_key
 from ._state import State
@@ -222,17 +222,26 @@ def _stored_array(spec: Leaf, leaf: Any) -> Any:
 
 
 def _save_args(
-    ocp: Any, leaves: list[tuple[Leaf, Any]]
-) -> tuple[Any, list[dict[str, Any]]]:
-    """Orbax's save arguments for the arrays `leaves`, and the eqstate entries they
-    describe."""
-    arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
-    _refuse_what_orbax_cannot_save(leaves)
-    _refuse_paths_orbax_merges(leaves)
+    ocp: Any, where: str, step: int | None, prepare: Callable[[], list]
+) -> Any:
+    """Orbax's save arguments for the arrays `prepare()` returns, with their paths,
+    once every process has agreed to make this same save: a refusal in one process
+    (by `prepare`, or of what Orbax cannot save) is a refusal in all, and processes
+    saving different things raise, before any collective."""
+    try:
+        leaves = prepare()
+        arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
+        _refuse_what_orbax_cannot_save(leaves)
+        _refuse_paths_orbax_merges(leaves)
+        refusal = None
+    except Exception as error:  # Every process must learn of it, whatever it is.
+        leaves, arrays, refusal = [], [], error
+    described = [(spec.path, spec.shape, spec.dtype.name) for spec, _ in leaves]
+    agree_on_save(where, step, described, refusal)
+    sums = checksums([jnp.asarray(x) for x in arrays])
+    _refuse_values_that_differ_across_processes(where, leaves, arrays, sums)
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
-    sums = checksums([jnp.asarray(x) for x in arrays])
-    _refuse_values_that_differ_across_processes(leaves, arrays, sums)
     for (spec, _), array, checksum in zip(leaves, arrays, sums):
         entry: dict[str, Any] = {
             "path": spec.path,
@@ -262,7 +271,7 @@ def _save_args(
         # replaces: a checkpoint of no arrays (no states, or values such as `{}`)
         # has no `state` item.
         items[_STATE_ITEM] = ocp.args.PyTreeSave(tree)
-    return ocp.args.Composite(**items), entries
+    return ocp.args.Composite(**items)
 
 
 def _is_process_local(x: Any) -> bool:
@@ -270,25 +279,22 @@ def _is_process_local(x: Any) -> bool:
 
 
 def _refuse_values_that_differ_across_processes(
-    leaves: list, arrays: list[Any], sums: list[int]
+    where: str, leaves: list, arrays: list[Any], sums: list[int]
 ) -> None:
     """Raises `CheckpointError` if an array has another value in some process, by its
     checksum: the checkpoint would keep process 0's, and every other process would
     load it as its own. Either each process holds it apart (a random state seeded by
     rank, a data loader's position), or it is one array across the processes whose
     copies differ (such a value written by a jitted step: JAX takes a value each
-    process holds apart as one that every process holds alike). Every process takes
-    part (one small all-gather), and all raise alike. The checksum of one array
-    across the processes is computed by them together, and is the same in each
-    unless their copies differ."""
-    if jax.process_count() == 1 or not arrays:
-        return
-    from jax.experimental import multihost_utils
-
-    mine = np.array([divmod(c, 2**32) for c in sums], np.uint32).reshape(-1)
-    every = np.asarray(multihost_utils.process_allgather(mine))
-    differs = np.flatnonzero((every != every[:1]).any(axis=0)) // 2
-    if not differs.size:
+    process holds apart as one that every process holds alike). The checksum of one
+    array across the processes is computed by them together, and is the same in each
+    unless their copies differ. Every process publishes its checksums, and all raise
+    alike."""
+    every = exchange(sums, f"save a checkpoint to {where!r}")
+    differs = [
+        i for i, checksum in enumerate(sums) if any(o[i] != checksum for o in every)
+    ]
+    if not differs:
         return
     spec, _ = leaves[differs[0]]
     if _is_process_local(arrays[differs[0]]):
@@ -437,31 +443,6 @@ def _refuse_to_replace(
         )
 
 
-def _refuse_to_replace_in_any_process(path: str, *refusal: Any) -> None:
-    """`_refuse_to_replace(path, *refusal)` in every process, all raising if one
-    does: the others would otherwise begin the save and wait for that process in
-    Orbax's collectives until they time out (one small all-gather)."""
-    try:
-        _refuse_to_replace(path, *refusal)
-        refused: Exception | None = None
-    except (CheckpointError, OSError) as error:
-        refused = error
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        flags = np.asarray(
-            multihost_utils.process_allgather(np.int32(refused is not None))
-        ).reshape(-1)
-        if refused is None and flags.any():
-            raise CheckpointError(
-                f"Cannot save a checkpoint to {path!r}: process "
-                f"{int(np.flatnonzero(flags)[0])} refused to save there (see its "
-                "error), so no process saves. Nothing was written or removed."
-            )
-    if refused is not None:
-        raise refused
-
-
 # Orbax numbers each save from one counter shared by the whole process, and the
 # save's later steps read the number back: two saves started at once from two
 # threads write into each other's temporary directories, fail, and leave the paths
@@ -493,8 +474,8 @@ _REPLACED = ".eqstate-replaced"
 _SWAPS = itertools.count()
 
 
-def save_orbax(path: str, leaves: list[tuple[Leaf, Any]]) -> None:
-    """`eqstate.save(path, ..., backend='orbax')` of the arrays `leaves`."""
+def save_orbax(path: str, model_or_states: PyTree, model: PyTree | None) -> None:
+    """`eqstate.save(path, model_or_states, model=model, backend='orbax')`."""
     ocp = orbax("Saving a checkpoint with the Orbax backend")
     with _SAVING:
         # Numbered in the order in which saves take the lock (saves from several
@@ -502,8 +483,12 @@ def save_orbax(path: str, leaves: list[tuple[Leaf, Any]]) -> None:
         # processes only still takes its number there. So later saves' barriers
         # keep matching across processes.
         number = next(_SWAPS)
-        _refuse_to_replace_in_any_process(path)
-        args, _ = _save_args(ocp, leaves)
+
+        def prepare() -> list:
+            _refuse_to_replace(path)
+            return leaves_to_save(model_or_states, model)
+
+        args = _save_args(ocp, path, None, prepare)
         # Through a symlink, the directory it leads to is replaced and the link stays.
         target = os.path.realpath(path)
         with _orbax_write_errors(path):
@@ -1034,29 +1019,17 @@ class CheckpointManager:
         )
         self._refuse_if_closed("save")
         step = _as_step(step, self.directory)
-        latest = self._manager.latest_step()
-        if latest is not None and step <= latest:
-            raise CheckpointError(
-                f"Cannot save checkpoint {step} in {self.directory!r}: it already "
-                f"holds step {latest}, and steps must increase. Pass the training "
-                "step, or resume from the latest checkpoint with `load` first."
-            )
         step_path = os.path.join(self.directory, self._name_format.build_name(step))
-        if os.path.isfile(os.path.join(step_path, _CHECKPOINT_FILE)):
-            raise CheckpointError(
-                f"Cannot save checkpoint {step} in {self.directory!r}: another manager "
-                "or program saved that step after this manager was made, and saving "
-                "would replace it. Nothing was written or removed. Keep one manager "
-                "per directory, or make a new one, which sees every step saved, and "
-                "save a later step."
-            )
-        fix = _STEP_FIX.format(directory=self.directory)
-        _refuse_to_replace_in_any_process(step_path, f"checkpoint {step}", (fix, fix))
-        leaves = leaves_to_save(model_or_states, model)
-        args, _ = _save_args(self._ocp, leaves)
-        with _SAVING, _orbax_write_errors(step_path):
-            self._remove_unfinished_saves()
-            self._manager.save(step, args=args, force=True)
+
+        def prepare() -> list:
+            self._refuse_to_overwrite(step, step_path)
+            return leaves_to_save(model_or_states, model)
+
+        with _SAVING:
+            args = _save_args(self._ocp, step_path, step, prepare)
+            with _orbax_write_errors(step_path):
+                self._remove_unfinished_saves()
+                self._manager.save(step, args=args, force=True)
 
     @overload
     def load(
@@ -1197,6 +1170,27 @@ class CheckpointManager:
             for name in self._ocp.step.tmp_checkpoints(self.directory):
                 shutil.rmtree(os.path.join(self.directory, name))
         self._unfinished_saves_removed = True
+
+    def _refuse_to_overwrite(self, step: int, step_path: str) -> None:
+        """Raises `CheckpointError` unless `step` is higher than every step saved and
+        its path holds nothing that saving would delete."""
+        latest = self._manager.latest_step()
+        if latest is not None and step <= latest:
+            raise CheckpointError(
+                f"Cannot save checkpoint {step} in {self.directory!r}: it already "
+                f"holds step {latest}, and steps must increase. Pass the training "
+                "step, or resume from the latest checkpoint with `load` first."
+            )
+        if os.path.isfile(os.path.join(step_path, _CHECKPOINT_FILE)):
+            raise CheckpointError(
+                f"Cannot save checkpoint {step} in {self.directory!r}: another manager "
+                "or program saved that step after this manager was made, and saving "
+                "would replace it. Nothing was written or removed. Keep one manager "
+                "per directory, or make a new one, which sees every step saved, and "
+                "save a later step."
+            )
+        fix = _STEP_FIX.format(directory=self.directory)
+        _refuse_to_replace(step_path, f"checkpoint {step}", (fix, fix))
 
     def _refuse_if_closed(self, what: str) -> None:
         if self._closed:

@@ -1,6 +1,7 @@
 """The Orbax backend of `eqstate.save` / `eqstate.load` and `eqstate.CheckpointManager`,
 in one process; `test_multi_process.py` runs them across processes."""
 
+import io
 import json
 import os
 import shutil
@@ -667,3 +668,134 @@ def test_a_manager_sees_the_steps_another_manager_saved_or_removed_since(tmp_pat
     assert reader.steps() == (2,) and reader.latest_step() == 2
     assert (reader.load(es.values_of(w))[w] == 2.0).all()
     reader.close()
+
+
+# Two processes that do not make the same save: every process refuses, in bounded time,
+# before Orbax's collectives (where one more state in a process aborted both with
+# Gloo's "Received data size doesn't match expected size", and a save made by one
+# process alone, or to another path, waited until the launcher's timeout).
+_DISAGREEING_SAVES = """
+import json, os, sys
+import eqstate as es
+import jax
+
+jax.distributed.initialize()
+
+import jax.numpy as jnp
+from eqstate import _multi_process
+from jax.experimental import multihost_utils
+
+_multi_process.AGREEMENT_TIMEOUT_S = 10  # for the process that never comes
+workdir, rank = sys.argv[1], jax.process_index()
+report = {"process": rank}
+
+
+def model(extra=False, size=3):
+    states = {"w": es.ParamState(jnp.arange(float(size))), "n": es.State(jnp.int32(7))}
+    if extra:
+        states["extra"] = es.State(jnp.zeros(2))
+    return states
+
+
+def refusal(save):
+    try:
+        save()
+    except es.CheckpointError as error:
+        return str(error)
+    return None
+
+
+path = lambda name: os.path.join(workdir, name)
+report["one_more_state"] = refusal(lambda: es.save(path("more"), model(rank == 1)))
+report["another_shape"] = refusal(
+    lambda: es.save(path("shape"), model(size=3 + rank))
+)
+order = ["a", "b"] if rank == 0 else ["b", "a"]
+report["opposite_orders"] = [refusal(lambda: es.save(path(p), model())) for p in order]
+with es.CheckpointManager(path("run")) as manager:
+    report["another_step"] = refusal(lambda: manager.save(1 + rank, model()))
+es.save(path("agreed"), model())  # in step again: saves
+report["agreed"] = float(es.load(path("agreed"), model(size=3))["w"].value.sum())
+report["written"] = sorted(os.listdir(workdir))
+if rank == 0:  # last: the processes are out of step after it
+    report["one_process"] = refusal(lambda: es.save(path("alone"), model()))
+multihost_utils.sync_global_devices("reported")
+print("RESULT " + json.dumps(report), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def disagreeing(tmp_path_factory):
+    """The report of each process of one launch of `_DISAGREEING_SAVES`."""
+    from eqstate._launch import local_processes, wait_all
+
+    workdir = tmp_path_factory.mktemp("disagreeing")
+    out = io.StringIO()
+    command = [sys.executable, "-c", _DISAGREEING_SAVES, str(workdir)]
+    start = time.monotonic()
+    with local_processes(command, 2, cpu_devices=2, out=out) as procs:
+        code = wait_all(procs, timeout=180.0)
+    seconds = time.monotonic() - start
+    reports = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in out.getvalue().splitlines()
+        if "RESULT " in line
+    ]
+    if code != 0 or len(reports) != 2:
+        pytest.fail(f"the launch exited with {code}:\n{out.getvalue()[-6000:]}")
+    return sorted(reports, key=lambda r: r["process"]), seconds
+
+
+def test_a_process_saving_one_more_state_is_refused_in_every_process(disagreeing):
+    (first, second), _ = disagreeing
+    for report in (first, second):
+        message = report["one_more_state"]
+        assert "the processes save different things" in message
+        assert "differs between processes" not in message
+        assert "same saves, in the same order" in message
+    assert (
+        "process 1 alone saves `extra` (shape (2,), dtype float32)"
+        in (first["one_more_state"])
+    )
+    assert "this process alone saves `extra`" in second["one_more_state"]
+
+
+def test_processes_saving_another_shape_name_the_entry_and_both_shapes(disagreeing):
+    (first, second), _ = disagreeing
+    assert (
+        "`w` has shape (4,), dtype float32 in process 1, shape (3,), dtype float32 here"
+        in first["another_shape"]
+    )
+    assert "`w` has shape (3,), dtype float32 in process 0" in second["another_shape"]
+
+
+def test_processes_saving_to_two_paths_in_opposite_orders_refuse_each_save(
+    disagreeing,
+):
+    (first, second), _ = disagreeing
+    for report, other in ((first, 1), (second, 0)):
+        one, two = report["opposite_orders"]
+        assert f"process {other} saves to" in one and f"process {other} saves to" in two
+        assert "same saves, in the same order" in one
+
+
+def test_managers_saving_another_step_are_refused(disagreeing):
+    (first, second), _ = disagreeing
+    assert "process 1 saves step 2 at the same time" in first["another_step"]
+    assert "process 0 saves step 1 at the same time" in second["another_step"]
+
+
+def test_refused_saves_write_nothing_and_the_next_agreed_save_works(disagreeing):
+    (first, second), _ = disagreeing
+    for report in (first, second):
+        assert report["agreed"] == 3.0
+        assert report["written"] == ["agreed", "run"]
+
+
+def test_a_save_made_by_one_process_alone_is_refused_in_bounded_time(disagreeing):
+    (first, second), seconds = disagreeing
+    assert "process 1 did not come to it within 10 s" in first["one_process"]
+    assert "same saves, in the same order" in first["one_process"]
+    assert "one_process" not in second
+    assert seconds < 120
