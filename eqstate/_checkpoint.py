@@ -1,9 +1,6 @@
-"""Checkpoints: `save` and `load` store the values of states by path, in one file (see
-`_checkpoint_file.py` for its format) or, across processes, with Orbax (`_orbax.py`).
-
-A checkpoint's entries are named by `_checkpoint_paths.py` and matched to a target's
-states by `_checkpoint_match.py`; both backends share them.
-"""
+"""Checkpoints: `save` and `load` store a model's arrays and its states' values by path,
+in one file (`_checkpoint_file.py`) or, across processes, with Orbax (`_orbax.py`).
+Both backends name and match entries as `_checkpoint_paths.py` says."""
 
 import os
 from collections.abc import Mapping
@@ -11,32 +8,44 @@ from typing import Any, overload, TypeVar
 
 from jaxtyping import PyTree
 
-from ._checkpoint_checks import refuse_under_transforms
-from ._checkpoint_file import read_array, read_checkpoint, write_checkpoint
-from ._checkpoint_match import (
-    check_entries,
-    leaves_to_save,
-    load_target,
-    loaded_into,
-    Target,
-)
-from ._checkpoint_paths import made_where, target_sharding, values_from_arrays
-from ._multi_process import device_put, resolve_backend
+from ._checkpoint_file import read_into, write_checkpoint
+from ._checkpoint_paths import leaves_to_save, load_target, loaded_into
+from ._errors import CheckpointError
+from ._jax_compat import is_top_level
+from ._multi_process import resolve_backend
 from ._state import State
 from ._state_dict import StateDict
 
 
 _M = TypeVar("_M")
 
-_SAVE_FIX = "step(x)\n    eqstate.save(path, model)"
-_LOAD_FIX = "model = eqstate.load(path, model)\n    step(x)"
+_UNDER_TRANSFORM = (
+    "Cannot {verb} a checkpoint inside a JAX transform (`eqstate.transform.jit`, a "
+    "loop or `vmap` body, `jax.jit`, ...): the file would be {why}. {what}:\n"
+    "    {fix}"
+)
+_WHY = {
+    "load": (
+        "read once, while the function is traced, and the values it held then baked "
+        "into the compiled function as constants, so later calls would not see a "
+        "newer checkpoint",
+        "Load outside the transform, before calling the compiled step",
+    ),
+    "save": (
+        "written once, while the function is traced, and never by later calls",
+        "Save outside the transform, after calling the compiled step",
+    ),
+}
 
 
-def _placed_like(leaf: Any, value: Any) -> Any:
-    """`value` on the device or sharding of `leaf`, the target's current value (see
-    `target_sharding`)."""
-    sharding = target_sharding(leaf)
-    return value if sharding is None else device_put(value, sharding)
+def refuse_under_transforms(verb: str, fix: str) -> None:
+    """Raises `CheckpointError` unless this runs at the top level of JAX tracing.
+    `verb` is `"save"` or `"load"`; `fix` the code to write instead."""
+    if not is_top_level():
+        why, what = _WHY[verb]
+        raise CheckpointError(
+            _UNDER_TRANSFORM.format(verb=verb, why=why, what=what, fix=fix)
+        )
 
 
 def save(
@@ -141,7 +150,7 @@ def save(
         assert fresh["n"].value == 5
         ```
     """
-    refuse_under_transforms("save", _SAVE_FIX)
+    refuse_under_transforms("save", "step(x)\n    eqstate.save(path, model)")
     path = os.fspath(path)
     if resolve_backend(backend, path, "save") == "orbax":
         from ._orbax import save_orbax
@@ -255,25 +264,11 @@ def load(
         assert states[new[1]] == 7
         ```
     """
-    refuse_under_transforms("load", _LOAD_FIX)
+    refuse_under_transforms("load", "model = eqstate.load(path, model)\n    step(x)")
     path = os.fspath(path)
     target = load_target(model_or_states, model)
     if resolve_backend(backend, path, "load") == "orbax":
         from ._orbax import load_orbax
 
-        return loaded_into(target, load_orbax(path, target))
-    return loaded_into(target, _read_into(path, target))
-
-
-def _read_into(path: str, target: Target) -> dict[Any, PyTree]:
-    """The values of `target.expected`, read from the checkpoint file at `path`."""
-    entries, data = read_checkpoint(path)
-    specs = [spec for spec, _ in target.specs]
-    by_path = check_entries(path, target.name, specs, entries)
-    arrays = []
-    for spec, leaf in target.specs:
-        with made_where(leaf):
-            arrays.append(
-                _placed_like(leaf, read_array(spec, by_path[spec.path], data))
-            )
-    return values_from_arrays(target.expected, target.specs, arrays, by_path)
+        return loaded_into(target, *load_orbax(path, target))
+    return loaded_into(target, *read_into(path, target))

@@ -1204,34 +1204,16 @@ def test_weak_types_come_back_as_saved_whatever_the_target(backend, tmp_path):
         assert (loaded[new] * x).dtype == (old.value * x).dtype
 
 
-def _without_weak_types(path: pathlib.Path, backend: str, values: dict) -> None:
-    """Rewrites the checkpoint at `path`, which holds `values` by path, as eqstate
-    wrote it before its entries recorded weak types (in the Orbax backend's format
-    version 1, with its checksums)."""
-    if backend == "orbax":
-        from eqstate import _orbax
-
-        meta_file = path / "eqstate" / "metadata"
-        meta = json.loads(meta_file.read_text())
-        for entry in meta["entries"]:
-            entry.pop("weak_type", None)
-            entry["checksum"] = _orbax.checksums([values[entry["path"]]], 1)[0]
-        del meta["entries_crc32"]
-        meta_file.write_text(json.dumps({**meta, "version": 1}))
-        return
+def test_a_checkpoint_without_weak_types_takes_the_targets(tmp_path):
+    # As eqstate wrote files before their entries recorded weak types.
+    saved, target = _scale_states(False), _scale_states(True)
+    path = tmp_path / "ckpt.eqstate"
+    es.save(path, es.values_of(saved))
     header, data = _header(path), path.read_bytes()[_data_start(path) :]
     for entry in header["entries"]:
         entry.pop("weak_type", None)
     path.write_bytes(_raw_checkpoint(json.dumps(header).encode(), data))
-
-
-@pytest.mark.parametrize("backend", ["single-file", "orbax"])
-def test_a_checkpoint_without_weak_types_takes_the_targets(backend, tmp_path):
-    saved, target = _scale_states(False), _scale_states(True)
-    path = _ckpt_path(tmp_path, backend)
-    es.save(path, es.values_of(saved), backend=backend)
-    _without_weak_types(path, backend, {s.name: s.value for s in saved})
-    loaded = es.load(path, es.values_of(target), backend=backend)
+    loaded = es.load(path, es.values_of(target))
     for old, new in zip(saved, target):
         assert loaded[new].weak_type == new.value.weak_type
         assert tree_bitwise_equal(jnp.asarray(loaded[new]), old.value)
@@ -1474,86 +1456,6 @@ def test_an_orbax_save_that_fails_while_writing_keeps_the_checkpoint_it_replaces
     es.save(path, es.values_of(w), backend="orbax")
     assert (es.load(path, es.values_of(w))[w] == 0).all()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-
-
-@pytest.fixture
-def swap_barriers(monkeypatch):
-    """The numbers of the swap barriers Orbax saves wait at, in the order they do
-    (recorded instead of waiting: one process)."""
-    import orbax.checkpoint as ocp
-
-    barriers = []
-    monkeypatch.setattr(
-        ocp.multihost, "sync_global_processes", lambda name, **_: barriers.append(name)
-    )
-    prefix = "eqstate_save_swap_"
-    return lambda: [int(n[len(prefix) :]) for n in barriers if n.startswith(prefix)]
-
-
-def test_the_barrier_of_an_orbax_save_does_not_depend_on_earlier_saves_failing(
-    tmp_path, monkeypatch, swap_barriers
-):
-    # Every process waits for process 0's swap at a barrier named by the save's
-    # number. A save that failed in one process only, before its swap, took no
-    # number there: every later barrier of that process had another name than the
-    # others', and the processes waited for each other until it timed out.
-    import orbax.checkpoint as ocp
-
-    w = es.ParamState(jnp.arange(3.0), name="w")
-
-    def full_disk(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    es.save(tmp_path / "a", es.values_of(w), backend="orbax")
-    with monkeypatch.context() as patch:
-        patch.setattr(ocp.CompositeCheckpointHandler, "save", full_disk)
-        with pytest.raises(es.CheckpointError, match="No space left"):
-            es.save(tmp_path / "b", es.values_of(w), backend="orbax")
-    es.save(tmp_path / "c", es.values_of(w), backend="orbax")
-    first, third = swap_barriers()
-    # The number a process whose second save succeeded gives the third.
-    assert third == first + 2
-
-
-def test_orbax_saves_from_two_threads_meet_their_barriers_in_the_order_they_save(
-    tmp_path, monkeypatch, swap_barriers
-):
-    # Each process must reach the swap barriers of its saves in the same order as
-    # every other process. A save took its number before it waited for another
-    # thread's save to finish: the save that waited longer reached the lower
-    # number's barrier last, and with several processes each waited at a barrier of
-    # another name until it timed out.
-    w = es.ParamState(jnp.arange(3.0), name="w")
-    first, second = tmp_path / "first", tmp_path / "second"
-    es.save(first, es.values_of(w), backend="orbax")
-    (before,) = swap_barriers()
-    looking, go_on = threading.Event(), threading.Event()
-    listdir = os.listdir
-
-    def slow_listdir(path="."):
-        # The first save checks what it replaces slowly.
-        if str(path) == str(first) and not go_on.is_set():
-            looking.set()
-            go_on.wait(30)
-        return listdir(path)
-
-    monkeypatch.setattr(os, "listdir", slow_listdir)
-
-    def save(path):
-        es.save(path, es.values_of(w), backend="orbax")
-
-    threads = [threading.Thread(target=save, args=(first,))]
-    threads[0].start()
-    assert looking.wait(30)
-    threads.append(threading.Thread(target=save, args=(second,)))
-    threads[1].start()
-    threads[1].join(1.0)  # It would save meanwhile, if it could.
-    go_on.set()
-    for thread in threads:
-        thread.join(60)
-    assert swap_barriers() == [before, before + 1, before + 2]
-    assert es.load(first, es.values_of(w))[w].tolist() == [0.0, 1.0, 2.0]
-    assert es.load(second, es.values_of(w))[w].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_an_orbax_save_through_a_symlink_replaces_the_checkpoint_it_leads_to(tmp_path):
@@ -1888,7 +1790,7 @@ def test_save_refuses_a_64_bit_value_that_narrowing_would_change(
 def test_save_to_a_long_file_name(tmp_path, monkeypatch):
     # Temporary names add ~30 bytes to the target's: for a long name, they use its
     # first bytes and a hash of it, and stay within the file system's limit.
-    from eqstate._atomic_file import _temporary_stem
+    from eqstate._checkpoint_file import _temporary_stem
 
     w = es.ParamState(jnp.ones(3), name="w")
     path = tmp_path / ("é" + "m" * 238)  # 240 bytes, within NAME_MAX (255)

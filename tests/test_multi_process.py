@@ -400,7 +400,7 @@ def _orbax_checks(report, workdir, mesh, gather, check):
         # What `CheckpointManager.load` loads when the processes list the directory
         # at different moments, while another program saves: process 0's latest.
         import jax
-        from eqstate._orbax import _process_0s
+        from eqstate._checkpoint_manager import _process_0s
 
         rank = jax.process_index()
         return [_process_0s(v) for v in (rank, 2**40 + rank, None if rank else 5)]

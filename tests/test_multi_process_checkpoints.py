@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from eqstate import _orbax
+from eqstate import _checkpoint_manager, _orbax
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -97,47 +97,32 @@ def test_orbax_round_trips_values_split_along_a_later_axis_of_an_explicit_mesh(
     assert all(s.value.sharding.spec == spec for s in es.states_of(target))
 
 
-# The values stored in checkpoints of each format version: a change would refuse
-# every earlier checkpoint of that version.
-_PINNED_CHECKSUMS = {
-    1: [2956984320, 2677125184, 4231120544, 1454964103],
-    2: [
-        3752665816936513480,
-        6037356004539565040,
-        3625128629409687066,
-        5841783868567822132,
-    ],
-}
+# The checksums stored in checkpoints (eqstate's Orbax format version 2): a change
+# would refuse every checkpoint saved before it.
+_PINNED_CHECKSUMS = [
+    3752665816936513480,
+    6037356004539565040,
+    3625128629409687066,
+    5841783868567822132,
+]
 
 
-@pytest.mark.parametrize("version", sorted(_PINNED_CHECKSUMS))
-def test_orbax_checksums_do_not_depend_on_the_placement(version):
+def test_orbax_checksums_do_not_depend_on_the_placement():
     x = jnp.arange(64.0).reshape(4, 8, 2)
     values = [x, x.astype(jnp.bfloat16), x.astype(jnp.int8), x > 20]
-    expected = _PINNED_CHECKSUMS[version]
-    assert _orbax.checksums(values, version) == expected
+    assert _orbax.checksums(values) == _PINNED_CHECKSUMS
     on_device_3 = [jax.device_put(v, jax.devices()[3]) for v in values]
-    assert _orbax.checksums(on_device_3, version) == expected
+    assert _orbax.checksums(on_device_3) == _PINNED_CHECKSUMS
     specs = [P("a"), P(None, "b"), P(None, None, "a"), P("a", "b"), P(None, ("a", "b"))]
     for axis_type in (AxisType.Auto, AxisType.Explicit):
         mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(axis_type,) * 2)
         for spec in specs:
             placed = [jax.device_put(v, NamedSharding(mesh, spec)) for v in values]
-            assert _orbax.checksums(placed, version) == expected, (axis_type, spec)
+            assert _orbax.checksums(placed) == _PINNED_CHECKSUMS, (axis_type, spec)
 
 
 def _meta_file(path) -> "os.PathLike":
     return path / "eqstate" / "metadata"
-
-
-def _as_version_1(path, values: list) -> None:
-    """Rewrites the `eqstate` item of the checkpoint at `path`, which holds `values`
-    in this order, as format version 1 wrote it."""
-    meta = json.loads(_meta_file(path).read_text())
-    for entry, checksum in zip(meta["entries"], _orbax.checksums(values, 1)):
-        entry["checksum"] = checksum
-    del meta["entries_crc32"]
-    _meta_file(path).write_text(json.dumps({**meta, "version": 1}))
 
 
 def _sign_flipped(x: np.ndarray, *at: int) -> np.ndarray:
@@ -149,13 +134,10 @@ def _sign_flipped(x: np.ndarray, *at: int) -> np.ndarray:
 def test_orbax_load_refuses_values_that_differ_from_their_entry_by_two_sign_flips(
     tmp_path,
 ):
+    # A checksum that weighs each word by an odd number modulo 2**32 (as eqstate's
+    # first one did) would miss this: two top bits flipped add 2**32.
     x = np.arange(1.0, 1001.0, dtype=np.float32)
     flipped = _sign_flipped(x, 3, 700)
-    # Format version 1 gave each word an odd weight modulo 2**32: flipping the top
-    # bit of any two words adds 2**32, which left its checksum as it was.
-    assert _orbax.checksums([jnp.asarray(x)], 1) == _orbax.checksums(
-        [jnp.asarray(flipped)], 1
-    )
     w = es.ParamState(jnp.asarray(x), name="w")
     es.save(tmp_path / "a", es.values_of(w), backend="orbax")
     w.value = jnp.asarray(flipped)
@@ -199,20 +181,13 @@ def _flip_weak_type(meta: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "version, damage",
-    [
-        (1, _rename_checksum_key),
-        (2, _rename_checksum_key),
-        (2, _flip_weak_type),
-        (2, lambda meta: meta.pop("entries_crc32")),
-    ],
-    ids=["v1 checksum key", "v2 checksum key", "v2 weak type", "v2 entries crc32"],
+    "damage",
+    [_rename_checksum_key, _flip_weak_type, lambda meta: meta.pop("entries_crc32")],
+    ids=["checksum key", "weak type", "entries crc32"],
 )
-def test_orbax_load_refuses_damaged_entries(tmp_path, version, damage):
+def test_orbax_load_refuses_damaged_entries(tmp_path, damage):
     w = es.ParamState(jnp.arange(8.0), name="w")
     es.save(tmp_path / "c", es.values_of(w), backend="orbax")
-    if version == 1:
-        _as_version_1(tmp_path / "c", [w.value])
     meta = json.loads(_meta_file(tmp_path / "c").read_text())
     damage(meta)
     _meta_file(tmp_path / "c").write_text(json.dumps(meta))
@@ -220,19 +195,13 @@ def test_orbax_load_refuses_damaged_entries(tmp_path, version, damage):
         es.load(tmp_path / "c", es.values_of(w))
 
 
-def test_orbax_loads_a_checkpoint_of_format_version_1_bit_exactly(tmp_path, getkey):
-    model = {
-        "w": es.ParamState(jax.random.normal(getkey(), (5, 3)), name="w"),
-        "half": es.State(jnp.arange(6.0, dtype=jnp.bfloat16), name="half"),
-        "rng": es.RandomState(3, name="rng"),
-    }
-    es.save(tmp_path / "c", es.values_of(model), model=model, backend="orbax")
-    stored = [model["half"].value, model["rng"].value, model["w"].value]  # by path
-    stored[1] = jax.random.key_data(stored[1])
-    _as_version_1(tmp_path / "c", stored)
-    assert json.loads(_meta_file(tmp_path / "c").read_text())["version"] == 1
-    loaded = es.load(tmp_path / "c", es.values_of(model), model=model)
-    assert tree_bitwise_equal(loaded, es.values_of(model))
+def test_an_orbax_checkpoint_of_another_format_version_is_refused(tmp_path):
+    w = es.ParamState(jnp.arange(8.0), name="w")
+    es.save(tmp_path / "c", es.values_of(w), backend="orbax")
+    meta = json.loads(_meta_file(tmp_path / "c").read_text())
+    _meta_file(tmp_path / "c").write_text(json.dumps({**meta, "version": 1}))
+    with pytest.raises(es.CheckpointError, match=r"version 1, .* reads only version 2"):
+        es.load(tmp_path / "c", es.values_of(w))
 
 
 # Plain Orbax, restoring with no target, says that it reads the shardings from the
@@ -419,7 +388,7 @@ def test_each_unclosed_manager_is_closed_at_exit_even_if_one_fails(tmp_path, cap
     closed = []
     a._manager.close = fails
     b._manager.close = lambda: closed.append(close_b())
-    _orbax._finish_saves()  # what runs when the program ends
+    _checkpoint_manager._finish_saves()  # what runs when the program ends
     assert closed == [None] and not b._manager.is_saving_in_progress()
     error = capsys.readouterr().err
     assert "may be incomplete" in error and str(tmp_path / "a") in error
@@ -432,7 +401,7 @@ def test_a_manager_closed_by_the_program_is_not_closed_again_at_its_end(tmp_path
     manager.save(1, es.values_of(es.ParamState(jnp.zeros(2), name="w")))
     manager.close()
     manager._manager.close = lambda: pytest.fail("closed twice")
-    _orbax._finish_saves()  # what runs when the program ends
+    _checkpoint_manager._finish_saves()  # what runs when the program ends
     del manager
 
 
@@ -440,7 +409,9 @@ def test_managers_dropped_long_ago_are_not_kept_for_the_programs_end(tmp_path):
     for run in range(3):
         es.CheckpointManager(tmp_path / str(run))
     kept = es.CheckpointManager(tmp_path / "kept")
-    assert sum(closer.alive for closer in _orbax._UNCLOSED) == len(_orbax._UNCLOSED)
+    assert sum(closer.alive for closer in _checkpoint_manager._UNCLOSED) == len(
+        _checkpoint_manager._UNCLOSED
+    )
     kept.close()
 
 
