@@ -103,8 +103,9 @@ AGREEMENT_TIMEOUT_S = 300
 # lock that orders saves): the n-th of one process meets the n-th of the others.
 _ROUNDS = itertools.count()
 _SAME_SAVES = (
-    "Every process must make the same saves, in the same order: a save is one "
-    "operation of all the processes together, each writing its own shards."
+    "Every process must make the same saves and loads, in the same order: each is "
+    "one operation of all the processes together, each reading or writing its own "
+    "shards."
 )
 
 

@@ -698,16 +698,15 @@ jax.distributed.shutdown()
 
 @pytest.fixture(scope="module")
 def disagreeing(tmp_path_factory):
-    """The report of each process of one launch of `_DISAGREEING_SAVES`."""
+    """The report of each process of one launch of `_DISAGREEING_SAVES`, which must
+    end within the launch's timeout: no save waits for a process that never comes."""
     from eqstate._launch import local_processes, wait_all
 
     workdir = tmp_path_factory.mktemp("disagreeing")
     out = io.StringIO()
     command = [sys.executable, "-c", _DISAGREEING_SAVES, str(workdir)]
-    start = time.monotonic()
     with local_processes(command, 2, cpu_devices=2, out=out) as procs:
         code = wait_all(procs, timeout=180.0)
-    seconds = time.monotonic() - start
     reports = [
         json.loads(line.split("RESULT ", 1)[1])
         for line in out.getvalue().splitlines()
@@ -715,16 +714,16 @@ def disagreeing(tmp_path_factory):
     ]
     if code != 0 or len(reports) != 2:
         pytest.fail(f"the launch exited with {code}:\n{out.getvalue()[-6000:]}")
-    return sorted(reports, key=lambda r: r["process"]), seconds
+    return sorted(reports, key=lambda r: r["process"])
 
 
 def test_a_process_saving_one_more_state_is_refused_in_every_process(disagreeing):
-    (first, second), _ = disagreeing
+    first, second = disagreeing
     for report in (first, second):
         message = report["one_more_state"]
         assert "the processes save different things" in message
         assert "differs between processes" not in message
-        assert "same saves, in the same order" in message
+        assert "same saves and loads, in the same order" in message
     assert (
         "process 1 alone saves `extra` (shape (2,), dtype float32)"
         in (first["one_more_state"])
@@ -733,7 +732,7 @@ def test_a_process_saving_one_more_state_is_refused_in_every_process(disagreeing
 
 
 def test_processes_saving_another_shape_name_the_entry_and_both_shapes(disagreeing):
-    (first, second), _ = disagreeing
+    first, second = disagreeing
     assert (
         "`w` has shape (4,), dtype float32 in process 1, shape (3,), dtype float32 here"
         in first["another_shape"]
@@ -744,29 +743,28 @@ def test_processes_saving_another_shape_name_the_entry_and_both_shapes(disagreei
 def test_processes_saving_to_two_paths_in_opposite_orders_refuse_each_save(
     disagreeing,
 ):
-    (first, second), _ = disagreeing
+    first, second = disagreeing
     for report, other in ((first, 1), (second, 0)):
         one, two = report["opposite_orders"]
         assert f"process {other} saves to" in one and f"process {other} saves to" in two
-        assert "same saves, in the same order" in one
+        assert "same saves and loads, in the same order" in one
 
 
 def test_managers_saving_another_step_are_refused(disagreeing):
-    (first, second), _ = disagreeing
+    first, second = disagreeing
     assert "process 1 saves step 2 at the same time" in first["another_step"]
     assert "process 0 saves step 1 at the same time" in second["another_step"]
 
 
 def test_refused_saves_write_nothing_and_the_next_agreed_save_works(disagreeing):
-    (first, second), _ = disagreeing
+    first, second = disagreeing
     for report in (first, second):
         assert report["agreed"] == 3.0
         assert report["written"] == ["agreed", "run"]
 
 
 def test_a_save_made_by_one_process_alone_is_refused_in_bounded_time(disagreeing):
-    (first, second), seconds = disagreeing
+    first, second = disagreeing
     assert "process 1 did not come to it within 10 s" in first["one_process"]
-    assert "same saves, in the same order" in first["one_process"]
+    assert "same saves and loads, in the same order" in first["one_process"]
     assert "one_process" not in second
-    assert seconds < 120
