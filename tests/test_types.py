@@ -4,6 +4,8 @@ This file is also type-checked by pyright (it is in `[tool.pyright] include`), s
 test is a check at run time (the values are what the APIs want) and at type-checking
 time (the idioms need no `cast`)."""
 
+import typing
+
 import eqstate as es
 import eqstate.nn as enn
 import equinox as eqx
@@ -94,3 +96,20 @@ def test_an_abstract_state_dict_takes_a_shape_dtype_struct_as_a_value():
     struct = jax.ShapeDtypeStruct((2,), jnp.float32)
     for written in (abstract.set(w, struct), abstract.update({w: struct})):
         assert written[w] == struct
+
+
+def test_load_returns_the_type_of_its_target(tmp_path):
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        w: es.ParamState
+
+    model = Model(eqx.nn.Linear(2, 2, key=jax.random.key(0)), es.ParamState(1.0))
+    es.save(tmp_path / "c", model)
+    restored = typing.assert_type(es.load(tmp_path / "c", model), Model)
+    assert isinstance(restored, Model)
+    values = es.values_of(model, es.ParamState)
+    es.save(tmp_path / "p", values, model=eqx.filter(model, es.is_state))
+    loaded = typing.assert_type(
+        es.load(tmp_path / "p", values, model=model), es.StateDict
+    )
+    assert isinstance(loaded, es.StateDict)
