@@ -434,6 +434,13 @@ class Frame(abc.ABC):
         fallback throws away its discovery pass, which must leave nothing behind."""
         del mark  # Nothing here depends on nested traces (see `nested_mark`).
 
+    def differentiates_inside(self) -> bool:
+        """Whether a raw JAX differentiation (`jax.grad`, `eqx.filter_grad`, ...) runs
+        inside this frame, around the current code: a value read from here is a
+        constant to it."""
+        trace = getattr(self, "jax_trace", None)  # The world has none.
+        return compat.differentiation_inside(trace) is not None
+
     def check_trace(self, state: Any, *, creates: bool = False) -> None:
         """Raises `TraceContextError` naming `state` unless the current JAX trace is
         the one this frame was made in: a write (or with `creates`, a creation) from
@@ -929,6 +936,9 @@ class RuleFrame(Frame):
         return value
 
     fetch = read
+
+    def differentiates_inside(self) -> bool:
+        return False  # The rules of a differentiation read the traced values.
 
     def write(self, state, value):
         raise TraceContextError(

@@ -5,10 +5,12 @@ JAX transform of the same name (with respect to the values of `grad_states` and 
 arguments in `argnums`), and writes back the states the function wrote.
 """
 
+import contextlib
 import functools as ft
 import operator
+import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -180,54 +182,96 @@ def combine(differentiable: Any, rest: Any) -> Any:
     return eqx.combine(differentiable, rest)
 
 
-def _closed_over(fun: Any) -> list[Any]:
-    """The objects `fun` closes over: its closure cells, `self` of a method, the
-    arguments bound by a `functools.partial`, and `fun` itself (a module called)."""
-    found = [fun, getattr(fun, "__self__", None)]
-    if isinstance(fun, ft.partial):
-        found += [*fun.args, *fun.keywords.values(), *_closed_over(fun.func)]
-    for cell in getattr(fun, "__closure__", None) or ():
-        try:
-            found.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            pass
-    return [x for x in found if x is not None]
+def _reached(fun: Any) -> Iterator[tuple[str, Any]]:
+    """`(name, object)` for what `fun` reaches besides its arguments: itself (a
+    module called), the `self` of a method, what a `functools.partial` binds, its
+    closure cells, the globals its code names, and, a few levels down, what the
+    functions and plain objects among those reach (`trainer.model`)."""
+    seen: set[int] = set()
+    pending = [(getattr(fun, "__name__", "fun"), fun, 0)]
+    while pending:
+        name, obj, depth = pending.pop()
+        if id(obj) in seen or isinstance(obj, (types.ModuleType, type)):
+            continue
+        seen.add(id(obj))
+        yield name, obj
+        if depth < 3:
+            pending += [(n, x, depth + 1) for n, x in _references(name, obj)]
 
 
-def _holds_states_and_arrays(obj: Any) -> bool:
-    """Whether `obj` is a module holding both handles and floating-point arrays."""
-    if not isinstance(obj, eqx.Module):
-        return False
-    leaves = jtu.tree_leaves(obj)
-    return any(is_state(x) for x in leaves) and any(
-        eqx.is_inexact_array(x) for x in leaves
-    )
+def _references(name: str, obj: Any) -> list[tuple[str, Any]]:
+    if isinstance(obj, ft.partial):
+        bound = [*obj.args, *obj.keywords.values()]
+        return [(name, obj.func), *((f"{name}(...)", x) for x in bound)]
+    found = [(n, getattr(obj, n)) for n in ("__self__", "__func__") if hasattr(obj, n)]
+    found = [("self" if n == "__self__" else name, x) for n, x in found]
+    if isinstance(obj, types.FunctionType):
+        code, cells = obj.__code__, obj.__closure__ or ()
+        for n, cell in zip(code.co_freevars, cells):
+            with contextlib.suppress(ValueError):  # an empty cell
+                found.append((n, cell.cell_contents))
+        found += [(n, obj.__globals__[n]) for n in _names(code) if n in obj.__globals__]
+    elif hasattr(obj, "__dict__") and not isinstance(obj, eqx.Module):
+        found += [(f"{name}.{n}", x) for n, x in vars(obj).items()]
+    return found
 
 
-def _warn_if_arrays_untrained(fun: Any, name: str, args: tuple) -> None:
-    """Warns if `fun` closes over, or is passed, a module holding both handles and
-    floating-point arrays: differentiated with respect to `grad_states` only, those
-    arrays get no gradient and stay untrained, silently."""
-    how = None
-    for obj in _closed_over(fun):
-        if _holds_states_and_arrays(obj):
-            what = f"{'is' if obj is fun else 'closes over'} a {type(obj).__name__}"
-            how = what, "pass the model as an argument and add `argnums=0`"
-            break
-    else:
-        for i, arg in enumerate(args):
-            if _holds_states_and_arrays(arg):
-                what = f"is passed a {type(arg).__name__} (argument {i})"
-                how = what, f"add `argnums={i}`"
-                break
-    if how is not None:
+def _names(code: types.CodeType) -> Iterator[str]:
+    """The global and attribute names `code` and the functions inside it use."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def _arrays_beside(tree: Any, states: set, among: set[int] | None) -> list:
+    """`(id, path)` of the floating-point arrays of `tree` (only those whose id is in
+    `among`, if given) if `tree` also holds one of `states`; else none."""
+    leaves = jtu.tree_leaves_with_path(tree)
+    if not any(is_state(x) and x in states for _, x in leaves):
+        return []
+    return [
+        (id(x), jtu.keystr(path))
+        for path, x in leaves
+        if eqx.is_inexact_array(x) and (among is None or id(x) in among)
+    ]
+
+
+_ARRAYS_UNTRAINED = (
+    "{name} is differentiated with respect to states of a model (`grad_states`) "
+    "but not with respect to the model's floating-point arrays (the weights of "
+    "`eqx.nn` layers), so these arrays get no gradient and stay as they are: "
+    "{arrays}. To train them too, pass the model as an argument and differentiate "
+    "it as well: `eqstate.transform.grad(loss, argnums=0, "
+    "grad_states=eqstate.ParamState)(model, ...)`, with `eqstate.trainable(model)` "
+    "and `eqstate.apply_updates` for the optimiser. To keep them fixed on purpose, "
+    "ignore this warning."
+)
+
+
+def _warn_if_arrays_untrained(
+    traced: Discovery, grad_states: Sequence[State], args: tuple, positions: tuple
+) -> bool:
+    """Warns, naming them, about the floating-point arrays of a model some of whose
+    states are differentiated but whose arrays are not: those of an argument outside
+    `argnums`, and those the function reaches otherwise (closure, global, attribute)
+    that became constants of its trace. Returns whether it warned."""
+    states, consts = set(grad_states), {id(c) for c in traced.trace.jaxpr.consts}
+    untrained: dict[int, str] = {}
+    for i, arg in enumerate(args):
+        if i not in positions:
+            untrained.update(
+                (k, f"args[{i}]{p}") for k, p in _arrays_beside(arg, states, None)
+            )
+    for where, obj in _reached(traced.traces.fun):
+        for k, path in _arrays_beside(obj, states, consts):
+            untrained.setdefault(k, where + path)
+    if untrained:
+        arrays = first_and_more(f"`{p}`" for p in untrained.values())
         warnings.warn(
-            f"{name} {how[0]} holding both states and floating-point arrays (e.g. "
-            "the weights of `eqx.nn` layers), and is differentiated with respect to "
-            "`grad_states` only: the arrays get no gradient and stay as they are. To "
-            f"train them too, {how[1]} (see `eqstate.trainable`).",
-            stacklevel=3,
+            _ARRAYS_UNTRAINED.format(name=traced.name, arrays=arrays), stacklevel=3
         )
+    return bool(untrained)
 
 
 def _warn_if_params_undifferentiated(
@@ -460,9 +504,6 @@ class _GradientTransform:
         return ft.partial(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._grad_states is not None and not self._argnums and not self._warned:
-            self._warned = True
-            _warn_if_arrays_untrained(self.fun, self._traces.name, args)
         args, kwargs = copied_numpy((args, kwargs))
         traced = Discovery(self.fun, args, kwargs, traces=kept_or_fresh(self._traces))
         positions = _positions(
@@ -481,6 +522,10 @@ class _GradientTransform:
         if self._grad_states is None and held and not self._warned:
             self._warned = _warn_if_params_undifferentiated(
                 self._traces.name, traced, held, positions
+            )
+        if diff.grad_states and not self._warned:
+            self._warned = _warn_if_arrays_untrained(
+                traced, diff.grad_states, args, positions
             )
         pure = diff.pure(kwargs, self._has_aux)
 
