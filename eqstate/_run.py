@@ -533,6 +533,12 @@ def _read_to_write(frame: _context.Frame, states: list[State]) -> list[Any]:
     raise refused
 
 
+_ASSIGN_PAIR = (
+    " A pair `(StateDict, arrays)` is shaped like `eqstate.trainable(model)`: apply "
+    "such updates to the model with `model = eqstate.apply_updates(model, updates)`."
+)
+
+
 def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     """Writes every value of `values` to its state in the innermost context, as
     `state.value = value` would, all at once: every write is checked before any is
@@ -558,10 +564,15 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
         ```
     """
     if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
+        pair = (
+            isinstance(values, tuple)
+            and len(values) == 2
+            and isinstance(values[0], StateDict)
+        )
         raise TypeError(
             "`eqstate.assign` takes a StateDict or a mapping from state handles to new "
             f"values, got {type(values).__name__} {values!r:.60}. E.g. "
-            "`eqstate.assign({w: new_w})`."
+            "`eqstate.assign({w: new_w})`." + (_ASSIGN_PAIR if pair else "")
         )
     states = list(values)
     if not states:
