@@ -1046,10 +1046,23 @@ def hessian(
     return jacfwd(inner, grad_states, argnums, has_aux, **options)
 
 
+def _in_structure_of(spec: Any, cotangents: StateDict) -> Any:
+    """`cotangents` laid out as `spec` names the states: a handle's cotangent for a
+    handle, a list for a list (a tuple, a dict of handles alike); the StateDict
+    itself for a StateDict or a filter."""
+    if is_state(spec) or (
+        isinstance(spec, (list, tuple, dict))
+        and all(map(is_state, jtu.tree_leaves(spec)))
+    ):
+        return jtu.tree_map(cotangents.__getitem__, spec)
+    return cotangents
+
+
 def vjp(
     fun: Callable,
     *primals: Any,
     grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     check_states: bool = True,
 ) -> Any:
@@ -1064,14 +1077,25 @@ def vjp(
         state's cotangent has `None` at the leaves of its value that are not
         floating-point; an integer or key state named explicitly gets a `float0`
         cotangent, as `jax.vjp` gives. (Keyword only argument.)
+    - `argnums`: the primals to differentiate, as in brainstate's `vjp`: an integer
+        (its cotangent comes alone) or a sequence (a tuple of them). By default every
+        primal, as in `jax.vjp`. (Keyword only argument.)
     - `has_aux`: `fun` returns `(out, aux)`. (Keyword only argument.)
     - `check_states`: as for [`eqstate.transform.grad`][]. (Keyword only argument.)
 
     **Returns:**
 
-    `(out, vjp_fn)`, or `(out, vjp_fn, aux)`. `vjp_fn(cotangent)` returns the
-    cotangents of the primals (a tuple), preceded by a `StateDict` of the states'
-    cotangents if `grad_states` is given: `(state_cotangents, primal_cotangents)`.
+    `(out, vjp_fn)`, or `(out, vjp_fn, aux)`. `vjp_fn(cotangent)` returns:
+
+    - without `grad_states`: the primals' cotangents, a tuple (as `jax.vjp`), or
+        as `argnums` asks;
+    - with `grad_states`: `(state_cotangents, primal_cotangents)`, or
+        `state_cotangents` alone when there are no primals and no `argnums`.
+
+    `state_cotangents` has the structure of `grad_states`, as in brainstate: a
+    handle's cotangent for a handle, a list for a list of handles (so
+    `ct_w, ct_b = vjp_fn(1.0)` for `grad_states=[w, b]`), a StateDict for a filter
+    or a StateDict.
 
     !!! Example
 
@@ -1080,35 +1104,44 @@ def vjp(
         import jax.numpy as jnp
 
         w = es.ParamState(jnp.array(2.0))
-        out, vjp_fn = es.transform.vjp(lambda x: w.value * x, 3.0, grad_states=[w])
-        state_ct, (x_ct,) = vjp_fn(1.0)
-        assert out == 6.0 and state_ct[w] == 3.0 and x_ct == 2.0
+        out, vjp_fn = es.transform.vjp(lambda x: w.value * x, 3.0, grad_states=w)
+        w_ct, (x_ct,) = vjp_fn(1.0)
+        assert out == 6.0 and w_ct == 3.0 and x_ct == 2.0
         ```
     """
     primals = copied_numpy(primals)
-    traced = Discovery(fun, primals, name=getattr(fun, "__name__", "vjp"))
+    name = getattr(fun, "__name__", "vjp")
+    indices, single = _as_argnums(argnums)
+    positions = range(len(primals))
+    if argnums is not None:
+        positions = _positions(indices, argnums, len(primals), {}, name)
+    traced = Discovery(fun, primals, name=name)
     diff = _Differentiable(traced, grad_states, check_states, part=_inexact_or_whole)
     pure, parts = diff.pure({}, has_aux), [split_differentiable(p) for p in primals]
 
     def differentiated(grad_values, *differentiable):
-        full = [combine(d, rest) for d, (_, rest) in zip(differentiable, parts)]
+        full = list(primals)
+        for i, d in zip(positions, differentiable):
+            full[i] = combine(d, parts[i][1])
         return pure(grad_values, *full)
 
     with EQUINOX_ERRORS, _WHILE_LOOP_HINT:
         out, vjp_fn, extras = jax.vjp(
             differentiated,
             diff.grad_values(),
-            *(d for d, _ in parts),
+            *(parts[i][0] for i in positions),
             has_aux=True,
         )
     aux = diff.finish(extras)
 
     def state_vjp(cotangent: Any) -> Any:
         with diff.rules_see(), EQUINOX_ERRORS, _WHILE_LOOP_HINT:
-            cotangents = vjp_fn(cotangent)
+            state_cts, *arg_cts = vjp_fn(cotangent)
+        args = arg_cts[0] if single else tuple(arg_cts)
         if grad_states is None:
-            return cotangents[1:]
-        return cotangents[0], cotangents[1:]
+            return args
+        state_cts = _in_structure_of(grad_states, state_cts)
+        return state_cts if argnums is None and not primals else (state_cts, args)
 
     return (out, state_vjp, aux) if has_aux else (out, state_vjp)
 
