@@ -100,7 +100,7 @@ def inexact_part(value: PyTree) -> PyTree | None:
     return part if jtu.tree_leaves(part) else None
 
 
-def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
+def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, Any]:
     """The values an optimiser updates in a model: the floating-point values of its
     states matching `filters` ([`eqstate.ParamState`][]s by default), and its own
     floating-point arrays (the weights of `eqx.nn` layers).

@@ -11,7 +11,15 @@ import operator
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import (
+    Any,
+    Literal,
+    overload,
+    ParamSpec,
+    TypedDict,
+    TypeVar,
+    Unpack,
+)
 
 import equinox as eqx
 import jax
@@ -20,7 +28,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _context, _jax_compat as compat
-from .._custom_types import MISSING, PyTreeDef
+from .._custom_types import Filter, MISSING, Missing, PyTreeDef
 from .._pretty_print import first_and_more, state_label
 from .._run import states_of
 from .._state import is_state, ParamState, State
@@ -40,6 +48,11 @@ from ._leaves import dynamic_mask
 
 
 compat.hide_from_tracebacks(__file__)
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+_X = TypeVar("_X")
 
 
 def _as_argnums(argnums: int | Sequence[int] | None) -> tuple[tuple[int, ...], bool]:
@@ -471,10 +484,10 @@ class _GradientTransform:
         grad_states: Any,
         argnums: int | Sequence[int] | None,
         has_aux: bool,
-        return_value: bool,
+        return_value: bool | str,
         check_states: bool,
         transform_kwargs: dict[str, Any],
-        name: str,
+        name: str | None = None,
         output_first: bool = True,
     ):
         self.fun = fun
@@ -492,9 +505,17 @@ class _GradientTransform:
         self._return_value = return_value
         self._check_states = check_states
         self._transform_kwargs = transform_kwargs
+        name = name or getattr(fun, "__name__", "fun")
         self._traces = traces_for(fun, name, transformed_argnums=self._argnums)
         self._warned = False
         ft.update_wrapper(self, fun, updated=())
+
+    @classmethod
+    def or_decorator(cls, fun: Any, *args: Any, **kwargs: Any) -> Any:
+        """The transformed `fun`, or without `fun`, the decorator that makes it."""
+        if fun is MISSING:
+            return lambda fun: cls(fun, *args, **kwargs)
+        return cls(fun, *args, **kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         # A method's instance is its first argument, as for a function `jax.grad`
@@ -599,6 +620,8 @@ class _GradientTransform:
             result = state_grads
         else:
             result = (state_grads, grads)
+        if self._return_value == "first":  # `value_and_grad`
+            return ((value, aux) if self._has_aux else value), result
         if self._return_value and self._has_aux:
             return result, value, aux
         if self._return_value:
@@ -608,10 +631,65 @@ class _GradientTransform:
         return result
 
 
-@decorator_form
+class _Options(TypedDict, total=False):
+    holomorphic: bool
+    allow_int: bool
+    check_states: bool
+
+
+# The overloads of `grad` and `value_and_grad` type the layouts of the gradients (see
+# `grad`'s Returns) with `grad_states` and `argnums` of 0 or none; other calls return
+# `Any`. The arrays' gradients are `Any`: a model's type would be exact, but optax's
+# `Params` refuses it (as `es.trainable`'s arrays, and Equinox's `PyTree`).
+@overload
+def grad(
+    fun: Callable[_P, Any],
+    grad_states: Filter,
+    argnums: None = None,
+    has_aux: Literal[False] = False,
+    return_value: Literal[False] = False,
+    **options: Unpack[_Options],
+) -> Callable[_P, StateDict]: ...
+@overload
+def grad(
+    fun: Callable[_P, Any],
+    grad_states: Filter,
+    argnums: Literal[0],
+    has_aux: Literal[False] = False,
+    return_value: Literal[False] = False,
+    **options: Unpack[_Options],
+) -> Callable[_P, tuple[StateDict, Any]]: ...
+@overload
+def grad(
+    fun: Callable[_P, _T],
+    grad_states: Filter,
+    argnums: Literal[0],
+    has_aux: Literal[False] = False,
+    *,
+    return_value: Literal[True],
+    **options: Unpack[_Options],
+) -> Callable[_P, tuple[tuple[StateDict, Any], _T]]: ...
+@overload
+def grad(
+    fun: Callable[_P, Any],
+    grad_states: Filter = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_value: bool = False,
+    **options: Unpack[_Options],
+) -> Callable[_P, Any]: ...
+@overload
+def grad(
+    fun: Missing = MISSING,
+    grad_states: Filter = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_value: bool = False,
+    **options: Unpack[_Options],
+) -> Callable[[Callable[_P, Any]], Callable[_P, Any]]: ...
 def grad(
     fun: Any = MISSING,
-    grad_states: Any = None,
+    grad_states: Filter = None,
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     return_value: bool = False,
@@ -674,7 +752,9 @@ def grad(
     - with both: `(state_grads, arg_grads)`;
 
     followed by the value if `return_value` (`(grads, value)`), and by the
-    auxiliary output if `has_aux` (`(grads, aux)`, or `(grads, value, aux)`).
+    auxiliary output if `has_aux` (`(grads, aux)`, or `(grads, value, aux)`). Type
+    checkers see `fun`'s signature, and these layouts for `argnums` of 0 or none;
+    the arrays' gradients are `Any`, as optax's `Params` takes them.
 
     !!! Example
 
@@ -691,7 +771,7 @@ def grad(
         assert (grads[w] == 2 * w.value).all()
         ```
     """
-    return _GradientTransform(
+    return _GradientTransform.or_decorator(
         fun,
         jax.grad,
         grad_states=grad_states,
@@ -700,14 +780,52 @@ def grad(
         return_value=return_value,
         check_states=check_states,
         transform_kwargs={"holomorphic": holomorphic, "allow_int": allow_int},
-        name=getattr(fun, "__name__", "fun"),
     )
 
 
-@decorator_form
+@overload
+def value_and_grad(
+    fun: Callable[_P, _T],
+    grad_states: Filter,
+    argnums: None = None,
+    has_aux: Literal[False] = False,
+    **options: Unpack[_Options],
+) -> Callable[_P, tuple[_T, StateDict]]: ...
+@overload
+def value_and_grad(
+    fun: Callable[_P, _T],
+    grad_states: Filter,
+    argnums: Literal[0],
+    has_aux: Literal[False] = False,
+    **options: Unpack[_Options],
+) -> Callable[_P, tuple[_T, tuple[StateDict, Any]]]: ...
+@overload
+def value_and_grad(
+    fun: Callable[_P, _T],
+    grad_states: Filter = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: Literal[False] = False,
+    **options: Unpack[_Options],
+) -> Callable[_P, tuple[_T, Any]]: ...
+@overload
+def value_and_grad(
+    fun: Callable[_P, Any],
+    grad_states: Filter = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    **options: Unpack[_Options],
+) -> Callable[_P, tuple[Any, Any]]: ...
+@overload
+def value_and_grad(
+    fun: Missing = MISSING,
+    grad_states: Filter = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    **options: Unpack[_Options],
+) -> Callable[[Callable[_P, Any]], Callable[_P, tuple[Any, Any]]]: ...
 def value_and_grad(
     fun: Any = MISSING,
-    grad_states: Any = None,
+    grad_states: Filter = None,
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     *,
@@ -735,27 +853,16 @@ def value_and_grad(
         assert value == 9.0 and grads[w] == 6.0
         ```
     """
-
-    inner = grad(
+    return _GradientTransform.or_decorator(
         fun,
-        grad_states,
-        argnums,
-        has_aux,
-        return_value=True,
-        holomorphic=holomorphic,
-        allow_int=allow_int,
+        jax.grad,
+        grad_states=grad_states,
+        argnums=argnums,
+        has_aux=has_aux,
+        return_value="first",
         check_states=check_states,
+        transform_kwargs={"holomorphic": holomorphic, "allow_int": allow_int},
     )
-
-    @ft.wraps(fun)
-    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-        if has_aux:
-            grads, value, aux = inner(*args, **kwargs)
-            return (value, aux), grads
-        grads, value = inner(*args, **kwargs)
-        return value, grads
-
-    return value_and_grad_fn
 
 
 def _ones_like(value: Any) -> Any:
@@ -813,14 +920,14 @@ _WHILE_LOOP_HINT = ErrorsRaisedAs(_hint_bounded_while_loop)
 
 @decorator_form
 def vector_grad(
-    fun: Any = MISSING,
+    fun: Callable[_P, Any] = MISSING,
     grad_states: Any = None,
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     return_value: bool = False,
     *,
     check_states: bool = True,
-) -> Any:
+) -> Callable[_P, Any]:
     """Gradient of a vector-valued function: the vector-Jacobian product with a
     cotangent of ones, that is the gradient of the sum of its outputs, computed in
     one reverse pass without forming the Jacobian. For elementwise functions (a
@@ -907,7 +1014,7 @@ _jacfwd = _jacobian(jax.jacfwd, "jacfwd", ("holomorphic",))
 
 
 def jacrev(
-    fun: Any = MISSING,
+    fun: Callable[_P, Any] = MISSING,
     grad_states: Any = None,
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
@@ -916,7 +1023,7 @@ def jacrev(
     holomorphic: bool = False,
     allow_int: bool = False,
     check_states: bool = True,
-) -> Any:
+) -> Callable[_P, Any]:
     """Jacobian by reverse-mode autodiff (`jax.jacrev`), with respect to state
     values and arguments. Arguments and outputs are as for [`eqstate.transform.grad`][],
     with Jacobians in place of gradients, each laid out as `jax.jacrev` lays out the
@@ -960,7 +1067,7 @@ def jacrev(
 
 
 def jacfwd(
-    fun: Any = MISSING,
+    fun: Callable[_P, Any] = MISSING,
     grad_states: Any = None,
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
@@ -968,7 +1075,7 @@ def jacfwd(
     *,
     holomorphic: bool = False,
     check_states: bool = True,
-) -> Any:
+) -> Callable[_P, Any]:
     """Jacobian by forward-mode autodiff (`jax.jacfwd`), with respect to state
     values and arguments. Arguments and outputs are as for
     [`eqstate.transform.jacrev`][].
@@ -1008,14 +1115,14 @@ def jacfwd(
 
 @decorator_form
 def hessian(
-    fun: Any = MISSING,
+    fun: Callable[_P, Any] = MISSING,
     grad_states: Any = None,
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     *,
     holomorphic: bool = False,
     check_states: bool = True,
-) -> Any:
+) -> Callable[_P, Any]:
     """Hessian of a scalar function with respect to state values and arguments:
     [`eqstate.transform.jacfwd`][] of [`eqstate.transform.jacrev`][], as in
     `jax.hessian`. Arguments are as for [`eqstate.transform.grad`][].
@@ -1058,10 +1165,28 @@ def _in_structure_of(spec: Any, cotangents: StateDict) -> Any:
     return cotangents
 
 
+@overload
+def vjp(
+    fun: Callable[..., _T],
+    *primals: Any,
+    grad_states: Filter = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: Literal[False] = False,
+    check_states: bool = True,
+) -> tuple[_T, Callable[[Any], Any]]: ...
+@overload
+def vjp(
+    fun: Callable[..., tuple[_T, _X]],
+    *primals: Any,
+    grad_states: Filter = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: Literal[True],
+    check_states: bool = True,
+) -> tuple[_T, Callable[[Any], Any], _X]: ...
 def vjp(
     fun: Callable,
     *primals: Any,
-    grad_states: Any = None,
+    grad_states: Filter = None,
     argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     check_states: bool = True,
@@ -1172,6 +1297,26 @@ def _state_tangent(state: State, tangent: Any, primal: Any) -> Any:
     )
 
 
+@overload
+def jvp(
+    fun: Callable[..., _T],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    *,
+    state_tangents: StateDict | None = None,
+    has_aux: Literal[False] = False,
+    check_states: bool = True,
+) -> tuple[_T, _T]: ...
+@overload
+def jvp(
+    fun: Callable[..., tuple[_T, _X]],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    *,
+    state_tangents: StateDict | None = None,
+    has_aux: Literal[True],
+    check_states: bool = True,
+) -> tuple[_T, _T, _X]: ...
 def jvp(
     fun: Callable,
     primals: Sequence[Any],
