@@ -32,6 +32,12 @@ makes eqstate slower or its errors less precise, never wrong:
   so that `jit(donate_states=True)` donates such functions. Without it every effect
   counts as one that can fail, and they run without donation.
 
+- the client of `jax.distributed`'s coordination service (`distributed_client`), whose
+  key-value store and barriers with a timeout let the processes of a program agree on
+  what a checkpoint save holds before Orbax's collectives, so that processes saving
+  different things refuse in bounded time. Without it the agreement is skipped, and
+  such saves wait in those collectives, or crash there, as plain Orbax does.
+
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
 """
@@ -493,3 +499,16 @@ def weakly_typed(x: jax.Array) -> jax.Array:
     if convert is None or x.weak_type:  # pragma: no cover - depends on the JAX release
         return x
     return convert(x, weak_type=True)
+
+
+def distributed_client() -> Any:
+    """The client of `jax.distributed`'s coordination service in this process, or
+    None (not initialised, or the internal moved)."""
+    try:
+        state = importlib.import_module("jax._src.distributed").global_state
+    except (
+        ImportError,
+        AttributeError,
+    ):  # pragma: no cover - depends on the JAX release
+        return None
+    return getattr(state, "client", None)

@@ -572,7 +572,9 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
         raise TypeError(
             "`eqstate.assign` takes a StateDict or a mapping from state handles to new "
             f"values, got {type(values).__name__} {values!r:.60}. E.g. "
-            "`eqstate.assign({w: new_w})`." + (_ASSIGN_PAIR if pair else "")
+            "`eqstate.assign({w: new_w})`. (`eqstate.load(path, model)` now writes "
+            "the states itself and returns the model, its arrays loaded too: "
+            "`model = eqstate.load(path, model)`.)" + (_ASSIGN_PAIR if pair else "")
         )
     states = list(values)
     if not states:

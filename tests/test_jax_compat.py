@@ -473,3 +473,8 @@ def test_without_trace_eras_a_read_from_a_nested_staging_transform_raises(
     assert es.transform.jit(lambda x: jax.vmap(lambda y: y * w.value)(x))(
         jnp.ones(2)
     ).tolist() == [2.0, 2.0]
+
+
+def test_distributed_client_is_none_until_jax_distributed_is_initialised():
+    # `tests/test_multi_process_checkpoints.py` uses it in processes that did.
+    assert compat.distributed_client() is None

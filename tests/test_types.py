@@ -5,6 +5,7 @@ test is a check at run time (the values are what the APIs want) and at type-chec
 time (the idioms need no `cast`)."""
 
 import functools as ft
+import typing
 from typing import Any, assert_type
 
 import eqstate as es
@@ -155,3 +156,20 @@ def test_vjp_and_jvp_are_typed_by_the_function_output():
     primal_out, tangent_out = es.transform.jvp(ft.partial(_loss, model), (x,), (x,))
     assert_type(primal_out, jax.Array)
     assert_type(tangent_out, jax.Array)
+
+
+def test_load_returns_the_type_of_its_target(tmp_path):
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        w: es.ParamState
+
+    model = Model(eqx.nn.Linear(2, 2, key=jax.random.key(0)), es.ParamState(1.0))
+    es.save(tmp_path / "c", model)
+    restored = typing.assert_type(es.load(tmp_path / "c", model), Model)
+    assert isinstance(restored, Model)
+    values = es.values_of(model, es.ParamState)
+    es.save(tmp_path / "p", values, model=eqx.filter(model, es.is_state))
+    loaded = typing.assert_type(
+        es.load(tmp_path / "p", values, model=model), es.StateDict
+    )
+    assert isinstance(loaded, es.StateDict)
