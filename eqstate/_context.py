@@ -321,16 +321,26 @@ def _write_hint(old: Any, new: Any) -> str:
     return f" Convert it first, e.g. `value.astype({old.dtype})`."
 
 
+# Messages of the layers above for a write that changes a value's structure, given
+# `(label, old, new)`, or "" (`_training` explains an optimiser state of the other
+# training style).
+STRUCTURE_HINTS: list[Callable[[str, Any, Any], str]] = []
+
+
 def check_write(state: Any, old: Any, new: Any) -> Any:
     """Returns `new` as a PyTree of arrays shaped like `old`, or raises `StateValueError`
     naming `state`."""
     new_leaves, new_def = jtu.tree_flatten(new)
     old_leaves, old_def = jtu.tree_flatten(old)
     if new_def != old_def:
+        label = state_label(state)
+        hints = [m for hint in STRUCTURE_HINTS if (m := hint(label, old, new))]
         raise StateValueError(
-            f"Cannot write a value with PyTree structure {new_def} to "
-            f"{state_label(state)}, whose value has structure {old_def}. A write must "
-            "keep the structure, shape and dtype of the current value."
+            hints[0]
+            if hints
+            else f"Cannot write a value with PyTree structure {new_def} to {label}, "
+            f"whose value has structure {old_def}. A write must keep the structure, "
+            "shape and dtype of the current value."
         )
     leaves = [_cast_leaf(state, o, n) for o, n in zip(old_leaves, new_leaves)]
     return jtu.tree_unflatten(old_def, leaves)
@@ -433,6 +443,13 @@ class Frame(abc.ABC):
         """Undoes what nested traces asked of this frame since `mark`: the two-pass
         fallback throws away its discovery pass, which must leave nothing behind."""
         del mark  # Nothing here depends on nested traces (see `nested_mark`).
+
+    def differentiates_inside(self) -> bool:
+        """Whether a raw JAX differentiation (`jax.grad`, `eqx.filter_grad`, ...) runs
+        inside this frame, around the current code: a value read from here is a
+        constant to it."""
+        trace = getattr(self, "jax_trace", None)  # The world has none.
+        return compat.differentiation_inside(trace) is not None
 
     def check_trace(self, state: Any, *, creates: bool = False) -> None:
         """Raises `TraceContextError` naming `state` unless the current JAX trace is
@@ -929,6 +946,9 @@ class RuleFrame(Frame):
         return value
 
     fetch = read
+
+    def differentiates_inside(self) -> bool:
+        return False  # The rules of a differentiation read the traced values.
 
     def write(self, state, value):
         raise TraceContextError(

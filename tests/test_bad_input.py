@@ -1308,6 +1308,39 @@ def assign_not_mapping():
     return lambda: unchecked(es.assign)([1, 2]), []
 
 
+@case(
+    "`es.assign` of updates shaped like `es.trainable(model)`",
+    TypeError,
+    r"shaped like `eqstate.trainable\(model\)`: apply .*eqstate.apply_updates",
+)
+def assign_trainable_pair():
+    w = _w()
+    return lambda: unchecked(es.assign)(es.trainable({"w": w})), [w]
+
+
+@case(
+    "`apply_updates` with updates shaped like `es.values_of(model)`",
+    TypeError,
+    "`eqstate.apply_updates\\(model, updates\\)` takes updates shaped like",
+)
+def apply_updates_state_dict_alone():
+    w = _w()
+    return lambda: es.apply_updates({"w": w}, es.values_of(w)), [w]
+
+
+@case(
+    "an optimiser state of one training style written with the other's",
+    es.StateValueError,
+    r"shaped like `eqstate.trainable\(model\)` to LongTermState 'opt_state', whose "
+    r"value is shaped like `eqstate.values_of\(model, eqstate.ParamState\)`",
+)
+def write_other_training_style():
+    w = _w()
+    opt_state = es.LongTermState([es.values_of(w, es.ParamState)], name="opt_state")
+    new = [es.trainable({"w": w})]
+    return lambda: setattr(opt_state, "value", new), [w, opt_state]
+
+
 @case("`es.save` of None", TypeError, "holds neither")
 def save_not_mapping():
     path = os.path.join(tempfile.mkdtemp(), "model.eqstate")

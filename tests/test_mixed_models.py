@@ -8,13 +8,18 @@ values (and other handles), as a model built afresh in a new process has.
 
 1. every array leaf and every state value survives `eqstate.save` ->
    `eqstate.load` into a freshly built model, bit for bit (the single-file format;
-   Orbax on a few fixed recipes, each save costing Orbax's fixed overhead).
+   Orbax on a few fixed recipes, each save costing Orbax's fixed overhead);
+2. every floating-point value of the model (its arrays, and its `ParamState`s'
+   values) gets the gradient `jax.grad` gives the equivalent pure function, through
+   each style of differentiation, or the call warns or refuses, naming what gets
+   none.
 
 The CI profile runs a few dozen examples; `--hypothesis-profile=long` runs more.
 """
 
 import os
 import tempfile
+import warnings
 
 import eqstate as es
 import equinox as eqx
@@ -26,7 +31,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from .helpers import tree_bitwise_equal
+from .helpers import tree_allclose, tree_bitwise_equal
 
 
 _STATE_KINDS = (
@@ -230,3 +235,102 @@ def test_the_strategy_draws_tied_submodules_and_every_kind_of_leaf():
     collect()
     assert {"linear", "layernorm", "key", "tied", "node", "dict", "list"} <= seen
     assert {("state", "bfloat16"), ("state", "int32")} <= seen
+
+
+def _sane(model):
+    """`model` with small finite values in its floating-point arrays and states: the
+    recipes' random bits hold NaNs and infinities."""
+
+    def sane(x):
+        ramp = jnp.linspace(-1.0, 1.0, x.size, dtype=jnp.float32)
+        return ramp.reshape(x.shape).astype(x.dtype)
+
+    for state in set(es.states_of(model)):
+        if jnp.issubdtype(state.value.dtype, jnp.inexact):
+            state.value = sane(state.value)
+    return jax.tree.map(lambda x: sane(x) if eqx.is_inexact_array(x) else x, model)
+
+
+def _loss(model) -> jax.Array:
+    """A scalar that depends on every floating-point value of `model`, each place it
+    appears (a tied submodule counts twice)."""
+    total = jnp.zeros((), jnp.float32)
+    for leaf in jax.tree.leaves(model, is_leaf=es.is_state):
+        x = leaf.value if es.is_state(leaf) else leaf
+        if eqx.is_inexact_array(x):
+            total = total + jnp.sum(jnp.sin(x.astype(jnp.float32)))
+    return total
+
+
+def _reference(model) -> tuple[list, dict]:
+    """What `jax.grad` gives the pure form of `_loss`: the gradients of the model's
+    floating-point arrays (in flattening order) and of its `ParamState`s' values."""
+    leaves = jax.tree.leaves(model, is_leaf=es.is_state)
+    values = {s: s.value for s in es.states_of(model)}
+    params = {
+        i: values[s]
+        for i, s in enumerate(values)
+        if isinstance(s, es.ParamState) and jnp.issubdtype(values[s].dtype, jnp.inexact)
+    }
+    order = list(values)
+
+    def pure(arrays, params):
+        arrays = iter(arrays)
+        total = jnp.zeros((), jnp.float32)
+        for leaf in leaves:
+            if es.is_state(leaf):
+                i = order.index(leaf)
+                x = params.get(i, values[leaf])
+            else:
+                x = next(arrays) if eqx.is_inexact_array(leaf) else leaf
+            if eqx.is_inexact_array(x):
+                total = total + jnp.sum(jnp.sin(x.astype(jnp.float32)))
+        return total
+
+    arrays = [x for x in leaves if eqx.is_inexact_array(x)]
+    grads, param_grads = jax.grad(pure, argnums=(0, 1))(arrays, params)
+    return grads, {order[i]: g for i, g in param_grads.items()}
+
+
+def _close(a, b) -> bool:
+    as_f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)  # noqa: E731
+    return tree_allclose(as_f32(a), as_f32(b), rtol=1e-2, atol=1e-2)
+
+
+@settings(max_examples=max(settings.default.max_examples // 4, 10))
+@given(recipe=mixed_models())
+def test_every_floating_point_value_gets_its_gradient_or_the_call_says_so(recipe):
+    model = _sane(build(recipe, 0))
+    ref_arrays, ref_params = _reference(model)
+
+    # The recommended style: the model passed in, arrays and parameters together.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state_grads, grads = es.transform.grad(
+            _loss, argnums=0, grad_states=es.ParamState
+        )(model)
+    assert _close(jax.tree.leaves(grads), ref_arrays)
+    assert _close({s: state_grads[s] for s in ref_params}, ref_params)
+
+    # brainstate's style: the model closed over (or global), `grad_states` alone.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not ref_params:
+            with pytest.raises(ValueError, match="selects none of the floating-point"):
+                es.transform.grad(lambda: _loss(model), grad_states=es.ParamState)()
+        else:
+            state_grads = es.transform.grad(
+                lambda: _loss(model), grad_states=es.ParamState
+            )()
+            assert _close({s: state_grads[s] for s in ref_params}, ref_params)
+    untrained = [str(w.message) for w in caught if "get no gradient" in str(w.message)]
+    assert bool(untrained) == bool(ref_params and ref_arrays)
+
+    # Equinox's style: `eqx.filter_grad` differentiates the arrays; a parameter
+    # state read inside it is a constant, and the read warns, naming it.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = eqx.filter_grad(_loss)(model)
+    assert _close(jax.tree.leaves(grads), ref_arrays)
+    read = {str(w.message) for w in caught if "a JAX differentiation" in str(w.message)}
+    assert len(read) == len(ref_params)  # one message per parameter, naming it
