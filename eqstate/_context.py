@@ -146,6 +146,13 @@ class Frame(abc.ABC):
         """`commit` of `zip(states, values)`, with no new state."""
         self.commit(dict(zip(states, values)))
 
+    def differentiates_inside(self) -> bool:
+        """Whether a raw JAX differentiation (`jax.grad`, `eqx.filter_grad`, ...) runs
+        inside this frame, around the current code: a value read from here is a
+        constant to it."""
+        trace = getattr(self, "jax_trace", None)  # The world has none.
+        return compat.differentiation_inside(trace) is not None
+
     def check_trace(self, state: Any, *, creates: bool = False) -> None:
         """Raises `TraceContextError` naming `state` unless the current JAX trace is
         the one this frame was made in: a write (or with `creates`, a creation) from
@@ -658,6 +665,9 @@ class RuleFrame(Frame):
         return value
 
     fetch = read
+
+    def differentiates_inside(self) -> bool:
+        return False  # The rules of a differentiation read the traced values.
 
     def write(self, state, value):
         raise TraceContextError(

@@ -61,6 +61,16 @@ RAW_TRANSFORM_READ = (
     "when JAX differentiates: pass the value to the custom function as an argument.)"
 )
 
+PARAMETER_IN_RAW_GRAD = (
+    "{label} is read inside a JAX differentiation that eqstate does not know about "
+    "(`jax.grad`, `jax.vjp`, `jax.jvp`, `eqx.filter_grad`, ...): its value is a "
+    "constant there and gets no gradient. To differentiate a model's arrays and its "
+    "parameters together, use `eqstate.transform.grad(loss, argnums=0, "
+    "grad_states=eqstate.ParamState)(model, ...)`; with a raw transform, "
+    "differentiate the values themselves, passed in with `eqstate.run(fn, states, "
+    "...)` inside the differentiated function."
+)
+
 RAW_TRANSFORM_WRITE = (
     "Cannot write {label} inside a JAX transform (`jax.jit`, `jax.vmap`, "
     "`jax.lax.scan`, ...) that eqstate does not know about: the new value is a tracer "

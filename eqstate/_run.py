@@ -2,9 +2,11 @@
 make_with_states, states_of."""
 
 import functools as ft
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, overload, ParamSpec, TypeVar
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
@@ -20,9 +22,9 @@ from ._errors import (
     TraceContextError,
 )
 from ._filters import to_predicate
-from ._pretty_print import state_label, value_summary
+from ._pretty_print import first_and_more, state_label, value_summary
 from ._shapes import is_key
-from ._state import is_state, RandomState, State
+from ._state import is_state, ParamState, RandomState, State
 from ._state_dict import state_dict_of, StateDict
 from ._static_fields import refuse_static_handles
 from ._write_checks import (
@@ -336,9 +338,48 @@ def run(
         assert states[count] == 1 and y == 2.0
         ```
     """
+    if not compat.is_top_level() and isinstance(states, StateDict):
+        models = {"fn": fn, **{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
+        _warn_if_half_differentiated(states, models)
     with scope(states) as s:
         out = fn(*args, **kwargs)
     return s.states, out
+
+
+_HALF_DIFFERENTIATED = (
+    "`eqstate.run` is differentiated (`jax.grad`, `eqx.filter_grad`, ...) with "
+    "respect to part of a model's values only: {missing} get no gradient. "
+    "Differentiate the model's arrays and its states' values together "
+    "(`eqx.filter_grad` with respect to `(model, states)`), or use "
+    "`eqstate.transform.grad(loss, argnums=0, grad_states=eqstate.ParamState)"
+    "(model, ...)`, which differentiates both."
+)
+
+
+def _warn_if_half_differentiated(states: StateDict, models: dict[str, Any]) -> None:
+    """Under a raw JAX differentiation, warns if a model among `models` has
+    floating-point values (its arrays, the values of its `ParamState`s in `states`)
+    some of which are differentiated and some not."""
+    trace = compat.differentiation_inside(None)
+    if trace is None:
+        return
+    missing, some_traced = [], False
+    for name, model in models.items():
+        values = []
+        for path, x in jtu.tree_leaves_with_path(model, is_leaf=is_state):
+            if eqx.is_inexact_array(x):
+                values.append((f"`{name}{jtu.keystr(path)}`", [x]))
+            elif isinstance(x, ParamState) and x in states:
+                leaves = jtu.tree_leaves(eqx.filter(states[x], eqx.is_inexact_array))
+                values.append((state_label(x), leaves))
+        traced = [any(compat.is_traced_by(x, trace) for x in v) for _, v in values]
+        if any(traced):
+            some_traced = True
+            missing += [n for (n, v), t in zip(values, traced) if v and not t]
+    if some_traced and missing:
+        warnings.warn(
+            _HALF_DIFFERENTIATED.format(missing=first_and_more(missing)), stacklevel=3
+        )
 
 
 def make_with_states(
@@ -504,6 +545,16 @@ def _read_to_write(frame: _context.Frame, states: list[State]) -> list[Any]:
     raise refused
 
 
+_ASSIGN_LOAD = (
+    " (`eqstate.load(path, model)` now writes the states itself and returns the model, "
+    "its arrays loaded too: `model = eqstate.load(path, model)`.)"
+)
+_ASSIGN_PAIR = (
+    " A pair `(StateDict, arrays)` is shaped like `eqstate.trainable(model)`: apply "
+    "such updates to the model with `model = eqstate.apply_updates(model, updates)`."
+)
+
+
 def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     """Writes every value of `values` to its state in the innermost context, as
     `state.value = value` would, all at once: every write is checked before any is
@@ -528,7 +579,8 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
         assert (w.value == 1).all()
         ```
     """
-    _check_mapping(values, "assign")
+    pair = _ASSIGN_PAIR if _is_update_pair(values) else ""
+    _check_mapping(values, "assign", _ASSIGN_LOAD + pair)
     states = list(values)
     if not states:
         return
@@ -542,12 +594,21 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     frame.commit(checked)
 
 
-def _check_mapping(values: Any, name: str) -> None:
+def _is_update_pair(values: Any) -> bool:
+    """Whether `values` is shaped like `eqstate.trainable(model)`."""
+    return (
+        isinstance(values, tuple)
+        and len(values) == 2
+        and isinstance(values[0], StateDict)
+    )
+
+
+def _check_mapping(values: Any, name: str, hint: str = "") -> None:
     if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
         raise TypeError(
             f"`eqstate.{name}` takes a StateDict or a mapping from state handles to "
             f"new values, got {type(values).__name__} {values!r:.60}. E.g. "
-            f"`eqstate.{name}({{w: new_w}})`."
+            f"`eqstate.{name}({{w: new_w}})`.{hint}"
         )
 
 

@@ -4,6 +4,7 @@ import functools as ft
 import itertools
 import operator
 import threading
+import warnings
 from typing import Any, Generic, NoReturn, TYPE_CHECKING, TypeVar
 
 import jax
@@ -20,8 +21,10 @@ from ._errors import (
     FORGOTTEN_VALUE,
     HANDLE_GIVEN_TO_JAX,
     HandleGivenToJax,
+    PARAMETER_IN_RAW_GRAD,
     StateValueError,
 )
+from ._jax_compat import is_top_level
 from ._pretty_print import state_doc, state_label
 from ._serialisation_guard import not_an_array, refuse_if_serialised
 from ._write_checks import to_checked_value
@@ -271,6 +274,25 @@ class ParamState(LongTermState[_Value]):
     """A trainable parameter."""
 
     __slots__ = ()
+
+    def _read(self) -> _Value:
+        frame = _context.current_frame()
+        value = frame.read(self)
+        if not is_top_level() and frame.differentiates_inside():
+            _warn_constant_parameter(self, value)
+        return value
+
+    # A parameter read inside a raw JAX differentiation gets no gradient: it warns.
+    value = property(_read, State.value.fset, doc=State.value.__doc__)  # type: ignore[assignment]
+
+
+def _warn_constant_parameter(state: ParamState, value: Any) -> None:
+    leaves = jax.tree_util.tree_leaves(value)
+    if any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves):
+        warnings.warn(
+            PARAMETER_IN_RAW_GRAD.format(label=state_label(state, value)),
+            stacklevel=3,
+        )
 
 
 class NonBatchState(State[_Value]):

@@ -3,6 +3,7 @@ write checked against the value it replaces (its structure, shapes and dtypes; a
 number its dtype cannot hold; a deleted array or a leaked tracer), each refusal
 naming the state."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -318,16 +319,26 @@ _NEW_SHAPE_HINT = (
 )
 
 
+# Messages of the layers above for a write that changes a value's structure, given
+# `(label, old, new)`, or "" (`_training` explains an optimiser state of the other
+# training style).
+STRUCTURE_HINTS: list[Callable[[str, Any, Any], str]] = []
+
+
 def check_write(state: Any, old: Any, new: Any) -> Any:
     """Returns `new` as a PyTree of arrays shaped like `old`, or raises `StateValueError`
     naming `state`."""
     new_leaves, new_def = jtu.tree_flatten(new)
     old_leaves, old_def = jtu.tree_flatten(old)
     if new_def != old_def:
+        label = state_label(state)
+        hints = [m for hint in STRUCTURE_HINTS if (m := hint(label, old, new))]
         raise StateValueError(
-            f"Cannot write a value with PyTree structure {new_def} to "
-            f"{state_label(state)}, whose value has structure {old_def}. A write must "
-            f"keep the structure, shape and dtype of the current value.{_NEW_SHAPE_HINT}"
+            hints[0]
+            if hints
+            else f"Cannot write a value with PyTree structure {new_def} to {label}, "
+            f"whose value has structure {old_def}. A write must keep the structure, "
+            f"shape and dtype of the current value.{_NEW_SHAPE_HINT}"
         )
     leaves = [_cast_leaf(state, o, n) for o, n in zip(old_leaves, new_leaves)]
     return jtu.tree_unflatten(old_def, leaves)

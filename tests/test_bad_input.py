@@ -13,6 +13,7 @@ import zlib
 
 import eqstate as es
 import eqstate.nn as enn
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -456,7 +457,7 @@ def exception_mid_trace():
 def _checkpoint_of(model, tamper):
     directory = tempfile.mkdtemp()
     path = os.path.join(directory, "model.eqstate")
-    es.save(path, es.values_of(model), model=model)
+    es.save(path, model)
     tamper(path)
     return path
 
@@ -512,7 +513,7 @@ def checkpoint_wrong_shape():
 def checkpoint_load_in_jit():
     model = {"w": _w()}
     path = _checkpoint_of(model, lambda p: None)
-    return es.transform.jit(lambda: es.assign(es.load(path, model))), [model["w"]]
+    return es.transform.jit(lambda: es.load(path, model)), [model["w"]]
 
 
 @case(
@@ -606,7 +607,7 @@ def orbax_sub_byte_dtype():
 def orbax_flipped_byte():
     model = {"w": es.ParamState(jnp.arange(1000.0), name="w")}
     path = os.path.join(tempfile.mkdtemp(), "model")
-    es.save(path, es.values_of(model), model=model, backend="orbax")
+    es.save(path, model, backend="orbax")
     data = max(
         (p for p in pathlib.Path(path, "state").rglob("*") if p.is_file()),
         key=lambda p: p.stat().st_size,
@@ -1307,10 +1308,83 @@ def assign_not_mapping():
     return lambda: unchecked(es.assign)([1, 2]), []
 
 
-@case("`es.save` of None", TypeError, "takes the values to save as a StateDict")
+@case(
+    "`es.assign` of updates shaped like `es.trainable(model)`",
+    TypeError,
+    r"shaped like `eqstate.trainable\(model\)`: apply .*eqstate.apply_updates",
+)
+def assign_trainable_pair():
+    w = _w()
+    return lambda: unchecked(es.assign)(es.trainable({"w": w})), [w]
+
+
+@case(
+    "`apply_updates` with updates shaped like `es.values_of(model)`",
+    TypeError,
+    "`eqstate.apply_updates\\(model, updates\\)` takes updates shaped like",
+)
+def apply_updates_state_dict_alone():
+    w = _w()
+    return lambda: es.apply_updates({"w": w}, es.values_of(w)), [w]
+
+
+@case(
+    "an optimiser state of one training style written with the other's",
+    es.StateValueError,
+    r"shaped like `eqstate.trainable\(model\)` to LongTermState 'opt_state', whose "
+    r"value is shaped like `eqstate.values_of\(model, eqstate.ParamState\)`",
+)
+def write_other_training_style():
+    w = _w()
+    opt_state = es.LongTermState([es.values_of(w, es.ParamState)], name="opt_state")
+    new = [es.trainable({"w": w})]
+    return lambda: setattr(opt_state, "value", new), [w, opt_state]
+
+
+@case("`es.save` of None", TypeError, "holds neither")
 def save_not_mapping():
     path = os.path.join(tempfile.mkdtemp(), "model.eqstate")
     return lambda: unchecked(es.save)(path, None), []
+
+
+def _mixed(key=0):
+    return {"linear": eqx.nn.Linear(2, 2, key=jax.random.key(key)), "w": _w()}
+
+
+@case(
+    "saving the states alone from a model that also holds arrays",
+    es.CheckpointError,
+    r"states alone from `model`: it also holds 2 arrays, `linear\.weight`",
+)
+def save_states_alone_of_mixed_model():
+    model = _mixed()
+    path = os.path.join(tempfile.mkdtemp(), "model.eqstate")
+    return lambda: es.save(path, es.values_of(model), model=model), [model["w"]]
+
+
+@case(
+    "loading a checkpoint of a model's states alone into the whole model",
+    es.CheckpointError,
+    r"(?s)no entry `linear\.weight`, `linear\.bias`.*lacks arrays of the model",
+)
+def load_states_alone_into_mixed_model():
+    model = _mixed()
+    path = os.path.join(tempfile.mkdtemp(), "states.eqstate")
+    es.save(path, es.values_of(model), model=eqx.filter(model, es.is_state))
+    fresh = _mixed(1)
+    fresh["w"].value = jnp.ones(3)
+    return lambda: es.load(path, fresh), [fresh["w"]]
+
+
+@case(
+    "`es.assign` of the model `es.load` returns",
+    TypeError,
+    r"returns the model.*`model = eqstate\.load\(path, model\)`",
+)
+def assign_loaded_model():
+    model = _mixed()
+    path = _checkpoint_of(model, lambda p: None)
+    return lambda: es.assign(es.load(path, model)), [model["w"]]
 
 
 @case(

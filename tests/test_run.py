@@ -575,7 +575,8 @@ def test_world_inside_a_staging_raw_transform_raises(raw):
     ],
 )
 def test_eager_raw_transforms_that_evaluate_at_once_may_read(transform):
-    w = es.ParamState(jnp.arange(3.0), name="w")
+    # Not a ParamState: reading one inside a raw differentiation warns.
+    w = es.LongTermState(jnp.arange(3.0), name="w")
     reference = transform(lambda x: jnp.arange(3.0) * x)
     assert jnp.allclose(transform(lambda x: w.value * x), reference)
     assert jnp.allclose(transform(lambda x: es.world()[w] * x), reference)
