@@ -162,13 +162,14 @@ def write_after_scope_ended():
 
 
 @case(
-    "`jit(donate_argnums=...)` called with a model holding handles",
+    "`jit(in_shardings=...)` called with a model holding handles",
     NotImplementedError,
     "refer to positions of arguments",
 )
 def positional_options_with_handles():
     w = _w()
-    step = es.transform.jit(lambda model, x: model["w"].value * x, donate_argnums=1)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    step = es.transform.jit(lambda model, x: model["w"].value * x, in_shardings=one)
     return lambda: step({"w": w}, jnp.ones(3)), [w]
 
 

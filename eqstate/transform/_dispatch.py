@@ -10,8 +10,8 @@ touches the plan's states (else `_PlanMismatch`, and the call takes the unplanne
 once to pick another plan), and evaluates it.
 """
 
+import collections
 import functools as ft
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from .. import _context, _jax_compat as compat
 from .._context import current_frame as _current_frame, has_tracer, WORLD
@@ -27,7 +28,6 @@ from .._custom_types import MISSING
 from .._jax_compat import is_top_level
 from .._placement import private_copies
 from .._pretty_print import state_label
-from .._shapes import is_key
 from .._state import State
 from .._state_dict import sharding_rule
 from ._call_args import CallArgs
@@ -55,6 +55,29 @@ _WORLD_VALUES = WORLD.by_id
 _WORLD_LOCK = WORLD.lock
 # The split (see `_split_args`) of a call that is not split.
 _UNSPLIT: tuple[int, list] = (-1, [])
+
+
+# Why a call does not donate (see `JitDispatch._warn_not_donating`).
+_CALLBACK = (
+    "in any call: the function holds an operation that can fail while it runs (a "
+    "callback such as `eqx.error_if`, `jax.debug.callback` or `jax.debug.print`), "
+    "and a failed call must leave the states' previous values readable, which "
+    "donated buffers are not. Move the check out of the function to donate."
+)
+_NAN_CHECKS = (
+    "while `jax.debug_nans` or `jax.debug_infs` is on: JAX runs a call that made a "
+    "NaN again with its inputs, which donation would have deleted."
+)
+_SHARED = (
+    "in calls where such a value is also another input of the call (another state's "
+    "value, or an argument): XLA cannot donate a buffer it also reads. Each is "
+    "copied first, and the copy donated. Give each state its own value "
+    "(`jnp.copy(x)`) to donate it in place."
+)
+_IN_A_SCOPE = (
+    "in calls inside `eqstate.scope` or `eqstate.run`: the values there are the "
+    "dictionary's, which may share them with the world. Call it outside to donate."
+)
 
 
 class _PlanMismatch(Exception):
@@ -104,7 +127,8 @@ class _Plan:
     # `False` for calls that cannot take one.
     bound: dict[tuple, Any]
     # With `donate_states`: whether `jitted` donates, and the same function without
-    # donation, for calls where donating could lose a value (see `function_for`).
+    # donation, made on first use, for calls that must not donate (see
+    # `function_for`).
     donates: bool
     undonated: Any
     # Shardings the jitted function imposes on state values: on the inputs (from
@@ -136,45 +160,24 @@ class _Plan:
         self.undonated = None
         self.bound = {}
         # The jitted function takes the states' values packed (see `_packed`), and
-        # returns the written ones so; donated ones go in a list, whose references
-        # `_held_elsewhere` counts. These read them from the world so.
-        keys = self.written_keys
-        self.get_written = _list_getter(keys) if donates else _packed_getter(keys)
+        # returns the written ones so. These read them from the world so.
+        self.get_written = _packed_getter(self.written_keys)
         self.get_read = _packed_getter(read_keys) if read_keys else None
-        # The key of the only written state, when its value travels bare.
-        one = len(self.written_keys) == 1 and not donates
+        # The key of the only written state, whose value travels bare.
+        one = len(self.written_keys) == 1
         self.bare_written = self.written_keys[0] if one else None
 
     def pack(self, written: list) -> Any:
         """The written states' values as the jitted function takes them."""
-        return written if self.donates else _packed(written)
+        return _packed(written)
 
     def unpack(self, updated: Any) -> list:
         """The written states' new values from what the jitted function returns."""
-        if self.donates:
-            return updated
         return _unpacked(updated, len(self.updated_states))
 
     def read_from(self, frame: _context.Frame) -> Any:
         """The values of the read-only states in `frame`, packed."""
         return _packed(frame.read_many(self.read_states))
-
-    def function_for(self, written: list) -> tuple[Any, list]:
-        """The jitted function for a call whose written states hold `written`, and
-        the values to give it: the donating function, unless donating could delete
-        a value held elsewhere too (see `_held_elsewhere`), or JAX's NaN/Inf checks
-        are on (they re-run a failing call with its inputs). Then, the function
-        without donation; but with several processes, which must all run the same
-        program whatever each holds, the donating one given private copies."""
-        if not self.donates or not is_top_level():
-            return self.jitted, written  # JAX ignores donation inside a trace.
-        if compat.nan_checks_enabled():
-            return self.undonated, written
-        if _held_elsewhere(written, self.single_leaf):
-            if jax.process_count() == 1:
-                return self.undonated, written
-            return self.jitted, private_copies(written)
-        return self.jitted, written
 
     def evaluate(
         self,
@@ -279,11 +282,6 @@ def _packed_getter(keys: list[int]) -> Callable[[dict], Any]:
 
 def _nothing(values: dict) -> None:
     return None
-
-
-def _list_getter(keys: list[int]) -> Callable[[dict], list]:
-    """Reads the values under `keys` from a dict, in a list."""
-    return lambda values: [values[k] for k in keys]
 
 
 def _constrained(value: Any, sharding: Any) -> Any:
@@ -392,74 +390,6 @@ def _shapes(value: Any) -> tuple:
     return treedef, [jnp.shape(x) for x in leaves]
 
 
-def _refcounts_above(values: list, limit: int) -> bool:
-    return any(sys.getrefcount(x) > limit for x in values)
-
-
-# References to a value that only the calling frame holds, as counted by
-# `_refcounts_above`: the frame's dict (or container), the list passed in, and that
-# function's own (measured here rather than assumed, as it varies across Pythons).
-_holder = {0: object()}
-_HELD_ONCE = next(sys.getrefcount(x) for x in [_holder[0]])
-del _holder
-
-
-def _held_elsewhere(written: list, single_leaf: bool) -> bool:
-    """Whether donating the buffers of `written` could lose a value: one of them is
-    held elsewhere too (by another state, an argument of the call, or the caller)."""
-    if single_leaf:
-        return _refcounts_above(written, _HELD_ONCE) or _key_data_held(written)
-    roots, nested = _containers(written)
-    if roots is None:
-        return True
-    # A container held elsewhere (a snapshot such as `values_of(...)`, the caller's
-    # `StateDict`) keeps its arrays alive without raising their counts.
-    if _refcounts_above(roots, _HELD_ONCE + 1) or _refcounts_above(nested, _HELD_ONCE):
-        return True
-    leaves = jax.tree_util.tree_leaves(written)
-    return _refcounts_above(leaves, _HELD_ONCE) or _key_data_held(leaves)
-
-
-def _key_data_held(leaves: list) -> bool:
-    """Whether the data of a typed PRNG key among `leaves` is also held apart from
-    the key: `jax.random.key_data(key)` is the key's own buffer, which donating the
-    key deletes, and a key wrapping it (`jax.random.wrap_key_data`) shares it."""
-    for x in leaves:
-        if type(x) is not ArrayImpl and isinstance(x, jax.Array) and is_key(x):
-            if sys.getrefcount(jax.random.key_data(x)) > _key_data_held_once():
-                return True
-    return False
-
-
-@ft.cache
-def _key_data_held_once() -> int:
-    """The count `_key_data_held` sees for data that only its key holds (measured,
-    as it varies across Pythons)."""
-    with jax.transfer_guard("allow"):  # The first donated call may be guarded.
-        key = jax.random.key(0)
-    return sys.getrefcount(jax.random.key_data(key))
-
-
-def _containers(values: list) -> tuple[list | None, list]:
-    """The values of `values` that are tuples, lists or dicts, and the containers
-    nested in them; `(None, [])` if one holds another kind of node."""
-    roots = [v for v in values if isinstance(v, (tuple, list, dict))]
-    nested: list = []
-    pending = list(roots)
-    while pending:
-        items = pending.pop()
-        for item in items.values() if isinstance(items, dict) else items:
-            if isinstance(item, (tuple, list, dict)):
-                nested.append(item)
-                pending.append(item)
-            elif item is not None and not isinstance(item, jax.Array):
-                return None, []
-    for v in values:
-        if not isinstance(v, (tuple, list, dict, jax.Array)) and v is not None:
-            return None, []
-    return roots, nested
-
-
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback"})
 
 
@@ -475,6 +405,56 @@ def may_fail_at_run_time(jaxpr: Any) -> bool:
         if any(may_fail_at_run_time(sub) for sub in sub_jaxprs(eqn.params)):
             return True
     return False
+
+
+# What XLA says when a call donates a buffer that it also takes otherwise (twice, or
+# also undonated): it refuses the call before consuming anything.
+_DONATED_TWICE = ("donate the same buffer twice", "previously donated in the same call")
+
+
+def _donated_twice(exc: BaseException) -> bool:
+    return any(text in str(exc) for text in _DONATED_TWICE)
+
+
+def _note_deleted_values(
+    exc: BaseException, plan: _Plan, frame: _context.Frame
+) -> None:
+    """Adds to the error of a failed call which of its states hold a deleted array
+    (a donated buffer), and how to recover: a donating call that XLA refused after
+    taking the buffers of its inputs (for want of memory) leaves them so, and a call
+    finding one so was given a value another call consumed."""
+    values = [frame.peek(s) for s in plan.states]
+    lost = [
+        state_label(s, v)
+        for s, v in zip(plan.states, values)
+        if any(_is_deleted(x) for x in jax.tree.leaves(v))
+    ]
+    if not lost:
+        return
+    names = ", ".join(lost)
+    if isinstance(exc, jax.errors.JaxRuntimeError) and plan.donates:
+        what = (
+            f"XLA refused this call after it had taken the donated buffers of {names}: "
+            "their values are lost (each holds a deleted array), the other states "
+            "keep theirs. Give them values again (e.g. load a checkpoint with "
+            "`eqstate.load`), or call a function without `donate_states`, whose "
+            "refused calls leave every value as it was."
+        )
+    else:
+        what = (
+            f"{names} held a deleted array when the call began: a call that donated "
+            "it (`donate_states=True`, `donate_argnums`) consumed it, maybe in another "
+            "thread, and the state was given that array again or kept it. Give it a "
+            "value again (e.g. load a checkpoint with `eqstate.load`); keep "
+            "`jnp.copy(x)` of a value that must outlive a donating call, and let a "
+            "thread that reads such states take turns with the calls that donate "
+            "them."
+        )
+    exc.add_note(what)
+
+
+def _is_deleted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
 
 
 def _note_state_devices(exc: Exception, plan: _Plan, frame: _context.Frame) -> None:
@@ -578,22 +558,25 @@ class _PerKey(dict):
     """The jitted functions of a plan whose calls are split: one `jax.jit` per key
     (see `_split_args`), which is cheaper to call than one with a static argument."""
 
-    def __init__(self, body: Callable, options: dict[str, Any]):
+    def __init__(self, body: Callable, options_for: Callable[[int], dict[str, Any]]):
         super().__init__()
         self._body = body
-        self._options = options
+        self._options_for = options_for
 
     def __missing__(self, key: int) -> Callable:
         """The jitted function for `key`, made on first use (forgetting the oldest
         beyond `KEYS_KEPT`: keys are never reused once forgotten)."""
         if len(self) >= KEYS_KEPT:
             self.pop(next(iter(self)), None)
-        fn = self[key] = jax.jit(ft.partial(self._body, key), **self._options)
+        options = self._options_for(key)
+        fn = self[key] = jax.jit(ft.partial(self._body, key), **options)
         return fn
 
 
-# `jax.jit` options that refer to positions of arguments or outputs.
+# `jax.jit` options that refer to positions of arguments or outputs; of those, the
+# ones that split calls (see `_split_args`) cannot take.
 _POSITIONAL_OPTIONS = ("donate_argnums", "in_shardings", "out_shardings")
+_SHARDING_OPTIONS = ("in_shardings", "out_shardings")
 
 
 class JitDispatch:
@@ -628,7 +611,7 @@ class JitDispatch:
         self._plans: dict[tuple, _Plan] = {}
         self._current: _Plan | None = None
         self._lock = threading.Lock()
-        self._warned = False
+        self._warned: set[str] = set()  # reasons for not donating, warned about
         self._splitter = self._new_splitter()
         # Plans of split calls, by the splitter's key of their arguments; of the
         # others, by their static arguments (which may select other states).
@@ -718,8 +701,8 @@ class JitDispatch:
                 values = _WORLD_VALUES
                 written = plan.get_written(values)
                 jitted = plan.jitted
-                if plan.donates:
-                    jitted, written = plan.function_for(written)
+                if plan.donates and compat.nan_checks_enabled():
+                    jitted = self._undonated(plan, _NAN_CHECKS)
                 get = plan.get_read
                 read = get(values) if get is not None else None
                 if split:
@@ -759,6 +742,12 @@ class JitDispatch:
             return self._after_refusal(exc, plan, args, kwargs)
         except jax.errors.JaxRuntimeError as exc:
             raise_equinox_error(exc)
+            if plan.donates and _donated_twice(exc):
+                return self._call_unplanned(args, kwargs)  # It copies them.
+            _note_deleted_values(exc, plan, WORLD)
+            raise
+        except RuntimeError as exc:
+            _note_deleted_values(exc, plan, WORLD)
             raise
         one = plan.bare_written
         if one is not None:
@@ -832,24 +821,54 @@ class JitDispatch:
         kwargs: dict,
         split: tuple[int, list] | None = None,
     ) -> tuple[Any, list]:
-        jitted, written = plan.function_for(frame.read_many(plan.updated_states))
+        jitted = self._function_for(plan, frame)
+        donating = plan.donates and jitted is plan.jitted and is_top_level()
+        written = frame.read_many(plan.updated_states)
         read = plan.read_from(frame)
-        if not plan.split:
+        key, dynamic = _UNSPLIT
+        if plan.split:
+            key, dynamic = split or self._splitter.split(args, kwargs)
+        else:
             jitted, args, kwargs = self._jitted_call(plan, jitted, args, kwargs)
-            out, updated = jitted(plan.pack(written), read, *args, **kwargs)
-            return out, plan.unpack(updated)
-        if split is None:
-            split = self._splitter.split(args, kwargs)
-        splitter = self._splitter
-        packed = plan.pack(written)
-        out, updated = _run_split(plan, jitted, packed, read, *split, splitter)
-        if plan.placed:
+
+        def run(written: list) -> tuple[Any, Any]:
+            if not plan.split:
+                return jitted(plan.pack(written), read, *args, **kwargs)
+            splitter, packed = self._splitter, plan.pack(written)
+            return _run_split(plan, jitted, packed, read, key, dynamic, splitter)
+
+        try:
+            try:
+                out, updated = run(written)
+            except jax.errors.JaxRuntimeError as exc:
+                if not donating or not _donated_twice(exc):
+                    raise
+                # Nothing was consumed: run it again, donating copies of those.
+                out, updated = run(self._unaliased(plan, written, (read, args, kwargs)))
+        except RuntimeError as exc:
+            _note_deleted_values(exc, plan, frame)
+            raise
+        if plan.split and plan.placed:
             # Only placed plans are found by later calls (see `_call_planned`).
             if len(self._plans_by_key) >= KEYS_KEPT:
                 self._plans_by_key.clear()
-            self._plans_by_key[split[0]] = plan
+            self._plans_by_key[key] = plan
             self._forget_fast_call()
         return out, plan.unpack(updated)
+
+    def _unaliased(self, plan: _Plan, written: list, others: Any) -> list:
+        """`written` with a copy of each value that shares an array with another
+        value of the call (`others`: its other inputs), which XLA cannot donate;
+        warned about once per function."""
+        counts = collections.Counter(map(id, jax.tree.leaves((written, others))))
+        shared = [
+            i
+            for i, v in enumerate(written)
+            if any(counts[id(x)] > 1 for x in jax.tree.leaves(v))
+        ] or list(range(len(written)))  # Buffers shared by other array objects.
+        states = [plan.updated_states[i] for i in shared]
+        self._warn_not_donating(_SHARED, states)
+        return [private_copies(v) if i in shared else v for i, v in enumerate(written)]
 
     def _forget_fast_call(self) -> None:
         """Makes the next call `f(model, x)` find its plan again (see `Recent.fast`),
@@ -1095,7 +1114,7 @@ class JitDispatch:
                     self._refuse_positional_options()
                 donate = self._donate and bool(trace.updated_states)
                 if donate and may_fail_at_run_time(trace.jaxpr.jaxpr):
-                    self._warn_not_donating()
+                    self._warn_not_donating(_CALLBACK, trace.updated_states)
                     donate = False
                 if len(self._plans) >= KEYS_KEPT:
                     self._forget_oldest_plan()
@@ -1112,8 +1131,7 @@ class JitDispatch:
     def _compile(self, plan: _Plan) -> None:
         plan.bound = {}
         plan.jitted = self._make_jitted(plan, plan.donates)
-        if plan.donates:
-            plan.undonated = self._make_jitted(plan, False)
+        plan.undonated = None
 
     def _forget_oldest_plan(self) -> None:
         """Drops the oldest plan but the current one: a plan holds its states'
@@ -1131,18 +1149,39 @@ class JitDispatch:
             if found is plan:
                 self._plans_by_static.pop(static, None)
 
-    def _warn_not_donating(self) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"`jit({self._name}, donate_states=True)` does not donate: the "
-                "function holds an operation that can fail while it runs (a callback "
-                "such as `eqx.error_if`, `jax.debug.callback` or `jax.debug.print`), "
-                "and a failed call must leave the states' previous values readable, "
-                "which donated buffers are not. Move the check out of the function to "
-                "donate.",
-                stacklevel=7,
-            )
+    def _function_for(self, plan: _Plan, frame: _context.Frame) -> Any:
+        """The plan's jitted function for a call in `frame`: the donating one, but
+        without donation while JAX's NaN/Inf checks are on (they re-run a failing
+        call with its inputs) and in a `scope` or `run` (the values are its
+        dictionary's, which may share them with the world)."""
+        if not plan.donates or not is_top_level():
+            return plan.jitted  # JAX ignores donation inside a trace.
+        if compat.nan_checks_enabled():
+            return self._undonated(plan, _NAN_CHECKS)
+        if frame is not WORLD:
+            return self._undonated(plan, _IN_A_SCOPE)
+        return plan.jitted
+
+    def _undonated(self, plan: _Plan, reason: str) -> Any:
+        """The plan's function without donation, for a call that must not donate
+        for `reason`, which is warned about once per function."""
+        self._warn_not_donating(reason, plan.updated_states)
+        if plan.undonated is None:
+            plan.undonated = self._make_jitted(plan, False)
+        return plan.undonated
+
+    def _warn_not_donating(self, reason: str, states: Sequence[State]) -> None:
+        if reason in self._warned:
+            return
+        self._warned.add(reason)
+        labels = [state_label(s) for s in states[:3]]
+        if len(states) > 3:
+            labels.append(f"{len(states) - 3} more")
+        warnings.warn(
+            f"`jit({self._name}, donate_states=True)` does not donate the values of "
+            f"{', '.join(labels)} {reason}",
+            stacklevel=4,
+        )
 
     def _constrain(self, plan: _Plan, frame: _context.Frame) -> None:
         """Sets the plan's constraints (see `_Plan`) from the states' values in
@@ -1191,7 +1230,7 @@ class JitDispatch:
             return out, updated
 
         if plan.split:
-            return _PerKey(split_body, self._split_options(donate))
+            return _PerKey(split_body, ft.partial(self._split_options, donate))
         options = self._jit_options(donate)
         if isinstance(options.get("in_shardings"), jax.sharding.Sharding):
             sharding = options.pop("in_shardings")
@@ -1218,7 +1257,7 @@ class JitDispatch:
         return {k: v for k, v in self._jit_kwargs.items() if k not in positional}
 
     def _refuse_positional_options(self) -> None:
-        used = [k for k in _POSITIONAL_OPTIONS if self._jit_kwargs.get(k)]
+        used = [k for k in _SHARDING_OPTIONS if self._jit_kwargs.get(k)]
         if used:
             name = self._name
             raise NotImplementedError(
@@ -1230,13 +1269,22 @@ class JitDispatch:
                 "close over the model."
             )
 
-    def _split_options(self, donate_states: bool) -> dict[str, Any]:
-        # A jitted body takes `(written, read, *dynamic_leaves)` (see `_PerKey`).
+    def _split_options(self, donate_states: bool, key: int) -> dict[str, Any]:
+        """The `jax.jit` options of the function for calls split with `key`, which
+        takes `(written, read, *dynamic_leaves)` (see `_PerKey`): `donate_argnums`
+        donates the dynamic leaves of those arguments (a model's arrays)."""
         options = {
             k: v for k, v in self._jit_kwargs.items() if k not in _POSITIONAL_OPTIONS
         }
-        if donate_states:
-            options["donate_argnums"] = (0,)
+        donated = [0] if donate_states else []
+        counts = self._splitter.leaves_per_argument(key)
+        starts = [2 + sum(counts[:i]) for i in range(len(counts))]
+        n = len(counts)
+        for i in self._jit_kwargs.get("donate_argnums", ()):
+            if -n <= i < n:
+                donated += range(starts[i], starts[i] + counts[i])
+        if donated:
+            options["donate_argnums"] = tuple(sorted(set(donated)))
         return options
 
     def _jit_options(self, donate_states: bool) -> dict[str, Any]:

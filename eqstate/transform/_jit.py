@@ -204,23 +204,26 @@ def jit(
         argument is static whether passed by position or by keyword, also when both
         options are given (`jax.jit` then infers neither from the other); see
         [`eqstate.transform.StatefulFunction`][].
-    - `donate_states`: donate the buffers of the written states to the computation,
-        so that they are updated in place. Donation never deletes an array object
-        that is held elsewhere: a call where a written state's value is also held by
-        another state, passed as an argument, or kept by the caller (`old = s.value`;
-        for a random key, also its data, `jax.random.key_data(rng.value)`, which
-        is the key's own buffer) runs without donation, as does every call while
-        `jax.debug_nans` or `jax.debug_infs` is on. With several processes, which
-        must all run the same program whatever each holds, such a call donates
-        private copies of the written values instead. A function that can fail
-        while it runs (it holds a callback: `eqx.error_if`, `jax.debug.callback`,
-        `jax.debug.print`) is never donated, with a warning, because a failed call
-        must leave the previous values readable. Another array object sharing a
-        device buffer with a state's value is not seen (nor is it by `jax.jit`'s
-        `donate_argnums`), and is deleted with it: `jax.device_put` makes one when
-        the value is already where it puts it (on its own device, or replicating a
-        one-device array). Keep a snapshot with `jnp.copy(s.value)`, and place
-        states with [`eqstate.shard`][], which never shares buffers.
+    - `donate_states`: donate the buffers of the values of the written states to
+        each call, which reuses them for the new values (updated in place), as
+        `jax.jit`'s `donate_argnums` does for arguments; for any value (arrays,
+        tuples, `StateDict`s, optimiser states, keys, stacked ensembles). The rule is
+        `jax.jit`'s: a donated value is the call's, so an array taken from such a
+        state before the call (`old = s.value`, a `values_of(...)` snapshot, the
+        same array given to another state; for a key, `jax.random.key_data` of
+        it) is deleted by it. Keep `jnp.copy(s.value)` of what must outlive the
+        call; a thread reading such states takes turns with the calls, as writers
+        do. Where donating would lose a value that eqstate holds or needs, a call
+        does not donate, and warns once per function and reason naming the
+        states: in a `scope` or `run` (their dictionary's values may be the
+        world's), while `jax.debug_nans` or `jax.debug_infs` is on (JAX runs a
+        failing call again with its inputs), and in every call of a function
+        holding a callback that can raise (`eqx.error_if`, `jax.debug.callback`:
+        a failed call must leave readable values). A value that is also another
+        input of the call (another state's, an argument) is copied, and the copy
+        donated. Inside another transform the outer `jit` donates, as in JAX.
+    - `donate_argnums`: as in `jax.jit`; an argument holding handles (a model) has
+        its arrays donated, and its states as `donate_states` says.
     - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
@@ -240,9 +243,9 @@ def jit(
         `eqstate.run`). Where that value is itself traced (`eqstate.run` inside
         `jax.jit`), the new value is left unconstrained until a call sees a concrete
         one. Inside `shard_map`, where each device holds its shard, neither applies.
-    - `donate_argnums`, `in_shardings`, `out_shardings`, `keep_unused`, `device`,
-        `backend`, `inline`, `compiler_options`: as in `jax.jit`, for the arguments
-        and the output of `fun`.
+    - `in_shardings`, `out_shardings`, `keep_unused`, `device`, `backend`, `inline`,
+        `compiler_options`: as in `jax.jit`, for the arguments and the output of
+        `fun`.
 
     **Returns:**
 
@@ -252,13 +255,16 @@ def jit(
 
         A call that raises (while tracing, or when XLA refuses to run it: a shape
         error, most out-of-memory errors) writes nothing: every state keeps its
-        value. A call does not wait for its result, though, so a failure that XLA
-        reports only while the computation runs (an allocation failing in a donated
-        call; on some platforms, a callback raising) surfaces when a new value is
-        first used, and the states then hold those failed values: eqstate cannot
-        undo that without blocking on every call. Without donation the previous values stay valid
-        wherever you kept them; `jax.block_until_ready(es.values_of(model))` at a
-        checkpoint surfaces such failures.
+        value. With `donate_states`, though, XLA may refuse a call for want of
+        memory after it took the donated buffers (on the CPU it does): those values
+        are lost, and the error names their states. Restore them (e.g. from a
+        checkpoint), or leave donation off for a call that may not fit. A call
+        does not wait for its result, so a failure that XLA reports only while the
+        computation runs (on some platforms, a callback raising) surfaces when a
+        new value is first used, and the states then hold those failed values:
+        eqstate cannot undo that without blocking on every call;
+        `jax.block_until_ready(es.values_of(model))` at a checkpoint surfaces such
+        failures.
 
     !!! Example
 

@@ -250,6 +250,20 @@ class ArgSplitter:
             return tuple(trees), kwargs
         return tuple(trees), {}
 
+    def leaves_per_argument(self, key: int) -> list[int]:
+        """The number of dynamic leaves of each positional argument of a call split
+        with `key`."""
+        counts = []
+        for part in self._keys.value(key):
+            spec = None if part == _ARRAY else self._parts.value(part)
+            if spec is None:
+                counts.append(1)
+            elif spec[0] == "static":
+                counts.append(0)
+            elif (spec[0].node_data() or (None,))[0] is not _Kwargs:
+                counts.append(spec[0].num_leaves - len(spec[1]))
+        return counts
+
     def record_output(self, key: int, out: Any) -> list:
         """The dynamic leaves of `out` (while tracing), keeping how to rebuild it under
         `key`. Raises `OutputMismatch` if another trace for `key` built an output of
