@@ -380,10 +380,10 @@ def test_a_thread_saving_while_another_donates_takes_turns_with_it(tmp_path):
 
 
 def test_a_donating_call_xla_refuses_names_the_states_whose_values_it_took():
-    # XLA refuses this call for want of memory (a terabyte output). Where it refuses
-    # it while compiling (as on some accelerators), nothing was taken; where it
-    # refuses it when run (the CPU), it has already taken the donated buffers: the
-    # error names the states whose values are lost. Read-only states keep theirs.
+    # XLA refuses this call for want of memory (a terabyte output). The CPU refuses
+    # it when run, after taking the donated buffers: the error names the states
+    # whose values are lost. A TPU (v5e, JAX 0.10.2) refuses it while compiling and
+    # takes nothing. Read-only states keep their values everywhere.
     w = es.State(jnp.ones(3), name="w")
     scale = es.State(jnp.full(3, 2.0), name="scale")
 

@@ -256,8 +256,8 @@ def jit(
         A call that raises (while tracing, or when XLA refuses to run it: a shape
         error, most out-of-memory errors) writes nothing: every state keeps its
         value. With `donate_states`, though, XLA may refuse a call for want of
-        memory after it took the donated buffers (on the CPU it does): those values
-        are lost, and the error names their states. Restore them (e.g. from a
+        memory after it took the donated buffers (the CPU does; a TPU keeps them):
+        those values are lost, and the error names their states. Restore them (e.g. from a
         checkpoint), or leave donation off for a call that may not fit. A call
         does not wait for its result, so a failure that XLA reports only while the
         computation runs (on some platforms, a callback raising) surfaces when a
