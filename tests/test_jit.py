@@ -59,9 +59,29 @@ def test_jit_traces_once_and_steady_calls_take_the_plan_path(rnn, tracing_mode):
     first = jitted.get_cache_stats()
     for _ in range(5):
         jitted(jnp.ones(3))
-    # The plan path goes straight to the executable: no lookup of the trace cache.
-    assert jitted.get_cache_stats() == first
+    # Each call reused the trace, and is counted as a hit.
+    stats = jitted.get_cache_stats()
+    assert stats["hits"] == first["hits"] + 5
+    assert [stats[k] for k in ("misses", "traces")] == [first["misses"], 1]
     assert len(traces) == traces_per_key()
+
+
+def test_cache_statistics_count_every_call_that_reused_a_trace():
+    count = es.State(jnp.array(0), name="count")
+
+    @es.transform.jit
+    def step(x):
+        count.value = count.value + 1
+        return x * 2
+
+    for _ in range(200):
+        step(1.0)
+    assert step.get_cache_stats()["hits"] == 199
+    assert step.get_cache_stats()["misses"] == 1  # reading counts nothing
+    step.clear_cache()
+    step(1.0)
+    step(1.0)
+    assert step.get_cache_stats()["hits"] == 1 and count.value == 202
 
 
 def test_read_only_states_are_not_outputs(rnn):

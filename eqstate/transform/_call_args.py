@@ -8,7 +8,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from .._jax_compat import trace_context
-from ._leaves import in_module, is_traced, jax_jit_sees_as_eqstate, signature
+from ._leaves import in_module, is_traced, signature
 from ._split_args import typed_static
 
 
@@ -16,10 +16,7 @@ class CallArgs:
     """The arguments of one call, split by `ArgParser.parse`."""
 
     __slots__ = (
-        "_all_leaves",
-        "_fields",
         "_index",
-        "_jax_keys_statics",
         "_static",
         "_static_kw",
         "_template",
@@ -28,39 +25,14 @@ class CallArgs:
         "leaves",
     )
 
-    def __init__(
-        self,
-        key,
-        leaves,
-        treedef,
-        template,
-        index,
-        static,
-        static_kw,
-        all_leaves,
-        fields,
-        jax_keys_statics=True,
-    ):
+    def __init__(self, key, leaves, treedef, template, index, static, static_kw):
         self.key: Hashable = key
-        self._jax_keys_statics = jax_keys_statics
         self.leaves: list = leaves
-        self._all_leaves = all_leaves
-        self._fields = fields
         self._treedef = treedef
         self._template = template
         self._index = index
         self._static = static
         self._static_kw = static_kw
-
-    @property
-    def jit_as_is(self) -> bool:
-        """Whether `jax.jit` can take the (non-static) arguments as they are (see
-        `jax_jit_sees_as_eqstate`), and its static arguments too (see
-        `ArgParser.jax_keys_statics`). Only `jit` asks, so it is worked out on
-        demand."""
-        return self._jax_keys_statics and jax_jit_sees_as_eqstate(
-            self._all_leaves, self._fields
-        )
 
     def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple, dict]:
         """`(args, kwargs)` with the traced leaves replaced by `leaves`."""
@@ -112,11 +84,6 @@ class ArgParser:
         self.static_positions = tuple(dict.fromkeys(positions))
         names += _names_of(params, self.static_argnums)
         self.static_argnames = tuple(dict.fromkeys(names))
-        # Some `jax.jit` releases (0.8) insert one static argument twice when a
-        # negative position and another spelling both name it; eqstate then keeps the
-        # static arguments itself (`jit` splits such calls).
-        negative = any(i < 0 for i in self.static_argnums)
-        self.jax_keys_statics = not (negative and len(self.static_positions) > 1)
 
     def parse(
         self, args: tuple, kwargs: dict, axis_env: Sequence | None = None
@@ -180,16 +147,7 @@ class ArgParser:
         # not one for this call.
         key = (typed, typed_kw, treedef, tuple(sigs), trace_context(axis_env))
         return CallArgs(
-            key,
-            dynamic,
-            treedef,
-            template,
-            dynamic_index,
-            static,
-            static_kw,
-            leaves,
-            fields,
-            self.jax_keys_statics,
+            key, dynamic, treedef, template, dynamic_index, static, static_kw
         )
 
 

@@ -1,17 +1,31 @@
-"""How `jit` calls a function that uses states: through *plans*, one `jax.jit` dispatch
-per call.
+"""How `jit` calls a function that uses states: one `jax.jit` dispatch per call.
 
-A plan is a `jax.jit` of the whole call for one set of states. A call reads the plan's
-states, hands their values and the raw arguments to the jitted function (so JAX's C++
-dispatch does the PyTree and cache-key work), and writes the results back. The Python
-body of the jitted function runs only when JAX traces it (a first call, new shapes or
-static arguments): it finds the function's trace (`FunctionTraces`), checks that it
-touches the plan's states (else `_PlanMismatch`, and the call takes the unplanned path
-once to pick another plan), and evaluates it.
+Every call is split (see `_split_args`) into a key, standing for its arguments'
+structure and static values, and its dynamic leaves. A *plan* is the compiled form of
+the calls that touch one set of states, with one `jax.jit` per key (`_Function`).
+
+- The fast path: the key names a plan's function. The call reads the values of the
+  plan's states (`_Plan.read`), hands them and the dynamic leaves to that function
+  (JAX's C++ dispatch does the rest), and writes the new values back (`_Plan.write`).
+- The slow path, for a key not seen yet, or whose call now touches other states:
+  finds the function's trace (`FunctionTraces`, tracing on a miss), the plan for the
+  states it touches (made on a miss), and the plan's function for the key; then it
+  calls that as the fast path does. A function that creates states, or a call that
+  the plan cannot take, is called through the trace's own `jax.jit` instead
+  (`FunctionTraces.call_in`).
+
+The Python body of a plan's `jax.jit` runs only when JAX traces it (a first call, new
+shapes): it rebuilds the call, finds its trace, checks that it touches the plan's
+states (else `_PlanMismatch`, and the call takes the slow path), and evaluates it.
+
+Donation (`donate_states`) follows `jax.jit`'s `donate_argnums`: the written states'
+values are the call's. A call does not donate where donating would lose a value
+eqstate holds or needs (see `JitDispatch._jitted`), and says so once.
 """
 
 import collections
 import functools as ft
+import itertools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,20 +44,23 @@ from .._placement import private_copies
 from .._pretty_print import state_label
 from .._state import State
 from .._state_dict import sharding_rule
-from ._call_args import CallArgs
 from ._common import constrained_to
-from ._equinox_errors import EQUINOX_ERRORS, raise_equinox_error
+from ._equinox_errors import EQUINOX_ERRORS, raise_equinox_error, RUNTIME_ERRORS
 from ._function_traces import FunctionTraces
-from ._leaves import ArrayImpl, in_module, jax_jit_sees_as_eqstate
-from ._one_sharding import OneShardingJit
+from ._leaves import ArrayImpl
 from ._rule_errors import raise_if_rule_closed_over_a_tracer, rule_closure_errors
 from ._split_args import (
+    _ARRAYS,
     ArgSplitter,
+    dynamic_count,
+    is_static,
     KEYS_KEPT,
+    output,
     OutputMismatch,
-    Static,
-    typed_static,
-    unwrapped,
+    positional_specs,
+    rebuild,
+    record_output,
+    template,
 )
 from ._trace import flat_jit, StaleTrace, sub_jaxprs, Trace
 from ._view import Overlay
@@ -53,8 +70,20 @@ compat.hide_from_tracebacks(__file__)
 
 _WORLD_VALUES = WORLD.by_id
 _WORLD_LOCK = WORLD.lock
-# The split (see `_split_args`) of a call that is not split.
-_UNSPLIT: tuple[int, list] = (-1, [])
+
+
+class _PlanMismatch(Exception):
+    """The call needs other states than the plan's (raised while JAX traces)."""
+
+
+# What a call through a plan raises when it must take the slow path instead: a
+# mismatch, a state missing from the world (the slow path names it), or an output
+# that cannot be rebuilt from its key.
+_REFUSALS = (_PlanMismatch, KeyError, OutputMismatch)
+
+
+class _Retrace(Exception):
+    """The call must take the slow path."""
 
 
 # Why a call does not donate (see `JitDispatch._warn_not_donating`).
@@ -78,19 +107,8 @@ _IN_A_SCOPE = (
     "in calls inside `eqstate.scope` or `eqstate.run`: the values there are the "
     "dictionary's, which may share them with the world. Call it outside to donate."
 )
-
-
-class _PlanMismatch(Exception):
-    """The call needs other states than the plan's (raised while JAX traces)."""
-
-
-# What a call through a plan raises when it must take the unplanned path instead: a
-# mismatch, a state missing from the world (the unplanned path names it), an output
-# that cannot be rebuilt from its key (`OutputMismatch`), or arguments that `jax.jit`
-# refuses (see `JitDispatch._raise_if_planned`): e.g. a Python `int` field of a Module,
-# static for eqstate, too large for `jax.jit`'s int32 (`OverflowError`).
-_JIT_REFUSALS = (TypeError, ValueError, OverflowError)
-_REFUSALS = (_PlanMismatch, KeyError, OutputMismatch, *_JIT_REFUSALS)
+# `jax.jit` options that refer to positions of arguments or outputs.
+_POSITIONAL_OPTIONS = ("donate_argnums", "in_shardings", "out_shardings")
 
 
 def _mark_from_trace(exc: BaseException) -> None:
@@ -100,37 +118,23 @@ def _mark_from_trace(exc: BaseException) -> None:
         pass
 
 
-class _Plan:
-    __slots__ = (
-        "bare_written",
-        "bound",
-        "donates",
-        "get_read",
-        "get_written",
-        "in_constraints",
-        "jitted",
-        "out_constraints",
-        "placed",
-        "read_states",
-        "simple_out",
-        "single_leaf",
-        "split",
-        "states",
-        "undonated",
-        "updated_states",
-        "written_keys",
-    )
+class _Function:
+    """A plan's `jax.jit` for the calls split with one key, that function without
+    donation (made on first use), and how to rebuild their output (`None`: it is
+    returned as it is)."""
 
-    jitted: Any
-    # Functions with a call's static arguments bound (see `JitDispatch._bind`), by
-    # `(number of positional arguments, number of keyword ones, static key)`;
-    # `False` for calls that cannot take one.
-    bound: dict[tuple, Any]
-    # With `donate_states`: whether `jitted` donates, and the same function without
-    # donation, made on first use, for calls that must not donate (see
-    # `function_for`).
-    donates: bool
-    undonated: Any
+    __slots__ = ("jitted", "make_undonated", "out", "undonated")
+
+    def __init__(self, jitted: Any, make_undonated: Callable[[], Any]):
+        self.jitted = jitted
+        self.make_undonated = make_undonated
+        self.undonated: Any = None
+        self.out: tuple | None = None
+
+
+class _Plan:
+    """The compiled form of the calls that touch one set of states."""
+
     # Shardings the jitted function imposes on state values: on the inputs (from
     # `state_shardings`) and on the new values of written states (`state_shardings`,
     # else the shardings of a written state's leaves when the plan was made, so that
@@ -143,56 +147,54 @@ class _Plan:
     # `JitDispatch._constrain`).
     placed: bool
 
-    def __init__(self, trace: Trace, split: bool, donates: bool):
-        # Calls pass their arguments split (see `_split_args`): they hold leaves that
-        # `jax.jit` does not take (handles, strings), or the output does.
-        self.split = split
+    def __init__(self, trace: Trace, donates: bool):
         self.simple_out = trace.simple_out
         self.states = trace.states
         self.updated_states = trace.updated_states
         updated = set(trace.updated_states)
         self.read_states = tuple(s for s in trace.states if s not in updated)
-        self.single_leaf = trace.single_leaf_states
-        # The plan holds the handles, so their ids stay valid world keys.
-        self.written_keys = [id(s) for s in trace.updated_states]
-        read_keys = [id(s) for s in self.read_states]
+        # Whether the function donates its written states (`donate_states`).
         self.donates = donates
-        self.undonated = None
-        self.bound = {}
-        # The jitted function takes the states' values packed (see `_packed`), and
-        # returns the written ones so. These read them from the world so.
-        self.get_written = _packed_getter(self.written_keys)
-        self.get_read = _packed_getter(read_keys) if read_keys else None
+        # The jitted functions by key (see `_Function`).
+        self.functions: dict[tuple, _Function] = {}
+        # The plan holds the handles, so their ids stay valid world keys. The jitted
+        # functions take the values of the written and the read states packed (see
+        # `_packed`), and return the written ones so.
+        self._written_keys = [id(s) for s in trace.updated_states]
+        self.get_written = _packed_getter(self._written_keys)
+        self.get_read = _packed_getter([id(s) for s in self.read_states])
         # The key of the only written state, whose value travels bare.
-        one = len(self.written_keys) == 1
-        self.bare_written = self.written_keys[0] if one else None
+        one = len(self._written_keys) == 1
+        self.bare_written = self._written_keys[0] if one else None
 
-    def pack(self, written: list) -> Any:
-        """The written states' values as the jitted function takes them."""
-        return _packed(written)
+    def read(self, frame: _context.Frame) -> tuple[Any, Any]:
+        """The values of the written and of the read states for a call in `frame`,
+        packed (in the world at top level, `JitDispatch._call` reads them itself)."""
+        written = frame.read_many(self.updated_states)
+        return _packed(written), _packed(frame.read_many(self.read_states))
 
-    def unpack(self, updated: Any) -> list:
-        """The written states' new values from what the jitted function returns."""
-        return _unpacked(updated, len(self.updated_states))
-
-    def read_from(self, frame: _context.Frame) -> Any:
-        """The values of the read-only states in `frame`, packed."""
-        return _packed(frame.read_many(self.read_states))
+    def write(self, frame: _context.Frame, updated: Any) -> None:
+        """Writes the new values of the written states (packed) to `frame`."""
+        keys = self._written_keys
+        if frame is WORLD and is_top_level():
+            if len(keys) == 1:
+                _WORLD_VALUES[keys[0]] = updated
+            elif keys:
+                with _WORLD_LOCK:  # together
+                    for key, value in zip(keys, updated):
+                        _WORLD_VALUES[key] = value
+        elif keys:
+            frame.commit_values(self.updated_states, _unpacked(updated, len(keys)))
 
     def evaluate(
-        self,
-        traces: FunctionTraces,
-        written: Any,
-        read: Any,
-        args: tuple,
-        kwargs: dict,
+        self, traces: FunctionTraces, written: Any, read: Any, args: tuple, kwargs: dict
     ) -> tuple[Any, Any]:
         """The body of the plan's `jax.jit` (run when JAX traces it): finds the trace
         for the call and evaluates it. Takes and returns the written states' values
-        packed (see `pack`). Raises `_PlanMismatch` if the call needs other states
-        than the plan's."""
-        read = _unpacked(read, len(self.read_states))
-        values = self._in_trace_order(self.unpack(written), read)
+        packed. Raises `_PlanMismatch` if the call needs other states than the
+        plan's."""
+        written = _unpacked(written, len(self.updated_states))
+        values = self._in_trace_order(written, _unpacked(read, len(self.read_states)))
 
         def values_of(trace: Trace) -> list | None:
             return values if trace.states == self.states else None
@@ -206,12 +208,11 @@ class _Plan:
             parent = lambda: Overlay(frame, moved)  # noqa: E731
         try:
             call = traces.parse(args, kwargs)
-            # The call counted its lookup: in `_call_unplanned`, or not at all
-            # (a planned call: steady-state calls are not counted).
+            # The call counted its lookup (see `JitDispatch._call_slow`).
             trace, _ = traces.lookup(call, parent, values_of, count_hit=False)
         except StaleTrace:
             # This call's states or their shapes fit no trace of the plan's states:
-            # the unplanned path picks another plan.
+            # the slow path picks another plan.
             raise _PlanMismatch from None
         except Exception as exc:
             _mark_from_trace(exc)
@@ -222,7 +223,7 @@ class _Plan:
         updated = [
             self._constrained_out(s, v) for s, v in zip(self.updated_states, updated)
         ]
-        return trace.build_output(out, ()), self.pack(updated)
+        return trace.build_output(out, ()), _packed(updated)
 
     def _constrained_out(self, state: State, value: Any) -> Any:
         """A written state's new value, constrained to its `state_shardings` or to
@@ -275,13 +276,10 @@ def _unpacked(packed: Any, n: int) -> list:
     return [packed] if n == 1 else list(packed)
 
 
-def _packed_getter(keys: list[int]) -> Callable[[dict], Any]:
-    """Reads the values under `keys` from a dict, packed (see `_packed`)."""
-    return itemgetter(*keys) if keys else _nothing
-
-
-def _nothing(values: dict) -> None:
-    return None
+def _packed_getter(keys: list[int]) -> Callable[[dict], Any] | None:
+    """Reads the values under `keys` from a dict, packed (see `_packed`); `None` for
+    no keys."""
+    return itemgetter(*keys) if keys else None
 
 
 def _constrained(value: Any, sharding: Any) -> Any:
@@ -511,72 +509,28 @@ def _device_ids(value: Any) -> list[int]:
     )
 
 
-def _jit_took_as_is(args: tuple, kwargs: dict) -> bool:
-    """Whether a plan's `jax.jit` took these arguments (tracers) as eqstate would
-    have: see `jax_jit_sees_as_eqstate`."""
-    tree = (args, kwargs)
-    return jax_jit_sees_as_eqstate(jax.tree_util.tree_leaves(tree), in_module(tree))
-
-
 def can_plan(trace: Trace) -> bool:
-    """Whether calls of `trace` can take the plan path: it creates no states."""
+    """Whether calls of `trace` can take a plan: it creates no states."""
     return not trace.new_states
 
 
-def _store_in_world(plan: _Plan, updated: Sequence[Any]) -> None:
-    """Writes the new values of a plan's written states to the world, together."""
-    if len(updated) == 1:
-        _WORLD_VALUES[plan.written_keys[0]] = updated[0]
-        return
-    with _WORLD_LOCK:
-        for key, value in zip(plan.written_keys, updated):
-            _WORLD_VALUES[key] = value
+_DYNAMIC = object()  # A dynamic leaf, in an argument's template (see `template`).
 
 
-def _needs_split(call: CallArgs, trace: Trace) -> bool:
-    return not (call.jit_as_is and trace.simple_out)
-
-
-def _run_split(
-    plan: _Plan,
-    jitted: "_PerKey",
-    written: Any,
-    read: Any,
-    key: int,
-    dynamic: list,
-    splitter: ArgSplitter,
-) -> tuple[Any, Any]:
-    """Calls the jitted function for `key` (written values packed, see `_Plan.pack`),
-    and rebuilds the output if the trace recorded how."""
-    out, updated = jitted[key](written, read, *dynamic)
-    if not plan.simple_out:
-        out = splitter.output(key, out)
-    return out, updated
-
-
-class _PerKey(dict):
-    """The jitted functions of a plan whose calls are split: one `jax.jit` per key
-    (see `_split_args`), which is cheaper to call than one with a static argument."""
-
-    def __init__(self, body: Callable, options_for: Callable[[int], dict[str, Any]]):
-        super().__init__()
-        self._body = body
-        self._options_for = options_for
-
-    def __missing__(self, key: int) -> Callable:
-        """The jitted function for `key`, made on first use (forgetting the oldest
-        beyond `KEYS_KEPT`: keys are never reused once forgotten)."""
-        if len(self) >= KEYS_KEPT:
-            self.pop(next(iter(self)), None)
-        options = self._options_for(key)
-        fn = self[key] = jax.jit(ft.partial(self._body, key), **options)
-        return fn
-
-
-# `jax.jit` options that refer to positions of arguments or outputs; of those, the
-# ones that split calls (see `_split_args`) cannot take.
-_POSITIONAL_OPTIONS = ("donate_argnums", "in_shardings", "out_shardings")
-_SHARDING_OPTIONS = ("in_shardings", "out_shardings")
+def _per_leaf(entry: Any, spec: Any) -> list:
+    """An `in_shardings` entry for an argument (a sharding, `None` or a PyTree prefix
+    of the argument) as one entry per dynamic leaf of the argument split as
+    `spec`."""
+    shardings: list = []
+    jax.tree_util.tree_map(
+        lambda s, sub: shardings.extend(
+            s for x in jax.tree_util.tree_leaves(sub) if x is _DYNAMIC
+        ),
+        entry,
+        template(spec, _DYNAMIC),
+        is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding),
+    )
+    return shardings
 
 
 class JitDispatch:
@@ -599,492 +553,195 @@ class JitDispatch:
     ):
         self._traces = traces
         self._name = traces.name
-        self._parser = traces.parser
-        self._static_names = frozenset(traces.parser.static_argnames)
-        self._static_positions = tuple(traces.parser.static_positions)
-        self._has_static = bool(self._static_names or self._static_positions)
         self._donate = donate_states
         self._state_shardings = (
             None if state_shardings is None else sharding_rule(state_shardings)
         )
         self._jit_kwargs = dict(jit_kwargs or {})
         self._plans: dict[tuple, _Plan] = {}
-        self._current: _Plan | None = None
+        # The plan and its function for each key that a fast call takes.
+        self._entries: dict[tuple, tuple[_Plan, _Function]] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()  # reasons for not donating, warned about
         self._splitter = self._new_splitter()
-        # Plans of split calls, by the splitter's key of their arguments; of the
-        # others, by their static arguments (which may select other states).
-        self._plans_by_key: dict[int, _Plan] = {}
-        self._plans_by_static: dict[tuple, _Plan] = {}
+        self._split = self._splitter.split
+        self._no_static = not traces.parser.static_positions
+        # Counts the fast calls, each of which reused a trace (`next` on a count is
+        # atomic, and far cheaper than a lock).
+        self._reused = traces.stats.reused
 
     def _new_splitter(self) -> ArgSplitter:
-        return ArgSplitter(self._parser.static_positions, self._parser.static_argnames)
+        parser = self._traces.parser
+        return ArgSplitter(parser.static_positions, parser.static_argnames)
 
     @property
     def planned(self) -> bool:
         """Whether calls go through a plan (after the first successful call)."""
-        return self._current is not None
+        return bool(self._entries)
 
     def clear(self) -> None:
         """Drops every plan and trace."""
         with self._lock:
             self._plans.clear()
-            self._plans_by_key.clear()
-            self._plans_by_static.clear()
-            self._current = None
+            self._entries.clear()
             self._splitter = self._new_splitter()
+            self._split = self._splitter.split
         self._traces.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Calls through the current plan. On a mismatch, or on arguments `jax.jit`
-        refuses, takes the unplanned path, which picks a plan for next time."""
-        plan = self._current
-        if plan is None:
-            return self._call_unplanned(args, kwargs)
-        pair = self._splitter.pair
-        if pair is not None and not (
-            len(args) == 2
-            and args[0] is pair.model
-            and type(args[1]) is ArrayImpl
-            and not kwargs
-            and pair.copies == pair.containers
-        ):
-            pair = None  # Not `f(model, x)` with the last such call's model, unchanged.
-        try:
-            if (
-                pair is not None
-                and (fast := pair.fast) is not None
-                and _current_frame() is WORLD
-                and is_top_level()
-            ):
-                # At top level, with the plans unchanged since the last such call
-                # (see `Recent.fast`): the branch below for that call's plan,
-                # inlined (what eqstate adds to passing a model rather than closing
-                # over it).
-                plan, jitted = fast
-                values = _WORLD_VALUES
-                get = plan.get_read
-                out, updated = jitted(
-                    plan.get_written(values),
-                    get(values) if get is not None else None,
-                    *pair.leaves,
-                    args[1],
-                )
+        """The fast path for a key seen before, else the slow path. At top level in
+        the world, the call reads and writes the values inline (one dictionary
+        lookup per state); elsewhere it goes through `_call`."""
+        key: Any = None
+        leaves: Sequence[Any] = args
+        if not kwargs and self._no_static and len(args) < 64:
+            for arg in args:  # `ArgSplitter.split`, inlined for arrays alone
+                if type(arg) is not ArrayImpl:
+                    break
             else:
-                frame = _current_frame()
-                if frame is not WORLD or not is_top_level():
-                    return self._call_in_frame(plan, frame, args, kwargs)
-                split = plan.split
-                bound = None
-                if split:
-                    if pair is not None:
-                        # `Recent.split`, inlined.
-                        key, dynamic = pair.key, [*pair.leaves, args[1]]
-                    else:
-                        key, dynamic = self._splitter.split(args, kwargs)
-                    # Each argument structure (a model's handles) has a plan of its
-                    # own; a `KeyError` sends a new one down the unplanned path.
-                    plan = self._plans_by_key[key]
-                else:
-                    key, dynamic = _UNSPLIT
-                    if self._has_static:
-                        static = self._static_key(args, kwargs)
-                        if len(self._plans_by_static) > 1:
-                            # Static arguments that select other states have plans of
-                            # their own (one in use: the current plan).
-                            plan = self._plans_by_static.get(static, plan)
-                        bound = plan.bound.get((len(args), len(kwargs), static))
-                        if bound is None:
-                            bound = self._bind(plan, args, kwargs, static)
-                # The hot path, inlined: one dict lookup per state each way.
-                values = _WORLD_VALUES
-                written = plan.get_written(values)
-                jitted = plan.jitted
-                if plan.donates and compat.nan_checks_enabled():
-                    jitted = self._undonated(plan, _NAN_CHECKS)
-                get = plan.get_read
-                read = get(values) if get is not None else None
-                if split:
-                    # `_run_split`, inlined (about 1% of a call at ten states).
-                    out, updated = jitted[key](written, read, *dynamic)
-                    if not plan.simple_out:
-                        out = self._splitter.output(key, out)
-                    elif pair is not None and not plan.donates:
-                        pair.fast = (plan, jitted[key])
-                elif bound:
-                    jitted, at = bound
-                    if at is None:
-                        out, updated = jitted(written, read, *args)
-                    else:
-                        rest = [a for i, a in enumerate(args) if i not in at]
-                        out, updated = jitted(written, read, *rest)
-                elif kwargs or self._static_positions:
-                    # Not `args` and `kwargs` themselves: a refused call takes the
-                    # unplanned path with the caller's own static values, not their
-                    # `Static` wrappers.
-                    typed = kwargs
-                    names = self._static_names
-                    if names and not names.isdisjoint(kwargs):
-                        typed = self._typed_static(kwargs)
-                    if self._static_positions:
-                        signed = self._signed_static(args)
-                        out, updated = jitted(written, read, *signed, **typed)
-                    else:
-                        out, updated = jitted(written, read, *args, **typed)
-                elif len(args) == 1:
-                    # Spelled out: a call through `*args` builds JAX's dispatch a
-                    # tuple.
-                    out, updated = jitted(written, read, args[0])
-                else:
-                    out, updated = jitted(written, read, *args)
-        except _REFUSALS as exc:
-            return self._after_refusal(exc, plan, args, kwargs)
-        except jax.errors.JaxRuntimeError as exc:
-            raise_equinox_error(exc)
-            if plan.donates and _donated_twice(exc):
-                return self._call_unplanned(args, kwargs)  # It copies them.
-            _note_deleted_values(exc, plan, WORLD)
-            raise
-        except RuntimeError as exc:
-            _note_deleted_values(exc, plan, WORLD)
-            raise
-        one = plan.bare_written
-        if one is not None:
-            values[one] = updated
-        elif updated:
-            _store_in_world(plan, updated)
-        return out
-
-    def _after_refusal(
-        self, exc: Exception, plan: _Plan, args: tuple, kwargs: dict
-    ) -> Any:
-        """Takes the unplanned path for a call that `plan` refused (one of
-        `_REFUSALS`). Re-raises the errors of the function itself."""
-        if getattr(exc, "_eqstate_from_trace", False):
-            raise exc
-        if isinstance(exc, _JIT_REFUSALS):
-            raise_equinox_error(exc)
-            raise_if_rule_closed_over_a_tracer(exc, self._name)
-            self._raise_if_planned(exc, plan, args, kwargs)
-        return self._call_unplanned(args, kwargs)
-
-    def _call_plan_naming_devices(
-        self, plan: _Plan, frame: _context.Frame, args: tuple, kwargs: dict
-    ) -> tuple[Any, list]:
-        """`_call_plan`, whose error about values on different devices also names
-        the plan's states and their devices (JAX names eqstate's own arguments)."""
+                key = _ARRAYS[len(args)]
+        if key is None:
+            try:
+                key, leaves = self._split(args, kwargs)
+            except TypeError:  # an unhashable static value: the slow path names it
+                return self._call_slow(args, kwargs)
+        entry = self._entries.get(key)
+        if entry is None:
+            return self._call_slow(args, kwargs)
+        plan, fn = entry
+        if plan.donates or _current_frame() is not WORLD or not is_top_level():
+            return self._call(entry, leaves, args, kwargs)
+        get = plan.get_written
+        written = None if get is None else get(_WORLD_VALUES)
+        get = plan.get_read
+        read = None if get is None else get(_WORLD_VALUES)
         try:
-            return self._call_plan(plan, frame, args, kwargs)
-        except ValueError as exc:
-            _note_state_devices(exc, plan, frame)
-            raise
+            out, updated = fn.jitted(written, read, *leaves)
+        except Exception as exc:
+            return self._failed(exc, entry, leaves, args, kwargs, WORLD)
+        if plan.bare_written is not None:
+            _WORLD_VALUES[plan.bare_written] = updated
+        else:
+            plan.write(WORLD, updated)
+        next(self._reused)
+        return out if fn.out is None else output(fn.out, out)
 
-    def _call_in_frame(
-        self, plan: _Plan, frame: _context.Frame, args: tuple, kwargs: dict
+    def _call(
+        self,
+        entry: tuple[_Plan, _Function],
+        leaves: Sequence[Any],
+        args: tuple,
+        kwargs: dict,
+        slow: bool = False,
     ) -> Any:
-        """A planned call inside a scope or a transform: through the frame."""
-        split = None
-        if plan.split:
-            split = self._splitter.split(args, kwargs)
-            found = self._plans_by_key.get(split[0])
-            if found is None:
-                raise _PlanMismatch
-            plan = found
-        elif self._has_static:
-            static = self._static_key(args, kwargs)
-            plan = self._plans_by_static.get(static, plan)
-        out, updated = self._call_plan(plan, frame, args, kwargs, split)
-        if updated:
-            frame.commit_values(plan.updated_states, updated)
-        return out
+        """Calls the plan's function for the call's key in the current frame: reads
+        the values of the plan's states (`_Plan.read`), calls, and writes the new
+        values back (`_Plan.write`). Where the call needs another plan, it takes the
+        slow path; from the slow path (`slow`), it raises `_Retrace`."""
+        plan, fn = entry
+        frame = _current_frame()
+        jitted = fn.jitted if not plan.donates else self._jitted(plan, fn, frame)
+        try:
+            written, read = plan.read(frame)
+            out, updated = jitted(written, read, *leaves)
+        except Exception as exc:
+            return self._failed(exc, entry, leaves, args, kwargs, frame, jitted, slow)
+        plan.write(frame, updated)
+        if not slow:
+            next(self._reused)  # The slow path counted its own lookup.
+        return out if fn.out is None else output(fn.out, out)
 
-    def _call_unplanned(self, args: tuple, kwargs: dict) -> Any:
-        """Finds (or makes) the trace, and calls through the plan for its states (made
-        current), or, for a function that creates states or returns leaves `jax.jit`
-        cannot return, through the trace's own `jax.jit`."""
+    def _failed(
+        self,
+        exc: Exception,
+        entry: tuple[_Plan, _Function],
+        leaves: Sequence[Any],
+        args: tuple,
+        kwargs: dict,
+        frame: _context.Frame,
+        jitted: Any = None,
+        slow: bool = False,
+    ) -> Any:
+        """What a call whose function raised `exc` does: the slow path if the call
+        needs other states than the plan's; the call again, donating copies of the
+        values XLA refused to donate (it took nothing); else it raises a clearer
+        error, or `exc` with what eqstate knows added."""
+        plan, fn = entry
+        if isinstance(exc, _REFUSALS) and not getattr(exc, "_eqstate_from_trace", 0):
+            if slow:
+                raise _Retrace from None
+            return self._call_slow(args, kwargs)
+        jitted = fn.jitted if jitted is None else jitted
+        if jitted is fn.jitted and plan.donates and _donated_twice(exc):
+            written, read = plan.read(frame)
+            written = self._unaliased(plan, written, (read, leaves))
+            out, updated = jitted(written, read, *leaves)
+            plan.write(frame, updated)
+            return out if fn.out is None else output(fn.out, out)
+        self._explain(exc, plan, frame)
+        raise exc
+
+    def _explain(self, exc: Exception, plan: _Plan, frame: _context.Frame) -> None:
+        """Raises a clearer error in place of `exc`, a failed call's, or adds to it
+        what eqstate knows."""
+        if isinstance(exc, RUNTIME_ERRORS):
+            raise_equinox_error(exc)
+        raise_if_rule_closed_over_a_tracer(exc, self._name)
+        if isinstance(exc, ValueError):
+            _note_state_devices(exc, plan, frame)
+        if isinstance(exc, RuntimeError):
+            _note_deleted_values(exc, plan, frame)
+
+    def _call_slow(self, args: tuple, kwargs: dict) -> Any:
+        """Finds (or makes) the trace, and calls through the plan for its states and
+        the function for the call's key (remembered for the fast path), or, for a
+        function that creates states or a call the plan cannot take, through the
+        trace's own `jax.jit`."""
         frame = _context.current_frame()
         call = self._traces.parse(args, kwargs)
         trace = self._traces.trace_for(call, frame)
         with EQUINOX_ERRORS, rule_closure_errors(self._name):
             if can_plan(trace):
-                done, out = self._call_planned(call, trace, frame, args, kwargs)
-                if done:
+                key, entry, leaves = self._entry_for(trace, frame, args, kwargs)
+                try:
+                    out = self._call(entry, leaves, args, kwargs, slow=True)
+                except _Retrace:
+                    pass  # The plan did not fit: its states changed meanwhile.
+                else:
+                    if entry[0].placed:
+                        self._remember(key, entry)
                     return out
             return self._traces.call_in(frame, call, self.flat_options(), trace)
 
-    def _call_plan(
-        self,
-        plan: _Plan,
-        frame: _context.Frame,
-        args: tuple,
-        kwargs: dict,
-        split: tuple[int, list] | None = None,
-    ) -> tuple[Any, list]:
-        jitted = self._function_for(plan, frame)
-        donating = plan.donates and jitted is plan.jitted and is_top_level()
-        written = frame.read_many(plan.updated_states)
-        read = plan.read_from(frame)
-        key, dynamic = _UNSPLIT
-        if plan.split:
-            key, dynamic = split or self._splitter.split(args, kwargs)
-        else:
-            jitted, args, kwargs = self._jitted_call(plan, jitted, args, kwargs)
-
-        def run(written: list) -> tuple[Any, Any]:
-            if not plan.split:
-                return jitted(plan.pack(written), read, *args, **kwargs)
-            splitter, packed = self._splitter, plan.pack(written)
-            return _run_split(plan, jitted, packed, read, key, dynamic, splitter)
-
-        try:
+    def _entry_for(
+        self, trace: Trace, frame: _context.Frame, args: tuple, kwargs: dict
+    ) -> tuple[tuple, tuple[_Plan, _Function], Sequence[Any]]:
+        """The call's key, the plan for `trace` and its function for the key, and
+        the call's dynamic leaves."""
+        plan = self._plan_for(trace, frame)
+        for attempt in range(2):
+            key, leaves = self._splitter.split(args, kwargs)
             try:
-                out, updated = run(written)
-            except jax.errors.JaxRuntimeError as exc:
-                if not donating or not _donated_twice(exc):
+                specs = self._splitter.specs(key)
+            except KeyError:
+                # Another thread made the splitter forget a part of the key: the
+                # splitter then forgets what it remembered, and splits afresh.
+                if attempt:
                     raise
-                # Nothing was consumed: run it again, donating copies of those.
-                out, updated = run(self._unaliased(plan, written, (read, args, kwargs)))
-        except RuntimeError as exc:
-            _note_deleted_values(exc, plan, frame)
-            raise
-        if plan.split and plan.placed:
-            # Only placed plans are found by later calls (see `_call_planned`).
-            if len(self._plans_by_key) >= KEYS_KEPT:
-                self._plans_by_key.clear()
-            self._plans_by_key[key] = plan
-            self._forget_fast_call()
-        return out, plan.unpack(updated)
+                continue
+            fn = plan.functions.get(key)
+            if fn is None:
+                fn = self._function(plan, key, specs, args, kwargs)
+            return key, (plan, fn), leaves
+        raise AssertionError  # pragma: no cover - unreachable
 
-    def _unaliased(self, plan: _Plan, written: list, others: Any) -> list:
-        """`written` with a copy of each value that shares an array with another
-        value of the call (`others`: its other inputs), which XLA cannot donate;
-        warned about once per function."""
-        counts = collections.Counter(map(id, jax.tree.leaves((written, others))))
-        shared = [
-            i
-            for i, v in enumerate(written)
-            if any(counts[id(x)] > 1 for x in jax.tree.leaves(v))
-        ] or list(range(len(written)))  # Buffers shared by other array objects.
-        states = [plan.updated_states[i] for i in shared]
-        self._warn_not_donating(_SHARED, states)
-        return [private_copies(v) if i in shared else v for i, v in enumerate(written)]
-
-    def _forget_fast_call(self) -> None:
-        """Makes the next call `f(model, x)` find its plan again (see `Recent.fast`),
-        after the plans by key changed."""
-        pair = self._splitter.pair
-        if pair is not None:
-            pair.fast = None
-
-    def _static_key(self, args: tuple, kwargs: dict) -> tuple:
-        """The static arguments of a call, each with its type (and a float with its
-        sign), so that `1`, `1.0` and `True` select plans apart, as they select
-        traces apart."""
-        key = []
-        if self._static_positions:
-            n = len(args)
-            positions = self._static_positions
-            key = [typed_static(args[i]) for i in positions if -n <= i < n]
-        if kwargs:
-            for k in self._parser.static_argnames:
-                if k in kwargs:
-                    v = kwargs[k]
-                    # `typed_static`, inlined but for floats: calling it here
-                    # measured 2-3% of a call with a static flag at one state.
-                    key.append(
-                        (k, *typed_static(v))
-                        if isinstance(v, float)
-                        else (k, type(v), v)
-                    )
-        return tuple(key)
-
-    def _remember_static(self, plan: _Plan, args: tuple, kwargs: dict) -> None:
-        """Sends later calls with these static arguments to `plan` (not split)."""
-        by_static = self._plans_by_static
-        if len(by_static) >= KEYS_KEPT:
-            by_static.clear()
-        by_static[self._static_key(args, kwargs)] = plan
-
-    def _jitted_call(
-        self, plan: _Plan, jitted: Any, args: tuple, kwargs: dict
-    ) -> tuple[Any, tuple, dict]:
-        """The function that a call through a plan that is not split takes, and the
-        arguments to give it: the plan's function with the call's static arguments
-        bound, if it can have one (see `_bind`; the hot path of `__call__` inlines
-        this), else `jitted` (the plan's function, or the same without donation)
-        with them wrapped for `jax.jit` (see `_signed_static` and `_typed_static`)."""
-        if self._has_static:
-            static = self._static_key(args, kwargs)
-            bound = plan.bound.get((len(args), len(kwargs), static))
-            if bound is None:
-                bound = self._bind(plan, args, kwargs, static)
-            if bound:
-                jitted, at = bound
-                if at is not None:
-                    args = tuple(a for i, a in enumerate(args) if i not in at)
-                return jitted, args, {}
-        return jitted, self._signed_static(args), self._typed_static(kwargs)
-
-    def _bind(self, plan: _Plan, args: tuple, kwargs: dict, static: tuple) -> Any:
-        """A `jax.jit` of the plan's body with this call's static arguments bound,
-        and the positions of the static arguments among `args` (`None` for none),
-        which the call leaves out; kept in `plan.bound` for the calls with the same
-        ones. `jax.jit` then sees no static argument: hashing and comparing them at
-        each call cost it 1.5 us with one static flag (JAX 0.10, CPU), more than
-        eqstate's own work. `False` where the call cannot take one: a donating plan
-        (see `function_for`), keyword arguments that are not static, or static
-        arguments by position with options that count positions."""
-        n = len(args)
-        at = sorted(self._static_indices(n))
-        bound = plan.bound
-        if len(bound) >= KEYS_KEPT:
-            bound.clear()
-        key = (n, len(kwargs), static)
-        if (
-            plan.donates
-            or plan.split
-            or not self._static_names.issuperset(kwargs)
-            or (at and any(self._jit_kwargs.get(k) for k in _POSITIONAL_OPTIONS))
-        ):
-            bound[key] = False
-            return False
-        traces, fixed_args, fixed_kwargs = (
-            self._traces,
-            [(i, args[i]) for i in at],
-            kwargs,
-        )
-
-        # Named so that no keyword argument of the user's function collides with them.
-        def body(eqstate_written, eqstate_read, *dynamic):
-            args = list(dynamic)
-            for i, a in fixed_args:
-                args.insert(i, a)
-            if not _jit_took_as_is(dynamic, {}):
-                raise _PlanMismatch  # As in `_make_jitted`.
-            call = (eqstate_written, eqstate_read, tuple(args), fixed_kwargs)
-            return plan.evaluate(traces, *call)
-
-        options = self._jit_options(False)
-        del options["static_argnums"], options["static_argnames"]
-        if isinstance(options.get("in_shardings"), jax.sharding.Sharding):
-            jitted = OneShardingJit(body, options.pop("in_shardings"), 2, options)
-        else:
-            jitted = jax.jit(body, **options)
-        # Another thread may have bound the same call: one function, compiled once.
-        return bound.setdefault(key, (jitted, frozenset(at) or None))
-
-    def _signed_static(self, args: tuple) -> tuple:
-        """`args` with each float at a static position wrapped, so that `jax.jit`,
-        which keys `static_argnums` by value and type, keys `0.0` and `-0.0` apart
-        too. The body unwraps them."""
-        n = len(args)
-        for i in self._static_positions:
-            if -n <= i < n and isinstance(args[i], float):
-                break
-        else:
-            return args
-        static = self._static_indices(n)
-        return tuple(
-            Static(a) if i in static and isinstance(a, float) else a
-            for i, a in enumerate(args)
-        )
-
-    def _typed_static(self, kwargs: dict) -> dict:
-        """`kwargs` with each static one wrapped so that `jax.jit` keys it by type
-        too, as it keys `static_argnums` (`1`, `1.0` and `True` are equal; some JAX
-        releases key `static_argnames` by value alone). The body unwraps them."""
-        names = self._parser.static_argnames
-        if not names:
-            return kwargs
-        return {k: Static(v) if k in names else v for k, v in kwargs.items()}
-
-    def _static_indices(self, n: int) -> set[int]:
-        """The indices, among `n` positional arguments, of the static ones (`-1` and
-        `n - 1` are one)."""
-        return {i % n for i in self._static_positions if -n <= i < n}
-
-    def _dynamic_part(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A call's arguments but the static ones, which `jax.jit` does not trace."""
-        n = len(args)
-        at = self._static_indices(n)
-        names = self._static_names
-        return (
-            tuple(a for i, a in enumerate(args) if i not in at),
-            {k: v for k, v in kwargs.items() if k not in names},
-        )
-
-    def _raise_if_planned(
-        self, exc: Exception, plan: _Plan, args: tuple, kwargs: dict
-    ) -> None:
-        """Re-raises `exc` if the call fits `plan`, the plan it went through: then the
-        error came from running it (JAX reports some runtime errors as
-        `ValueError`), and the unplanned path would only run it again. Otherwise
-        `jax.jit` refused the arguments (a static leaf, a handle, ...): returns, and
-        the unplanned path gives the answer or a clear error. Not the current plan:
-        another thread may have changed it meanwhile, to one that fits."""
-        call = self._traces.parse(args, kwargs)
-        trace = self._traces.trace_for(call, _context.current_frame())
-        if (
-            can_plan(trace)
-            and plan.split == _needs_split(call, trace)
-            and plan.fits(trace)
-        ):
-            self._check_in_shardings(args, kwargs)
-            _note_state_devices(exc, plan, _context.current_frame())
-            raise exc
-
-    def _check_in_shardings(self, args: tuple, kwargs: dict) -> None:
-        """Raises `ValueError` if `in_shardings` has not one entry per positional
-        argument that is not static, counted as the user passed them: `jax.jit`'s own
-        error counts the two arguments that carry the states too. (With keyword
-        arguments, `jax.jit`'s error says it takes none with `in_shardings`.)"""
-        in_shardings = self._jit_kwargs.get("in_shardings")
-        if not isinstance(in_shardings, (tuple, list)) or kwargs:
-            return
-        n = len(args)
-        static = self._static_indices(n)
-        dynamic = n - len(static)
-        if len(in_shardings) != dynamic:
-            raise ValueError(
-                f"`jit({self._name}, in_shardings=...)` has {len(in_shardings)} "
-                f"entries, but this call passes {dynamic} positional arguments that "
-                f"are not static ({n} in all): give one sharding (or PyTree of them) "
-                "per such argument, as `jax.jit` takes them, or one Sharding for all."
-            )
-
-    def _call_planned(
-        self,
-        call: CallArgs,
-        trace: Trace,
-        frame: _context.Frame,
-        args: tuple,
-        kwargs: dict,
-    ) -> tuple[bool, Any]:
-        """Calls through the plan for `trace` and makes it current. Returns
-        `(False, None)` if the call turns out not to fit it."""
-        plan = self._plan_for(trace, frame, _needs_split(call, trace))
-        self._check_in_shardings(args, kwargs)
-        try:
-            out, updated = self._call_plan_naming_devices(plan, frame, args, kwargs)
-        except (_PlanMismatch, OutputMismatch):
-            return False, None
-        except KeyError as exc:
-            if getattr(exc, "_eqstate_from_trace", False):
-                raise
-            # Another thread made the splitter forget a part of this call's key
-            # before JAX traced it: the call takes the path without a plan.
-            return False, None
-        if plan.placed:
-            # A plan whose placements are not known yet takes no call but through
-            # here, which places it once a call sees concrete values (`_plan_for`):
-            # the top-level fast path is not slowed by checking.
-            self._current = plan
-            if self._has_static and not plan.split:
-                self._remember_static(plan, args, kwargs)
-        if updated:
-            frame.commit_values(plan.updated_states, updated)
-        return True, out
+    def _remember(self, key: tuple, entry: tuple[_Plan, _Function]) -> None:
+        """Sends later calls with `key` down the fast path, to `entry`."""
+        with self._lock:
+            self._entries.pop(key, None)
+            while len(self._entries) >= KEYS_KEPT:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = entry
 
     def lower_call(self, args: tuple, kwargs: dict) -> Any:
         """`jax.jit(...).lower` of the call with these arguments (the state values are
@@ -1095,80 +752,69 @@ class JitDispatch:
         if not can_plan(trace):
             values = frame.read_many(trace.states)
             return flat_jit(trace, self.flat_options()).lower(call.leaves, values)
-        plan = self._plan_for(trace, frame, _needs_split(call, trace))
-        self._check_in_shardings(args, kwargs)
-        written = plan.pack(frame.read_many(plan.updated_states))
-        read = plan.read_from(frame)
-        if plan.split:
-            key, dynamic = self._splitter.split(args, kwargs)
-            return plan.jitted[key].lower(written, read, *dynamic)
-        jitted, args, kwargs = self._jitted_call(plan, plan.jitted, args, kwargs)
-        return jitted.lower(written, read, *args, **kwargs)
+        _, (plan, fn), leaves = self._entry_for(trace, frame, args, kwargs)
+        return fn.jitted.lower(*plan.read(frame), *leaves)
 
-    def _plan_for(self, trace: Trace, frame: _context.Frame, split: bool) -> _Plan:
-        key = (trace.states, trace.updated_states, split, trace.simple_out)
+    def _plan_for(self, trace: Trace, frame: _context.Frame) -> _Plan:
+        key = (trace.states, trace.updated_states, trace.simple_out)
         with self._lock:
             plan = self._plans.get(key)
             if plan is None:
-                if split:
-                    self._refuse_positional_options()
                 donate = self._donate and bool(trace.updated_states)
                 if donate and may_fail_at_run_time(trace.jaxpr.jaxpr):
                     self._warn_not_donating(_CALLBACK, trace.updated_states)
                     donate = False
                 if len(self._plans) >= KEYS_KEPT:
                     self._forget_oldest_plan()
-                plan = _Plan(trace, split, donate)
+                plan = _Plan(trace, donate)
                 self._constrain(plan, frame)  # Raises for a sharding that cannot fit.
-                self._compile(plan)
                 self._plans[key] = plan
             elif not plan.placed:
                 self._constrain(plan, frame)
                 if plan.placed:
-                    self._compile(plan)  # Its functions have the old constraints.
+                    plan.functions.clear()  # They have the old constraints.
         return plan
 
-    def _compile(self, plan: _Plan) -> None:
-        plan.bound = {}
-        plan.jitted = self._make_jitted(plan, plan.donates)
-        plan.undonated = None
-
     def _forget_oldest_plan(self) -> None:
-        """Drops the oldest plan but the current one: a plan holds its states'
-        handles, and so their values, which a model dropped by its caller must not
-        keep alive for good."""
-        old = next((k for k, p in self._plans.items() if p is not self._current), None)
-        if old is None:
-            return
-        plan = self._plans.pop(old)
-        for key, found in list(self._plans_by_key.items()):
+        """Drops the oldest plan: a plan holds its states' handles, and so their
+        values, which a model dropped by its caller must not keep alive for good."""
+        plan = self._plans.pop(next(iter(self._plans)))
+        for key, (found, _) in list(self._entries.items()):
             if found is plan:
-                self._plans_by_key.pop(key, None)
-        self._forget_fast_call()
-        for static, found in list(self._plans_by_static.items()):
-            if found is plan:
-                self._plans_by_static.pop(static, None)
+                self._entries.pop(key, None)
 
-    def _function_for(self, plan: _Plan, frame: _context.Frame) -> Any:
-        """The plan's jitted function for a call in `frame`: the donating one, but
-        without donation while JAX's NaN/Inf checks are on (they re-run a failing
-        call with its inputs) and in a `scope` or `run` (the values are its
+    def _jitted(self, plan: _Plan, fn: _Function, frame: _context.Frame) -> Any:
+        """The function a call in `frame` of a donating plan takes: the donating
+        one, but without donation while JAX's NaN/Inf checks are on (they re-run a
+        failing call with its inputs) and in a `scope` or `run` (the values are its
         dictionary's, which may share them with the world)."""
-        if not plan.donates or not is_top_level():
-            return plan.jitted  # JAX ignores donation inside a trace.
+        if not is_top_level():
+            return fn.jitted  # JAX ignores donation inside a trace.
         if compat.nan_checks_enabled():
-            return self._undonated(plan, _NAN_CHECKS)
-        if frame is not WORLD:
-            return self._undonated(plan, _IN_A_SCOPE)
-        return plan.jitted
-
-    def _undonated(self, plan: _Plan, reason: str) -> Any:
-        """The plan's function without donation, for a call that must not donate
-        for `reason`, which is warned about once per function."""
+            reason = _NAN_CHECKS
+        elif frame is not WORLD:
+            reason = _IN_A_SCOPE
+        else:
+            return fn.jitted
         self._warn_not_donating(reason, plan.updated_states)
-        if plan.undonated is None:
-            plan.undonated = self._make_jitted(plan, False)
-        return plan.undonated
+        if fn.undonated is None:
+            fn.undonated = fn.make_undonated()
+        return fn.undonated
+
+    def _unaliased(self, plan: _Plan, written: Any, others: Any) -> Any:
+        """The packed `written` values with a copy of each that shares an array with
+        another value of the call (`others`: its other inputs), which XLA cannot
+        donate; warned about once per function."""
+        values = _unpacked(written, len(plan.updated_states))
+        counts = collections.Counter(map(id, jax.tree.leaves((values, others))))
+        shared = [
+            i
+            for i, v in enumerate(values)
+            if any(counts[id(x)] > 1 for x in jax.tree.leaves(v))
+        ] or list(range(len(values)))  # Buffers shared by other array objects.
+        self._warn_not_donating(_SHARED, [plan.updated_states[i] for i in shared])
+        copied = [private_copies(v) if i in shared else v for i, v in enumerate(values)]
+        return _packed(copied)
 
     def _warn_not_donating(self, reason: str, states: Sequence[State]) -> None:
         if reason in self._warned:
@@ -1209,33 +855,102 @@ class JitDispatch:
         # Set together: another thread may be tracing the plan's functions.
         plan.in_constraints, plan.out_constraints, plan.placed = ins, outs, placed
 
-    def _make_jitted(self, plan: _Plan, donate: bool) -> Any:
-        traces, splitter = self._traces, self._splitter
+    def _function(
+        self, plan: _Plan, key: tuple, specs: tuple, args: tuple, kwargs: dict
+    ) -> _Function:
+        """The plan's function for calls split with `key` (of these `specs`), made
+        for this call."""
+        traces = self._traces
+        options = self._options(plan, specs, args, kwargs)
+        holder: list[_Function] = []
 
-        # Named so that no keyword argument of the user's function collides with them.
-        def body(eqstate_written, eqstate_read, *args, **kwargs):
-            args = tuple(a.value if isinstance(a, Static) else a for a in args)
-            kwargs = unwrapped(kwargs)
-            if not _jit_took_as_is(*self._dynamic_part(args, kwargs)):
-                # A call whose arguments `jax.jit` traces where eqstate would not
-                # (e.g. a Module's `inference: bool`): it takes a split plan.
-                raise _PlanMismatch
-            return plan.evaluate(traces, eqstate_written, eqstate_read, args, kwargs)
-
-        def split_body(key, written, read, *dynamic):
-            args, kwargs = splitter.rebuild(key, dynamic)
+        def body(written, read, *dynamic):
+            args, kwargs = rebuild(specs, dynamic)
             out, updated = plan.evaluate(traces, written, read, args, kwargs)
             if not plan.simple_out:
-                out = splitter.record_output(key, out)
+                fn = holder[0]
+                fn.out, out = record_output(fn.out, out)
             return out, updated
 
-        if plan.split:
-            return _PerKey(split_body, ft.partial(self._split_options, donate))
-        options = self._jit_options(donate)
-        if isinstance(options.get("in_shardings"), jax.sharding.Sharding):
-            sharding = options.pop("in_shardings")
-            return OneShardingJit(body, sharding, 2, options)
-        return jax.jit(body, **options)
+        def jitted(donate: bool) -> Any:
+            donated = options["donate_argnums"]
+            if not donate:
+                donated = tuple(i for i in donated if i != 0)
+            return jax.jit(body, **{**options, "donate_argnums": donated})
+
+        fn = _Function(jitted(plan.donates), ft.partial(jitted, False))
+        holder.append(fn)
+        with self._lock:
+            if len(plan.functions) >= KEYS_KEPT:
+                plan.functions.pop(next(iter(plan.functions)))
+            return plan.functions.setdefault(key, fn)
+
+    def _options(self, plan: _Plan, specs: tuple, args: tuple, kwargs: dict) -> dict:
+        """The `jax.jit` options of the plan's function for calls split as `specs`,
+        which takes `(written, read, *dynamic leaves)`: `jit`'s own, with those
+        that refer to argument positions applied to the leaves of those
+        arguments."""
+        options = {
+            k: v for k, v in self._jit_kwargs.items() if k not in _POSITIONAL_OPTIONS
+        }
+        positional = positional_specs(specs)
+        counts = [dynamic_count(spec) for spec in positional]
+        starts = list(itertools.accumulate([2, *counts]))
+        n = len(counts)
+        donated = [0] if plan.donates else []
+        for i in self._jit_kwargs.get("donate_argnums", ()):
+            if -n <= i < n:
+                donated += range(starts[i], starts[i] + counts[i])
+        options["donate_argnums"] = tuple(sorted(set(donated)))
+        in_shardings = self._jit_kwargs.get("in_shardings")
+        if in_shardings is not None:
+            options["in_shardings"] = self._leaf_shardings(
+                in_shardings, specs, positional, args
+            )
+        out_shardings = self._jit_kwargs.get("out_shardings")
+        if out_shardings is not None:
+            if not plan.simple_out:
+                self._refuse_out_shardings()
+            options["out_shardings"] = out_shardings
+        return options
+
+    def _leaf_shardings(
+        self, in_shardings: Any, specs: tuple, positional: tuple, args: tuple
+    ) -> tuple:
+        """`in_shardings` for the function that takes `(written, read, *dynamic
+        leaves)`, as `jax.jit` reads them for the user's arguments: one sharding for
+        all, or one entry per positional argument that is not static. Raises
+        `ValueError` as `jax.jit` does for keyword arguments, or for another number
+        of entries (counted as the user passed the arguments)."""
+        if len(specs) > len(positional) and dynamic_count(specs[-1]):
+            raise ValueError(
+                f"`jit({self._name}, in_shardings=...)` was given keyword arguments: "
+                "as `jax.jit`, it does not support kwargs when in_shardings is "
+                "specified. Pass them by position."
+            )
+        dynamic = [s for s in positional if not is_static(s)]
+        if isinstance(in_shardings, jax.sharding.Sharding):
+            entries: Sequence[Any] = [in_shardings] * len(dynamic)
+        else:
+            entries = in_shardings
+            if len(entries) != len(dynamic):
+                raise ValueError(
+                    f"`jit({self._name}, in_shardings=...)` has {len(entries)} "
+                    f"entries, but this call passes {len(dynamic)} positional "
+                    f"arguments that are not static ({len(args)} in all): give one "
+                    "sharding (or PyTree of them) per such argument, as `jax.jit` "
+                    "takes them, or one Sharding for all."
+                )
+        leaves = [s for e, spec in zip(entries, dynamic) for s in _per_leaf(e, spec)]
+        return (None, None, *leaves)
+
+    def _refuse_out_shardings(self) -> None:
+        raise NotImplementedError(
+            f"`jit({self._name}, out_shardings=...)`: this option refers to positions "
+            f"of outputs that `jax.jit` returns as they are, but {self._name} returns "
+            "leaves it does not take: state handles (e.g. a model holding states), "
+            "strings or other static values. Return only arrays to use it."
+        )
 
     def flat_options(self) -> dict[str, Any]:
         """The `jax.jit` options for calls that cannot take a plan (the function
@@ -1255,54 +970,3 @@ class JitDispatch:
                 "states in one jitted function, compute in another)."
             )
         return {k: v for k, v in self._jit_kwargs.items() if k not in positional}
-
-    def _refuse_positional_options(self) -> None:
-        used = [k for k in _SHARDING_OPTIONS if self._jit_kwargs.get(k)]
-        if used:
-            name = self._name
-            raise NotImplementedError(
-                f"`jit({name}, {', '.join(f'{k}=...' for k in used)})`: these options "
-                "refer to positions of arguments and outputs that `jax.jit` takes as "
-                f"they are, but this call of {name} passes (or returns) leaves it "
-                "does not take: state handles (e.g. a model holding states), strings "
-                "or other static values. Pass only arrays to use these options, e.g. "
-                "close over the model."
-            )
-
-    def _split_options(self, donate_states: bool, key: int) -> dict[str, Any]:
-        """The `jax.jit` options of the function for calls split with `key`, which
-        takes `(written, read, *dynamic_leaves)` (see `_PerKey`): `donate_argnums`
-        donates the dynamic leaves of those arguments (a model's arrays)."""
-        options = {
-            k: v for k, v in self._jit_kwargs.items() if k not in _POSITIONAL_OPTIONS
-        }
-        donated = [0] if donate_states else []
-        counts = self._splitter.leaves_per_argument(key)
-        starts = [2 + sum(counts[:i]) for i in range(len(counts))]
-        n = len(counts)
-        for i in self._jit_kwargs.get("donate_argnums", ()):
-            if -n <= i < n:
-                donated += range(starts[i], starts[i] + counts[i])
-        if donated:
-            options["donate_argnums"] = tuple(sorted(set(donated)))
-        return options
-
-    def _jit_options(self, donate_states: bool) -> dict[str, Any]:
-        # The jitted body takes `(written, read, *args, **kwargs)`: the user's
-        # positional options shift by two (negative indices count from the end).
-        options = dict(self._jit_kwargs)
-        shift = lambda nums: tuple(i + 2 if i >= 0 else i for i in nums)  # noqa: E731
-        options["static_argnums"] = shift(self._parser.static_positions)
-        options["static_argnames"] = self._parser.static_argnames
-        donate = shift(options.pop("donate_argnums", ()))
-        if donate_states:
-            donate = (0, *donate)
-        if donate:
-            options["donate_argnums"] = donate
-        in_shardings = options.pop("in_shardings", None)
-        if isinstance(in_shardings, jax.sharding.Sharding):
-            options["in_shardings"] = in_shardings  # See `OneShardingJit`.
-        elif in_shardings is not None:
-            # States are placed by sharding constraints inside the body instead.
-            options["in_shardings"] = (None, None, *in_shardings)
-        return options
