@@ -1,6 +1,7 @@
 """A call's arguments as a trace sees them: a hashable cache key, the leaves that are
 traced, and what it takes to put the call back together."""
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -12,27 +13,18 @@ from ._leaves import in_module, is_traced, signature
 from ._split_args import typed_static
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class CallArgs:
-    """The arguments of one call, split by `ArgParser.parse`."""
+    """The arguments of one call, split by `ArgParser.parse`: its cache `key`, its
+    traced `leaves`, and how to rebuild it (`rebuild`)."""
 
-    __slots__ = (
-        "_index",
-        "_static",
-        "_static_kw",
-        "_template",
-        "_treedef",
-        "key",
-        "leaves",
-    )
-
-    def __init__(self, key, leaves, treedef, template, index, static, static_kw):
-        self.key: Hashable = key
-        self.leaves: list = leaves
-        self._treedef = treedef
-        self._template = template
-        self._index = index
-        self._static = static
-        self._static_kw = static_kw
+    key: Hashable
+    leaves: list
+    _treedef: Any
+    _template: list
+    _index: list
+    _static: list
+    _static_kw: tuple
 
     def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple, dict]:
         """`(args, kwargs)` with the traced leaves replaced by `leaves`."""
@@ -60,7 +52,8 @@ class ArgParser:
     arguments) stay static, as a JAX transform passes them to the function as they
     are, so that `range(n)` works. `transformed_axes`, instead, for a transform of
     some leaves only (`vmap`'s `in_axes`): one prefix tree per positional argument,
-    whose `None` entries leave their Python scalars static."""
+    whose `None` entries leave their Python scalars static (`transformed_argnums`
+    stands for the axes `0` at those positions, `None` elsewhere)."""
 
     def __init__(
         self,
@@ -112,16 +105,12 @@ class ArgParser:
         leaves, treedef = jtu.tree_flatten((dyn_args, dyn_kwargs))
         fields = in_module((dyn_args, dyn_kwargs))
         mask = [is_traced(x, m) for x, m in zip(leaves, fields)]
-        transformed = None
+        axes = self.transformed_axes
         if self.transformed_argnums is not None:
-            transformed = _leaves_of_positions(
-                dyn_args, leaves, self.transformed_argnums, n, static_index
-            )
-        elif self.transformed_axes is not None:
-            transformed = _leaves_under_axes(
-                dyn_args, leaves, self.transformed_axes, n, static_index
-            )
-        if transformed is not None:
+            wanted = {i % n for i in self.transformed_argnums if -n <= i < n}
+            axes = tuple(0 if i in wanted else None for i in range(n))
+        if axes is not None:
+            transformed = _leaves_under_axes(dyn_args, leaves, axes, n, static_index)
             mask = [
                 m and (t or not _is_python_scalar(x))
                 for x, m, t in zip(leaves, mask, transformed)
@@ -153,24 +142,6 @@ class ArgParser:
 
 def _is_python_scalar(x: Any) -> bool:
     return type(x) in (bool, int, float, complex)
-
-
-def _leaves_of_positions(
-    dyn_args: tuple,
-    leaves: list,
-    argnums: Sequence[int],
-    n: int,
-    static_index: Any,
-) -> list[bool]:
-    """For each of `leaves` (of `(dyn_args, kwargs)`, flattened), whether it is in
-    one of the positional arguments at `argnums` (of a call with `n` of them, the
-    static ones left out of `dyn_args`)."""
-    wanted = {i % n for i in argnums if -n <= i < n}
-    positions = [i for i in range(n) if i not in static_index]
-    marks: list[bool] = []
-    for i, arg in zip(positions, dyn_args):
-        marks += [i in wanted] * jtu.tree_structure(arg).num_leaves
-    return marks + [False] * (len(leaves) - len(marks))
 
 
 def _leaves_under_axes(

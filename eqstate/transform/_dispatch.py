@@ -1,31 +1,25 @@
 """How `jit` calls a function that uses states: one `jax.jit` dispatch per call.
 
 Every call is split (see `_split_args`) into a key, standing for its arguments'
-structure and static values, and its dynamic leaves. A *plan* is the compiled form of
-the calls that touch one set of states, with one `jax.jit` per key (`_Function`).
+structures and static values, and its dynamic leaves. A *plan* is the compiled form
+of the calls with one key that touch one set of states: a `jax.jit` made with the
+key's static values bound.
 
-- The fast path: the key names a plan's function. The call reads the values of the
-  plan's states (`_Plan.read`), hands them and the dynamic leaves to that function
-  (JAX's C++ dispatch does the rest), and writes the new values back (`_Plan.write`).
-- The slow path, for a key not seen yet, or whose call now touches other states:
-  finds the function's trace (`FunctionTraces`, tracing on a miss), the plan for the
-  states it touches (made on a miss), and the plan's function for the key; then it
-  calls that as the fast path does. A function that creates states, or a call that
-  the plan cannot take, is called through the trace's own `jax.jit` instead
-  (`FunctionTraces.call_in`).
+- The fast path: the key names a plan. The call reads the values of its states,
+  hands them and the dynamic leaves to its `jax.jit` (JAX's C++ dispatch does the
+  rest), and writes the new values back.
+- The slow path, for a new key, or a call that needs other states than its plan's:
+  finds the function's trace (`FunctionTraces`, tracing on a miss) and the plan for
+  its states and the key (made on a miss), then calls as the fast path does. A
+  function that creates states, or a call no plan can take, is called through the
+  trace's own `jax.jit` instead (`FunctionTraces.call_in`).
 
 The Python body of a plan's `jax.jit` runs only when JAX traces it (a first call, new
 shapes): it rebuilds the call, finds its trace, checks that it touches the plan's
-states (else `_PlanMismatch`, and the call takes the slow path), and evaluates it.
-
-Donation (`donate_states`) follows `jax.jit`'s `donate_argnums`: the written states'
-values are the call's. A call does not donate where donating would lose a value
-eqstate holds or needs (see `JitDispatch._jitted`), and says so once.
+states (else `_PlanMismatch`: the call takes the slow path), and evaluates it.
 """
 
 import collections
-import functools as ft
-import itertools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -76,16 +70,14 @@ class _PlanMismatch(Exception):
     """The call needs other states than the plan's (raised while JAX traces)."""
 
 
-# What a call through a plan raises when it must take the slow path instead: a
-# mismatch, a state missing from the world (the slow path names it), or an output
-# that cannot be rebuilt from its key.
-_REFUSALS = (_PlanMismatch, KeyError, OutputMismatch)
-
-
 class _Retrace(Exception):
     """The call must take the slow path."""
 
 
+# What a call through a plan raises when it must take the slow path instead: a
+# mismatch, a state missing from the world (the slow path names it), or an output
+# that cannot be rebuilt from its key.
+_REFUSALS = (_PlanMismatch, KeyError, OutputMismatch)
 # Why a call does not donate (see `JitDispatch._warn_not_donating`).
 _CALLBACK = (
     "in any call: the function holds an operation that can fail while it runs (a "
@@ -107,6 +99,9 @@ _IN_A_SCOPE = (
     "in calls inside `eqstate.scope` or `eqstate.run`: the values there are the "
     "dictionary's, which may share them with the world. Call it outside to donate."
 )
+# What XLA says when a call donates a buffer it also takes otherwise (twice, or also
+# undonated): it refuses the call before consuming anything.
+_DONATED_TWICE = ("donate the same buffer twice", "previously donated in the same call")
 # `jax.jit` options that refer to positions of arguments or outputs.
 _POSITIONAL_OPTIONS = ("donate_argnums", "in_shardings", "out_shardings")
 
@@ -118,23 +113,14 @@ def _mark_from_trace(exc: BaseException) -> None:
         pass
 
 
-class _Function:
-    """A plan's `jax.jit` for the calls split with one key, that function without
-    donation (made on first use), and how to rebuild their output (`None`: it is
-    returned as it is)."""
-
-    __slots__ = ("jitted", "make_undonated", "out", "undonated")
-
-    def __init__(self, jitted: Any, make_undonated: Callable[[], Any]):
-        self.jitted = jitted
-        self.make_undonated = make_undonated
-        self.undonated: Any = None
-        self.out: tuple | None = None
-
-
 class _Plan:
-    """The compiled form of the calls that touch one set of states."""
+    """The compiled form of the calls with one key that touch one set of states."""
 
+    # The plan's `jax.jit`, the same without donation (made on first use), and the
+    # record that rebuilds the output (`None`: it is returned as it is).
+    jitted: Any
+    undonated: Any
+    out: tuple | None
     # Shardings the jitted function imposes on state values: on the inputs (from
     # `state_shardings`) and on the new values of written states (`state_shardings`,
     # else the shardings of a written state's leaves when the plan was made, so that
@@ -147,19 +133,18 @@ class _Plan:
     # `JitDispatch._constrain`).
     placed: bool
 
-    def __init__(self, trace: Trace, donates: bool):
+    def __init__(self, trace: Trace, specs: tuple, donates: bool):
+        self.specs = specs  # what the key's parts stand for (see `_split_args`)
         self.simple_out = trace.simple_out
         self.states = trace.states
         self.updated_states = trace.updated_states
         updated = set(trace.updated_states)
         self.read_states = tuple(s for s in trace.states if s not in updated)
-        # Whether the function donates its written states (`donate_states`).
-        self.donates = donates
-        # The jitted functions by key (see `_Function`).
-        self.functions: dict[tuple, _Function] = {}
+        self.donates = donates  # its written states (`donate_states`)
+        self.undonated = self.out = None
         # The plan holds the handles, so their ids stay valid world keys. The jitted
-        # functions take the values of the written and the read states packed (see
-        # `_packed`), and return the written ones so.
+        # function takes the values of the written and of the read states packed
+        # (see `_packed`), and returns the written ones so.
         self._written_keys = [id(s) for s in trace.updated_states]
         self.get_written = _packed_getter(self._written_keys)
         self.get_read = _packed_getter([id(s) for s in self.read_states])
@@ -168,8 +153,8 @@ class _Plan:
         self.bare_written = self._written_keys[0] if one else None
 
     def read(self, frame: _context.Frame) -> tuple[Any, Any]:
-        """The values of the written and of the read states for a call in `frame`,
-        packed (in the world at top level, `JitDispatch._call` reads them itself)."""
+        """The values of the written and of the read states in `frame`, packed (in
+        the world at top level, `JitDispatch.__call__` reads them itself)."""
         written = frame.read_many(self.updated_states)
         return _packed(written), _packed(frame.read_many(self.read_states))
 
@@ -211,8 +196,7 @@ class _Plan:
             # The call counted its lookup (see `JitDispatch._call_slow`).
             trace, _ = traces.lookup(call, parent, values_of, count_hit=False)
         except StaleTrace:
-            # This call's states or their shapes fit no trace of the plan's states:
-            # the slow path picks another plan.
+            # The states or their shapes fit no trace of the plan's states.
             raise _PlanMismatch from None
         except Exception as exc:
             _mark_from_trace(exc)
@@ -223,7 +207,10 @@ class _Plan:
         updated = [
             self._constrained_out(s, v) for s, v in zip(self.updated_states, updated)
         ]
-        return trace.build_output(out, ()), _packed(updated)
+        out = trace.build_output(out, ())
+        if not self.simple_out:
+            self.out, out = record_output(self.out, out)
+        return out, _packed(updated)
 
     def _constrained_out(self, state: State, value: Any) -> Any:
         """A written state's new value, constrained to its `state_shardings` or to
@@ -407,9 +394,6 @@ def may_fail_at_run_time(jaxpr: Any) -> bool:
 
 # What XLA says when a call donates a buffer that it also takes otherwise (twice, or
 # also undonated): it refuses the call before consuming anything.
-_DONATED_TWICE = ("donate the same buffer twice", "previously donated in the same call")
-
-
 def _donated_twice(exc: BaseException) -> bool:
     return any(text in str(exc) for text in _DONATED_TWICE)
 
@@ -458,13 +442,13 @@ def _is_deleted(x: Any) -> bool:
 def _note_state_devices(exc: Exception, plan: _Plan, frame: _context.Frame) -> None:
     """Adds to JAX's error about a call's values on different devices which devices
     the call's states are on: JAX names them by eqstate's own argument names."""
-    if not isinstance(exc, ValueError) or "incompatible devices" not in str(exc):
+    if "incompatible devices" not in str(exc):
         return
     values = frame.read_many(plan.states)
     moved = []
     for s, v in zip(plan.states, values):
         if s in plan.out_constraints:
-            then, now = _constraint_device_ids(plan.out_constraints[s]), _device_ids(v)
+            then, now = _device_ids(plan.out_constraints[s]), _device_ids(v)
             if then != now:
                 moved.append(f"{state_label(s)} on devices {then} then, {now} now")
     if moved:
@@ -486,27 +470,16 @@ def _note_state_devices(exc: Exception, plan: _Plan, frame: _context.Frame) -> N
     )
 
 
-def _constraint_device_ids(sharding: Any) -> list[int]:
-    """The devices of a plan's sharding constraint (one sharding, or a PyTree of them
-    with `None` leaves)."""
-    leaves = jax.tree_util.tree_leaves(
-        sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-    )
-    return sorted(
-        {
-            d.id
-            for s in leaves
-            if isinstance(s, jax.sharding.Sharding)
-            for d in s.device_set
-        }
-    )
-
-
-def _device_ids(value: Any) -> list[int]:
-    leaves = jax.tree_util.tree_leaves(value)
-    return sorted(
-        {d.id for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
-    )
+def _device_ids(tree: Any) -> list[int]:
+    """The ids of the devices of the arrays and shardings in `tree`."""
+    found = set()
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    for x in jax.tree_util.tree_leaves(tree, is_leaf=is_sharding):
+        if is_sharding(x):
+            found.update(d.id for d in x.device_set)
+        elif isinstance(x, jax.Array):
+            found.update(d.id for d in x.devices())
+    return sorted(found)
 
 
 def can_plan(trace: Trace) -> bool:
@@ -558,21 +531,20 @@ class JitDispatch:
             None if state_shardings is None else sharding_rule(state_shardings)
         )
         self._jit_kwargs = dict(jit_kwargs or {})
+        self._no_static = not traces.parser.static_positions
         self._plans: dict[tuple, _Plan] = {}
-        # The plan and its function for each key that a fast call takes.
-        self._entries: dict[tuple, tuple[_Plan, _Function]] = {}
+        self._entries: dict[tuple, _Plan] = {}  # the plan a fast call takes, by key
         self._lock = threading.Lock()
         self._warned: set[str] = set()  # reasons for not donating, warned about
-        self._splitter = self._new_splitter()
-        self._split = self._splitter.split
-        self._no_static = not traces.parser.static_positions
+        self._new_splitter()
         # Counts the fast calls, each of which reused a trace (`next` on a count is
         # atomic, and far cheaper than a lock).
         self._reused = traces.stats.reused
 
-    def _new_splitter(self) -> ArgSplitter:
+    def _new_splitter(self) -> None:
         parser = self._traces.parser
-        return ArgSplitter(parser.static_positions, parser.static_argnames)
+        self._splitter = ArgSplitter(parser.static_positions, parser.static_argnames)
+        self._split = self._splitter.split
 
     @property
     def planned(self) -> bool:
@@ -584,8 +556,7 @@ class JitDispatch:
         with self._lock:
             self._plans.clear()
             self._entries.clear()
-            self._splitter = self._new_splitter()
-            self._split = self._splitter.split
+            self._new_splitter()
         self._traces.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -594,7 +565,7 @@ class JitDispatch:
         lookup per state); elsewhere it goes through `_call`."""
         key: Any = None
         leaves: Sequence[Any] = args
-        if not kwargs and self._no_static and len(args) < 64:
+        if not kwargs and self._no_static:
             for arg in args:  # `ArgSplitter.split`, inlined for arrays alone
                 if type(arg) is not ArrayImpl:
                     break
@@ -605,56 +576,58 @@ class JitDispatch:
                 key, leaves = self._split(args, kwargs)
             except TypeError:  # an unhashable static value: the slow path names it
                 return self._call_slow(args, kwargs)
-        entry = self._entries.get(key)
-        if entry is None:
+        plan = self._entries.get(key)
+        if plan is None:
             return self._call_slow(args, kwargs)
-        plan, fn = entry
-        if plan.donates or _current_frame() is not WORLD or not is_top_level():
-            return self._call(entry, leaves, args, kwargs)
+        if (
+            _current_frame() is not WORLD
+            or not is_top_level()
+            or (plan.donates and compat.nan_checks_enabled())
+        ):
+            return self._call(plan, leaves, args, kwargs)
         get = plan.get_written
         written = None if get is None else get(_WORLD_VALUES)
         get = plan.get_read
         read = None if get is None else get(_WORLD_VALUES)
         try:
-            out, updated = fn.jitted(written, read, *leaves)
+            out, updated = plan.jitted(written, read, *leaves)
         except Exception as exc:
-            return self._failed(exc, entry, leaves, args, kwargs, WORLD)
+            return self._failed(exc, plan, leaves, args, kwargs, WORLD)
         if plan.bare_written is not None:
             _WORLD_VALUES[plan.bare_written] = updated
         else:
             plan.write(WORLD, updated)
         next(self._reused)
-        return out if fn.out is None else output(fn.out, out)
+        return out if plan.out is None else output(plan.out, out)
 
     def _call(
         self,
-        entry: tuple[_Plan, _Function],
+        plan: _Plan,
         leaves: Sequence[Any],
         args: tuple,
         kwargs: dict,
         slow: bool = False,
     ) -> Any:
-        """Calls the plan's function for the call's key in the current frame: reads
-        the values of the plan's states (`_Plan.read`), calls, and writes the new
-        values back (`_Plan.write`). Where the call needs another plan, it takes the
-        slow path; from the slow path (`slow`), it raises `_Retrace`."""
-        plan, fn = entry
+        """Calls the plan in the current frame: reads the values of its states
+        (`_Plan.read`), calls, and writes the new values back (`_Plan.write`). Where
+        the call needs another plan, it takes the slow path; called from the slow
+        path (`slow`), it raises `_Retrace`."""
         frame = _current_frame()
-        jitted = fn.jitted if not plan.donates else self._jitted(plan, fn, frame)
+        jitted = self._jitted(plan, frame) if plan.donates else plan.jitted
         try:
             written, read = plan.read(frame)
             out, updated = jitted(written, read, *leaves)
         except Exception as exc:
-            return self._failed(exc, entry, leaves, args, kwargs, frame, jitted, slow)
+            return self._failed(exc, plan, leaves, args, kwargs, frame, jitted, slow)
         plan.write(frame, updated)
         if not slow:
             next(self._reused)  # The slow path counted its own lookup.
-        return out if fn.out is None else output(fn.out, out)
+        return out if plan.out is None else output(plan.out, out)
 
     def _failed(
         self,
         exc: Exception,
-        entry: tuple[_Plan, _Function],
+        plan: _Plan,
         leaves: Sequence[Any],
         args: tuple,
         kwargs: dict,
@@ -662,28 +635,21 @@ class JitDispatch:
         jitted: Any = None,
         slow: bool = False,
     ) -> Any:
-        """What a call whose function raised `exc` does: the slow path if the call
-        needs other states than the plan's; the call again, donating copies of the
-        values XLA refused to donate (it took nothing); else it raises a clearer
-        error, or `exc` with what eqstate knows added."""
-        plan, fn = entry
+        """What a call whose plan raised `exc` does: the slow path if it needs
+        another plan; the call again, donating copies of the values XLA refused to
+        donate (it took nothing); else it raises a clearer error, or `exc` with what
+        eqstate knows added."""
         if isinstance(exc, _REFUSALS) and not getattr(exc, "_eqstate_from_trace", 0):
             if slow:
                 raise _Retrace from None
             return self._call_slow(args, kwargs)
-        jitted = fn.jitted if jitted is None else jitted
-        if jitted is fn.jitted and plan.donates and _donated_twice(exc):
+        jitted = plan.jitted if jitted is None else jitted
+        if jitted is plan.jitted and plan.donates and _donated_twice(exc):
             written, read = plan.read(frame)
             written = self._unaliased(plan, written, (read, leaves))
             out, updated = jitted(written, read, *leaves)
             plan.write(frame, updated)
-            return out if fn.out is None else output(fn.out, out)
-        self._explain(exc, plan, frame)
-        raise exc
-
-    def _explain(self, exc: Exception, plan: _Plan, frame: _context.Frame) -> None:
-        """Raises a clearer error in place of `exc`, a failed call's, or adds to it
-        what eqstate knows."""
+            return out if plan.out is None else output(plan.out, out)
         if isinstance(exc, RUNTIME_ERRORS):
             raise_equinox_error(exc)
         raise_if_rule_closed_over_a_tracer(exc, self._name)
@@ -691,57 +657,35 @@ class JitDispatch:
             _note_state_devices(exc, plan, frame)
         if isinstance(exc, RuntimeError):
             _note_deleted_values(exc, plan, frame)
+        raise exc
 
     def _call_slow(self, args: tuple, kwargs: dict) -> Any:
-        """Finds (or makes) the trace, and calls through the plan for its states and
-        the function for the call's key (remembered for the fast path), or, for a
-        function that creates states or a call the plan cannot take, through the
-        trace's own `jax.jit`."""
+        """Finds (or makes) the trace and calls through the plan for its states and
+        the call's key (remembered for the fast path), or, for a function that
+        creates states or a call no plan can take, through the trace's own
+        `jax.jit`."""
         frame = _context.current_frame()
         call = self._traces.parse(args, kwargs)
         trace = self._traces.trace_for(call, frame)
         with EQUINOX_ERRORS, rule_closure_errors(self._name):
             if can_plan(trace):
-                key, entry, leaves = self._entry_for(trace, frame, args, kwargs)
+                key, plan, leaves = self._plan_for(trace, frame, args, kwargs)
                 try:
-                    out = self._call(entry, leaves, args, kwargs, slow=True)
+                    out = self._call(plan, leaves, args, kwargs, slow=True)
                 except _Retrace:
                     pass  # The plan did not fit: its states changed meanwhile.
                 else:
-                    if entry[0].placed:
-                        self._remember(key, entry)
+                    if plan.placed:
+                        # A plan whose placements are not known yet takes no call
+                        # but through here, which places it once a call sees
+                        # concrete values (see `_constrain`).
+                        with self._lock:
+                            self._entries.pop(key, None)
+                            while len(self._entries) >= KEYS_KEPT:
+                                self._entries.pop(next(iter(self._entries)))
+                            self._entries[key] = plan
                     return out
             return self._traces.call_in(frame, call, self.flat_options(), trace)
-
-    def _entry_for(
-        self, trace: Trace, frame: _context.Frame, args: tuple, kwargs: dict
-    ) -> tuple[tuple, tuple[_Plan, _Function], Sequence[Any]]:
-        """The call's key, the plan for `trace` and its function for the key, and
-        the call's dynamic leaves."""
-        plan = self._plan_for(trace, frame)
-        for attempt in range(2):
-            key, leaves = self._splitter.split(args, kwargs)
-            try:
-                specs = self._splitter.specs(key)
-            except KeyError:
-                # Another thread made the splitter forget a part of the key: the
-                # splitter then forgets what it remembered, and splits afresh.
-                if attempt:
-                    raise
-                continue
-            fn = plan.functions.get(key)
-            if fn is None:
-                fn = self._function(plan, key, specs, args, kwargs)
-            return key, (plan, fn), leaves
-        raise AssertionError  # pragma: no cover - unreachable
-
-    def _remember(self, key: tuple, entry: tuple[_Plan, _Function]) -> None:
-        """Sends later calls with `key` down the fast path, to `entry`."""
-        with self._lock:
-            self._entries.pop(key, None)
-            while len(self._entries) >= KEYS_KEPT:
-                self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = entry
 
     def lower_call(self, args: tuple, kwargs: dict) -> Any:
         """`jax.jit(...).lower` of the call with these arguments (the state values are
@@ -752,54 +696,63 @@ class JitDispatch:
         if not can_plan(trace):
             values = frame.read_many(trace.states)
             return flat_jit(trace, self.flat_options()).lower(call.leaves, values)
-        _, (plan, fn), leaves = self._entry_for(trace, frame, args, kwargs)
-        return fn.jitted.lower(*plan.read(frame), *leaves)
+        _, plan, leaves = self._plan_for(trace, frame, args, kwargs)
+        return plan.jitted.lower(*plan.read(frame), *leaves)
 
-    def _plan_for(self, trace: Trace, frame: _context.Frame) -> _Plan:
-        key = (trace.states, trace.updated_states, trace.simple_out)
+    def _plan_for(
+        self, trace: Trace, frame: _context.Frame, args: tuple, kwargs: dict
+    ) -> tuple[tuple, _Plan, Sequence[Any]]:
+        """The call's key, the plan for `trace` and the key (made on a miss), and
+        the call's dynamic leaves."""
+        key, leaves = self._split(args, kwargs)
+        try:
+            specs = self._splitter.specs(key)
+        except KeyError:
+            # Another thread made the splitter forget a part of the key, and with it
+            # every split it remembered: this one splits afresh.
+            key, leaves = self._split(args, kwargs)
+            specs = self._splitter.specs(key)
+        plan_key = (trace.states, trace.updated_states, trace.simple_out, key)
         with self._lock:
-            plan = self._plans.get(key)
+            plan = self._plans.get(plan_key)
             if plan is None:
                 donate = self._donate and bool(trace.updated_states)
                 if donate and may_fail_at_run_time(trace.jaxpr.jaxpr):
                     self._warn_not_donating(_CALLBACK, trace.updated_states)
                     donate = False
                 if len(self._plans) >= KEYS_KEPT:
-                    self._forget_oldest_plan()
-                plan = _Plan(trace, donate)
+                    # A plan holds its states' handles, and so their values, which
+                    # a model dropped by its caller must not keep alive for good.
+                    old = self._plans.pop(next(iter(self._plans)))
+                    for k in [k for k, p in self._entries.items() if p is old]:
+                        del self._entries[k]
+                plan = _Plan(trace, specs, donate)
                 self._constrain(plan, frame)  # Raises for a sharding that cannot fit.
-                self._plans[key] = plan
+                self._compile(plan)
+                self._plans[plan_key] = plan
             elif not plan.placed:
                 self._constrain(plan, frame)
                 if plan.placed:
-                    plan.functions.clear()  # They have the old constraints.
-        return plan
+                    self._compile(plan)  # It has the old constraints.
+        return key, plan, leaves
 
-    def _forget_oldest_plan(self) -> None:
-        """Drops the oldest plan: a plan holds its states' handles, and so their
-        values, which a model dropped by its caller must not keep alive for good."""
-        plan = self._plans.pop(next(iter(self._plans)))
-        for key, (found, _) in list(self._entries.items()):
-            if found is plan:
-                self._entries.pop(key, None)
-
-    def _jitted(self, plan: _Plan, fn: _Function, frame: _context.Frame) -> Any:
+    def _jitted(self, plan: _Plan, frame: _context.Frame) -> Any:
         """The function a call in `frame` of a donating plan takes: the donating
         one, but without donation while JAX's NaN/Inf checks are on (they re-run a
         failing call with its inputs) and in a `scope` or `run` (the values are its
         dictionary's, which may share them with the world)."""
         if not is_top_level():
-            return fn.jitted  # JAX ignores donation inside a trace.
+            return plan.jitted  # JAX ignores donation inside a trace.
         if compat.nan_checks_enabled():
             reason = _NAN_CHECKS
         elif frame is not WORLD:
             reason = _IN_A_SCOPE
         else:
-            return fn.jitted
+            return plan.jitted
         self._warn_not_donating(reason, plan.updated_states)
-        if fn.undonated is None:
-            fn.undonated = fn.make_undonated()
-        return fn.undonated
+        if plan.undonated is None:
+            plan.undonated = self._jax_jit(plan, donate_states=False)
+        return plan.undonated
 
     def _unaliased(self, plan: _Plan, written: Any, others: Any) -> Any:
         """The packed `written` values with a copy of each that shares an array with
@@ -855,73 +808,54 @@ class JitDispatch:
         # Set together: another thread may be tracing the plan's functions.
         plan.in_constraints, plan.out_constraints, plan.placed = ins, outs, placed
 
-    def _function(
-        self, plan: _Plan, key: tuple, specs: tuple, args: tuple, kwargs: dict
-    ) -> _Function:
-        """The plan's function for calls split with `key` (of these `specs`), made
-        for this call."""
-        traces = self._traces
-        options = self._options(plan, specs, args, kwargs)
-        holder: list[_Function] = []
+    def _compile(self, plan: _Plan) -> None:
+        plan.jitted = self._jax_jit(plan, plan.donates)
+        plan.undonated = None
 
-        def body(written, read, *dynamic):
+    def _jax_jit(self, plan: _Plan, donate_states: bool) -> Any:
+        """The `jax.jit` of the plan's calls: it takes `(written, read, *dynamic
+        leaves)`, and `jit`'s options for the arguments apply to the leaves of
+        those arguments."""
+        traces, specs = self._traces, plan.specs
+
+        # Named so that JAX's errors about them name eqstate's arguments.
+        def body(eqstate_written, eqstate_read, *dynamic):
             args, kwargs = rebuild(specs, dynamic)
-            out, updated = plan.evaluate(traces, written, read, args, kwargs)
-            if not plan.simple_out:
-                fn = holder[0]
-                fn.out, out = record_output(fn.out, out)
-            return out, updated
+            return plan.evaluate(traces, eqstate_written, eqstate_read, args, kwargs)
 
-        def jitted(donate: bool) -> Any:
-            donated = options["donate_argnums"]
-            if not donate:
-                donated = tuple(i for i in donated if i != 0)
-            return jax.jit(body, **{**options, "donate_argnums": donated})
-
-        fn = _Function(jitted(plan.donates), ft.partial(jitted, False))
-        holder.append(fn)
-        with self._lock:
-            if len(plan.functions) >= KEYS_KEPT:
-                plan.functions.pop(next(iter(plan.functions)))
-            return plan.functions.setdefault(key, fn)
-
-    def _options(self, plan: _Plan, specs: tuple, args: tuple, kwargs: dict) -> dict:
-        """The `jax.jit` options of the plan's function for calls split as `specs`,
-        which takes `(written, read, *dynamic leaves)`: `jit`'s own, with those
-        that refer to argument positions applied to the leaves of those
-        arguments."""
         options = {
             k: v for k, v in self._jit_kwargs.items() if k not in _POSITIONAL_OPTIONS
         }
         positional = positional_specs(specs)
         counts = [dynamic_count(spec) for spec in positional]
-        starts = list(itertools.accumulate([2, *counts]))
+        start = [2 + sum(counts[:i]) for i in range(len(counts))]
         n = len(counts)
-        donated = [0] if plan.donates else []
+        donated = [0] if donate_states else []
         for i in self._jit_kwargs.get("donate_argnums", ()):
             if -n <= i < n:
-                donated += range(starts[i], starts[i] + counts[i])
-        options["donate_argnums"] = tuple(sorted(set(donated)))
+                donated += range(start[i], start[i] + counts[i])
         in_shardings = self._jit_kwargs.get("in_shardings")
         if in_shardings is not None:
-            options["in_shardings"] = self._leaf_shardings(
-                in_shardings, specs, positional, args
-            )
-        out_shardings = self._jit_kwargs.get("out_shardings")
-        if out_shardings is not None:
+            options["in_shardings"] = self._leaf_shardings(in_shardings, specs)
+        if self._jit_kwargs.get("out_shardings") is not None:
             if not plan.simple_out:
-                self._refuse_out_shardings()
-            options["out_shardings"] = out_shardings
-        return options
+                raise NotImplementedError(
+                    f"`jit({self._name}, out_shardings=...)`: this option refers to "
+                    f"positions of outputs that `jax.jit` returns as they are, but "
+                    f"{self._name} returns leaves it does not take: state handles "
+                    "(e.g. a model holding states), strings or other static values. "
+                    "Return only arrays to use it."
+                )
+            options["out_shardings"] = self._jit_kwargs["out_shardings"]
+        return jax.jit(body, donate_argnums=tuple(sorted(set(donated))), **options)
 
-    def _leaf_shardings(
-        self, in_shardings: Any, specs: tuple, positional: tuple, args: tuple
-    ) -> tuple:
+    def _leaf_shardings(self, in_shardings: Any, specs: tuple) -> tuple:
         """`in_shardings` for the function that takes `(written, read, *dynamic
         leaves)`, as `jax.jit` reads them for the user's arguments: one sharding for
         all, or one entry per positional argument that is not static. Raises
         `ValueError` as `jax.jit` does for keyword arguments, or for another number
         of entries (counted as the user passed the arguments)."""
+        positional = positional_specs(specs)
         if len(specs) > len(positional) and dynamic_count(specs[-1]):
             raise ValueError(
                 f"`jit({self._name}, in_shardings=...)` was given keyword arguments: "
@@ -929,28 +863,19 @@ class JitDispatch:
                 "specified. Pass them by position."
             )
         dynamic = [s for s in positional if not is_static(s)]
+        entries = in_shardings
         if isinstance(in_shardings, jax.sharding.Sharding):
-            entries: Sequence[Any] = [in_shardings] * len(dynamic)
-        else:
-            entries = in_shardings
-            if len(entries) != len(dynamic):
-                raise ValueError(
-                    f"`jit({self._name}, in_shardings=...)` has {len(entries)} "
-                    f"entries, but this call passes {len(dynamic)} positional "
-                    f"arguments that are not static ({len(args)} in all): give one "
-                    "sharding (or PyTree of them) per such argument, as `jax.jit` "
-                    "takes them, or one Sharding for all."
-                )
+            entries = [in_shardings] * len(dynamic)
+        elif len(entries) != len(dynamic):
+            raise ValueError(
+                f"`jit({self._name}, in_shardings=...)` has {len(entries)} entries, "
+                f"but this call passes {len(dynamic)} positional arguments that are "
+                f"not static ({len(positional)} in all): give one sharding (or "
+                "PyTree of them) per such argument, as `jax.jit` takes them, or one "
+                "Sharding for all."
+            )
         leaves = [s for e, spec in zip(entries, dynamic) for s in _per_leaf(e, spec)]
         return (None, None, *leaves)
-
-    def _refuse_out_shardings(self) -> None:
-        raise NotImplementedError(
-            f"`jit({self._name}, out_shardings=...)`: this option refers to positions "
-            f"of outputs that `jax.jit` returns as they are, but {self._name} returns "
-            "leaves it does not take: state handles (e.g. a model holding states), "
-            "strings or other static values. Return only arrays to use it."
-        )
 
     def flat_options(self) -> dict[str, Any]:
         """The `jax.jit` options for calls that cannot take a plan (the function

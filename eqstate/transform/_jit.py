@@ -3,7 +3,16 @@
 import functools as ft
 import inspect
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, overload, ParamSpec, TypeVar
+from typing import (
+    Any,
+    Generic,
+    overload,
+    ParamSpec,
+    TYPE_CHECKING,
+    TypedDict,
+    TypeVar,
+    Unpack,
+)
 
 import jax
 
@@ -26,15 +35,22 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-class JittedFunction(JitDispatch):
+class JittedFunction(JitDispatch, Generic[_P, _T]):
     """A function compiled by [`eqstate.transform.jit`][]. Call it like the original
-    function; `lower`, `eval_shape` and `clear_cache` mirror `jax.jit`'s."""
+    function (its type keeps the signature); `lower`, `eval_shape` and
+    `clear_cache` mirror `jax.jit`'s."""
 
-    def __init__(self, fun: Callable, sf: StatefulFunction, **options: Any):
+    def __init__(self, fun: Callable[_P, _T], sf: StatefulFunction, **options: Any):
         super().__init__(traces_of(sf), **options)
         self.fun = fun
         self.stateful_function = sf
         ft.update_wrapper(self, fun, updated=())
+
+    if TYPE_CHECKING:  # The call itself is `JitDispatch.__call__`.
+
+        def __call__(  # pyright: ignore[reportIncompatibleMethodOverride]
+            self, *args: _P.args, **kwargs: _P.kwargs
+        ) -> _T: ...
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -44,12 +60,12 @@ class JittedFunction(JitDispatch):
     def __repr__(self) -> str:
         return f"jit({self.stateful_function.name})"
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
+    def lower(self, *args: _P.args, **kwargs: _P.kwargs) -> jax.stages.Lowered:
         """`jax.stages.Lowered` of the call with these arguments (the state values
         are the current ones), as `jax.jit(f).lower` gives."""
         return self.lower_call(args, kwargs)
 
-    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+    def eval_shape(self, *args: _P.args, **kwargs: _P.kwargs) -> Any:
         """The output's shapes and dtypes, as `jax.ShapeDtypeStruct`s, without
         computing anything or touching any value."""
         return out_shapes(trace_of_call(self.stateful_function, args, kwargs))[0]
@@ -60,9 +76,8 @@ class JittedFunction(JitDispatch):
 
     def get_cache_stats(self) -> dict[str, Any]:
         """Statistics of the trace cache, as
-        [`eqstate.transform.StatefulFunction.get_cache_stats`][] gives them. Its
-        lookups happen only when JAX traces the function (a first call, new shapes
-        or static arguments): steady-state calls are not counted."""
+        [`eqstate.transform.StatefulFunction.get_cache_stats`][] gives them: every
+        call that reused a trace is a hit."""
         return self.stateful_function.get_cache_stats()
 
     def validate_states(self, cache_key: Hashable = ()) -> bool:
@@ -110,42 +125,31 @@ def _check_like_jax(fun: Any, options: dict[str, Any]) -> None:
         jax.jit(fun, **given)  # Skipped otherwise: it costs as much as a call.
 
 
-@overload
-def jit(
-    fun: Callable[_P, _T],
-    *,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
-    donate_states: bool = False,
-    donate_argnums: int | Sequence[int] = (),
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    state_shardings: Any = None,
-    keep_unused: bool = False,
-    device: Any = None,
-    backend: str | None = None,
-    inline: bool = False,
-    compiler_options: dict[str, Any] | None = None,
-) -> Callable[_P, _T]: ...
+class _JitOptions(TypedDict, total=False):
+    static_argnums: int | Sequence[int]
+    static_argnames: str | Sequence[str]
+    donate_states: bool
+    donate_argnums: int | Sequence[int]
+    in_shardings: Any
+    out_shardings: Any
+    state_shardings: Any
+    keep_unused: bool
+    device: Any
+    backend: str | None
+    inline: bool
+    compiler_options: dict[str, Any] | None
 
 
 @overload
 def jit(
-    fun: Missing = MISSING,
-    *,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
-    donate_states: bool = False,
-    donate_argnums: int | Sequence[int] = (),
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    state_shardings: Any = None,
-    keep_unused: bool = False,
-    device: Any = None,
-    backend: str | None = None,
-    inline: bool = False,
-    compiler_options: dict[str, Any] | None = None,
-) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+    fun: Callable[_P, _T], **options: Unpack[_JitOptions]
+) -> JittedFunction[_P, _T]: ...
+
+
+@overload
+def jit(
+    fun: Missing = MISSING, **options: Unpack[_JitOptions]
+) -> Callable[[Callable[_P, _T]], JittedFunction[_P, _T]]: ...
 
 
 def _jax_jit_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -37,9 +37,19 @@ from ._leaves import ArrayImpl, dynamic_mask, in_module, is_traced
 # made is forgotten first (its number is never reused).
 KEYS_KEPT = 256
 _ids = itertools.count()
-# The part of a bare array argument, and the keys of calls of arrays alone.
+# The part of a bare array argument.
 _ARRAY = -1
-_ARRAYS = [(_ARRAY,) * n for n in range(64)]
+
+
+class _ArrayKeys(dict):
+    """The keys of calls of `n` arrays alone, by `n`."""
+
+    def __missing__(self, n: int) -> tuple:
+        key = self[n] = (_ARRAY,) * n
+        return key
+
+
+_ARRAYS = _ArrayKeys()
 
 
 class OutputMismatch(Exception):
@@ -115,35 +125,28 @@ class ArgSplitter:
         """`(key, dynamic leaves)` of a call. Raises `TypeError` for an unhashable
         static value."""
         if not self._static_positions:
-            # The usual calls, split without a loop over parts: `f(*arrays)`, with
-            # static keyword arguments alone (`train=True`), and `f(model, *arrays)`
-            # with the model of the last such call.
-            for arg in args:
-                if type(arg) is not ArrayImpl:
-                    break
-            else:
-                key = _ARRAYS[len(args)] if len(args) < 64 else (_ARRAY,) * len(args)
-                if not kwargs:
-                    return key, args
-                part = self._static_kwargs(kwargs)
-                if part is not None:
-                    return (*key, part), args
+            # The usual calls, split without a loop over parts: `f(model, *arrays)`
+            # with the model of the last such call, and `f(*arrays)` with static
+            # keyword arguments alone (`train=True`).
             recent = self._recent
-            if (
-                recent is not None
-                and not kwargs
-                and args
-                and args[0] is recent[0]
-                and len(args) <= 64
-            ):
+            if recent is not None and args and args[0] is recent[0] and not kwargs:
                 rest = args[1:]
                 for arg in rest:
                     if type(arg) is not ArrayImpl:
                         break
                 else:
                     if recent[1] is None or _unchanged(recent[1]):
-                        key = (recent[2], *_ARRAYS[len(rest)])
-                        return key, (*recent[3], *rest)
+                        return (recent[2], *_ARRAYS[len(rest)]), recent[3] + rest
+            for arg in args:
+                if type(arg) is not ArrayImpl:
+                    break
+            else:
+                key = _ARRAYS[len(args)]
+                if not kwargs:
+                    return key, args
+                part = self._static_kwargs(kwargs)
+                if part is not None:
+                    return (*key, part), args
         static = self._static_of(len(args)) if self._static_positions else ()
         parts: list[int] = []
         dynamic: list[Any] = []
@@ -166,7 +169,7 @@ class ArgSplitter:
             parts.append(last[1])
             dynamic.extend(last[2])
             if i == 0 and remembered.get(0) is last:
-                self._recent = (arg, last[3], last[1], last[2])
+                self._recent = (arg, last[3], last[1], tuple(last[2]))
         if kwargs:
             part = self._static_kwargs(kwargs)
             if part is None:
