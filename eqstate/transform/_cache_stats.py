@@ -41,9 +41,15 @@ class CacheStats:
             with self._lock:
                 self.evictions += n
 
+    def not_reused(self) -> None:
+        """Takes back a count of `reused`: the call traced anew (JAX retraced it for
+        new shapes, and its lookup counted a miss)."""
+        with self._lock:
+            self._taken += 1
+
     def counts(self) -> dict[str, int]:
         with self._lock:
-            reused = next(self.reused) - self._taken
+            reused = max(next(self.reused) - self._taken, 0)
             self._taken += 1
             return {
                 "hits": self.hits + reused,

@@ -193,8 +193,12 @@ class _Plan:
             parent = lambda: Overlay(frame, moved)  # noqa: E731
         try:
             call = traces.parse(args, kwargs)
-            # The call counted its lookup (see `JitDispatch._call_slow`).
+            # The call counts its own lookup: the slow path before, the fast path
+            # after it (see `JitDispatch._reused`), unless this one misses.
+            misses = traces.stats.misses
             trace, _ = traces.lookup(call, parent, values_of, count_hit=False)
+            if traces.stats.misses != misses:
+                traces.stats.not_reused()
         except StaleTrace:
             # The states or their shapes fit no trace of the plan's states.
             raise _PlanMismatch from None
@@ -401,36 +405,30 @@ def _donated_twice(exc: BaseException) -> bool:
 def _note_deleted_values(
     exc: BaseException, plan: _Plan, frame: _context.Frame
 ) -> None:
-    """Adds to the error of a failed call which of its states hold a deleted array
-    (a donated buffer), and how to recover: a donating call that XLA refused after
-    taking the buffers of its inputs (for want of memory) leaves them so, and a call
-    finding one so was given a value another call consumed."""
-    values = [frame.peek(s) for s in plan.states]
-    lost = [
+    """Adds to the error of a failed call which of its states hold a deleted array,
+    and how to recover."""
+    lost = ", ".join(
         state_label(s, v)
-        for s, v in zip(plan.states, values)
+        for s, v in ((s, frame.peek(s)) for s in plan.states)
         if any(_is_deleted(x) for x in jax.tree.leaves(v))
-    ]
+    )
     if not lost:
         return
-    names = ", ".join(lost)
     if isinstance(exc, jax.errors.JaxRuntimeError) and plan.donates:
         what = (
-            f"XLA refused this call after it had taken the donated buffers of {names}: "
+            f"XLA refused this call after it had taken the donated buffers of {lost}: "
             "their values are lost (each holds a deleted array), the other states "
             "keep theirs. Give them values again (e.g. load a checkpoint with "
-            "`eqstate.load`), or call a function without `donate_states`, whose "
-            "refused calls leave every value as it was."
+            "`eqstate.load`), or leave `donate_states` off: a refused call then "
+            "leaves every value as it was."
         )
     else:
         what = (
-            f"{names} held a deleted array when the call began: a call that donated "
-            "it (`donate_states=True`, `donate_argnums`) consumed it, maybe in another "
-            "thread, and the state was given that array again or kept it. Give it a "
-            "value again (e.g. load a checkpoint with `eqstate.load`); keep "
-            "`jnp.copy(x)` of a value that must outlive a donating call, and let a "
-            "thread that reads such states take turns with the calls that donate "
-            "them."
+            f"{lost} held a deleted array when the call began: a call that donated "
+            "it consumed it, maybe in another thread. Give it a value again (e.g. "
+            "load a checkpoint with `eqstate.load`); keep `jnp.copy(x)` of a value "
+            "that must outlive a donating call, and let threads that read such "
+            "states take turns with the calls that donate them."
         )
     exc.add_note(what)
 
@@ -531,7 +529,6 @@ class JitDispatch:
             None if state_shardings is None else sharding_rule(state_shardings)
         )
         self._jit_kwargs = dict(jit_kwargs or {})
-        self._no_static = not traces.parser.static_positions
         self._plans: dict[tuple, _Plan] = {}
         self._entries: dict[tuple, _Plan] = {}  # the plan a fast call takes, by key
         self._lock = threading.Lock()
@@ -562,10 +559,12 @@ class JitDispatch:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The fast path for a key seen before, else the slow path. At top level in
         the world, the call reads and writes the values inline (one dictionary
-        lookup per state); elsewhere it goes through `_call`."""
+        lookup per state); elsewhere it goes through `_call`, where a plan that
+        must do more around each call's reads and writes (say, hold a lock) goes
+        too, by a condition in the guard below."""
         key: Any = None
         leaves: Sequence[Any] = args
-        if not kwargs and self._no_static:
+        if not kwargs and len(args) <= self._splitter.no_static_below:
             for arg in args:  # `ArgSplitter.split`, inlined for arrays alone
                 if type(arg) is not ArrayImpl:
                     break
@@ -585,11 +584,11 @@ class JitDispatch:
             or (plan.donates and compat.nan_checks_enabled())
         ):
             return self._call(plan, leaves, args, kwargs)
-        get = plan.get_written
-        written = None if get is None else get(_WORLD_VALUES)
-        get = plan.get_read
-        read = None if get is None else get(_WORLD_VALUES)
         try:
+            get = plan.get_written
+            written = None if get is None else get(_WORLD_VALUES)
+            get = plan.get_read
+            read = None if get is None else get(_WORLD_VALUES)
             out, updated = plan.jitted(written, read, *leaves)
         except Exception as exc:
             return self._failed(exc, plan, leaves, args, kwargs, WORLD)

@@ -101,6 +101,7 @@ class ArgSplitter:
 
     def __init__(self, static_positions: Sequence[int], static_names: Sequence[str]):
         self._static_positions = tuple(static_positions)
+        self.no_static_below = _first_static(static_positions)
         self._static_names = frozenset(static_names)
         # position -> (argument, part, dynamic leaves, its lists and dicts as they
         # were, or `None` for a frozen tree: see `_mutable_containers`)
@@ -124,7 +125,7 @@ class ArgSplitter:
     def split(self, args: tuple, kwargs: dict) -> tuple[tuple, Sequence[Any]]:
         """`(key, dynamic leaves)` of a call. Raises `TypeError` for an unhashable
         static value."""
-        if not self._static_positions:
+        if len(args) <= self.no_static_below:
             # The usual calls, split without a loop over parts: `f(model, *arrays)`
             # with the model of the last such call, and `f(*arrays)` with static
             # keyword arguments alone (`train=True`).
@@ -239,6 +240,13 @@ class ArgSplitter:
                 math.copysign(1.0, x) for x in static_leaves if type(x) is float
             )
         return self._parts.number((treedef, static, static_leaves, types)), dynamic
+
+
+def _first_static(static_positions: Sequence[int]) -> int | float:
+    """The number of positional arguments below which a call has none static."""
+    if any(i < 0 for i in static_positions):
+        return 0
+    return min(static_positions, default=math.inf)
 
 
 def rebuild(specs: tuple, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
