@@ -184,7 +184,12 @@ def run(sizes: tuple[int, ...] = SIZES, quick: bool = False) -> dict:
                     "steps": n,
                     "system": name,
                     **r,
-                    "temp_ratio": r["temp_bytes"] / floor["temp_bytes"],
+                    # XLA on a TPU reports no temporary bytes for `scan`.
+                    "temp_ratio": (
+                        r["temp_bytes"] / floor["temp_bytes"]
+                        if floor["temp_bytes"]
+                        else float("nan")
+                    ),
                     "grad_rel_diff": diff,
                 }
             )

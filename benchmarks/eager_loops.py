@@ -11,7 +11,8 @@ per-call time (min-max over interleaved rounds) of:
 - `jax.lax (new f)`: the same called with a new function each call, as a body
   defined inside the calling function is: traced and compiled each time;
 - `eqstate`: `eqstate.transform`'s version with the stateful function, which reruns
-  its Python every call (so sees current globals) and compiles once per program;
+  its Python every call (so sees current globals), and JAX compiles the loop
+  it builds each time, as for `jax.lax (new f)`;
 
 with each one's ratio to `jax.lax (same f)`, measured side by side in one run.
 """

@@ -118,10 +118,11 @@ def _checkpoint_times(mesh, directory: str, megabytes: float, backends) -> dict:
         path = os.path.join(directory, f"model-{backend}")
 
         def save(path=path, backend=backend):
-            es.save(path, es.values_of(model), model=model, backend=backend)
+            es.save(path, model, backend=backend)
 
         def load(path=path, backend=backend):
-            jax.block_until_ready(es.load(path, model, backend=backend))
+            es.load(path, model, backend=backend)
+            jax.block_until_ready(es.values_of(model))
 
         save()  # warm up: compiles, imports
         out[backend] = {"save_s": _time(save, 3), "load_s": _time(load, 3)}
@@ -146,10 +147,10 @@ def _async_overlap(mesh, directory: str, megabytes: float, steps: int) -> dict:
 
     train_step().block_until_ready()
     with es.CheckpointManager(os.path.join(directory, "run")) as manager:
-        manager.save(0, es.values_of(model), model=model)  # warm up
+        manager.save(0, model)  # warm up
         manager.wait_until_finished()
         start = time.perf_counter()
-        manager.save(1, es.values_of(model), model=model)
+        manager.save(1, model)
         blocking = time.perf_counter() - start
         # Every process runs the same steps (they have collectives) and counts
         # those that ended while its save was still being written.

@@ -4,6 +4,7 @@ import importlib.metadata
 
 from . import filters as filters, nn as nn, random as random, transform as transform
 from ._checkpoint import load as load, save as save
+from ._checkpoint_manager import CheckpointManager as CheckpointManager
 from ._clone import clone as clone, member as member
 from ._errors import (
     BatchAxisError as BatchAxisError,
@@ -15,9 +16,9 @@ from ._errors import (
     UnknownCacheKeyError as UnknownCacheKeyError,
     UnstableStatesError as UnstableStatesError,
 )
-from ._orbax import CheckpointManager as CheckpointManager
 from ._run import (
     assign as assign,
+    init_states as init_states,
     make_with_states as make_with_states,
     run as run,
     scope as scope,

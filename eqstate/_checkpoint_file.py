@@ -1,65 +1,37 @@
-"""The single-file checkpoint format: writing a file from arrays and reading it back,
-checking every byte.
+"""The single-file checkpoint format: one file, no pickle, every byte covered by a check
+(the magic, the version, the header's CRC32, each entry's CRC32 and the exact size).
+The layout is described in the how-to guide on checkpoints, "File format" (version 1).
 
-File format, version 1
-----------------------
-
-A checkpoint is one file. No pickle: every byte is either a fixed-size integer, UTF-8
-JSON, or the raw bytes of an array. Integers are little-endian.
-
-| offset       | size     | content                                                |
-| ------------ | -------- | ------------------------------------------------------ |
-| 0            | 8        | magic bytes `\\x93EQSTATE`                              |
-| 8            | 4        | format version, `uint32` (this is version 1)           |
-| 12           | 8        | header length `H` in bytes, `uint64`                   |
-| 20           | `H`      | header: a UTF-8 JSON object (below)                    |
-| 20 + `H`     | 4        | CRC32 of bytes `[0, 20 + H)`, `uint32`                 |
-| 24 + `H`     | `D`      | data: the entries' bytes, back to back, in header order |
-
-The file ends right after the data: its size is exactly `24 + H + D`, where `D` is the
-sum of the entries' lengths. The header is `{"entries": [entry, ...]}`, each entry an
-object with
-
-- `path`: the entry's name, e.g. `"layers.0.bn.running_mean"`, unique in the file;
-- `dtype`: a NumPy / `ml_dtypes` dtype name, e.g. `"float32"`, `"bfloat16"`, `"bool"`;
-- `shape`: a list of non-negative integers;
-- `offset`: where its bytes start, counted from the start of the data section (the
-    first entry starts at 0 and each next one where the previous ended);
-- `length`: its size in bytes, `prod(shape) * itemsize`;
-- `crc32`: the CRC32 of its bytes, an unsigned integer;
-- `weak_type`: whether the array was weakly typed (made from a Python scalar), a
-    boolean; loading restores it. Files written before eqstate recorded it lack the
-    field: their arrays take the weak type of the target's current values;
-- `key_impl` (PRNG keys only): the key implementation, e.g. `"threefry2x32"`. The
-    entry then holds `jax.random.key_data` of the keys, and loading restores them with
-    `jax.random.wrap_key_data(data, impl=key_impl)`.
-
-An array's bytes are its elements in C order, little-endian. Every byte of the file is
-covered by a check: the magic, the version, the header CRC, the entries' CRCs and the
-exact file size.
+A file is written atomically: to a temporary file next to its target, flushed and
+renamed onto the target, so a reader sees either the previous file or the whole new
+one. Temporary files that killed saves left behind are removed by the next save to the
+same path.
 """
 
+import contextlib
+import errno
+import hashlib
 import io
 import json
 import math
 import os
+import re
+import secrets
 import stat
 import struct
 import sys
+import threading
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  # registers the names `bfloat16`, `float8_*` with NumPy
 import numpy as np
 
-from ._atomic_file import write_atomically
-from ._checkpoint_checks import check_savable
-from ._checkpoint_paths import Leaf
+from ._checkpoint_paths import as_loaded, check_entries, check_savable, Leaf, Target
 from ._errors import CheckpointError
 from ._multi_process import is_orbax_checkpoint, require_fully_addressable, SAVE_FIX
-from ._pretty_print import state_label
 
 
 _MAGIC = b"\x93EQSTATE"
@@ -77,6 +49,169 @@ _ENTRY_FIELDS = {
 }
 
 
+# Writing atomically ---------------------------------------------------------------
+
+
+def _fsync_directory(directory: str) -> None:
+    # Makes the rename itself durable. Not every platform can open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# Temporary files are `.{stem}.{pid}.{16 hex digits}.tmp`, next to the target `name`
+# (`.{name}.{16 hex digits}.tmp` before the pid was added). The stem is `name`, or,
+# for a name too long to leave room for the rest within the file system's limit on
+# names, its first bytes and a hash of it (see `_temporary_stem`).
+_TEMPORARY_ID = re.compile(r"(?:(?P<pid>\d+)\.)?[0-9a-f]{16}")
+# The longest file name most file systems allow, in bytes (NAME_MAX on Linux).
+_NAME_MAX = 255
+# What a temporary name adds to its stem: `.`, `.{pid}.` (up to 10 digits), 16 hex
+# digits and `.tmp`.
+_TEMPORARY_EXTRA = 1 + 12 + 16 + 4
+# Temporaries of saves in progress in this process (another thread may be writing).
+_WRITING: set[str] = set()
+_WRITING_LOCK = threading.Lock()
+
+
+def _target_file(path: str) -> str:
+    """Where the bytes of a checkpoint saved to `path` go: `path`, or the file its
+    symlinks lead to, so that saving keeps the link and replaces what it points to."""
+    return os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
+
+
+def _temporary_stem(name: str) -> str:
+    """The start of the names of `name`'s temporary files: `name` itself, or, if
+    that would make them longer than file systems allow, its first bytes followed
+    by `~` and a hash of the whole name (which keeps the stems of two long names
+    apart)."""
+    raw = os.fsencode(name)
+    if len(raw) + _TEMPORARY_EXTRA <= _NAME_MAX:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    keep = _NAME_MAX - _TEMPORARY_EXTRA - 1 - len(digest)
+    return raw[:keep].decode("utf-8", "ignore") + "~" + digest
+
+
+def _process_is_gone(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # Its own temporaries in progress are in `_WRITING`.
+    if os.name != "posix":
+        return False  # No safe way to ask; keep the file.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # It exists (maybe another user's).
+    return False
+
+
+def _remove_stale_temporaries(target: str) -> None:
+    """Removes the temporary files that earlier saves to `target` left behind when
+    they were killed (the writing process is gone, so nothing will finish them)."""
+    directory, name = os.path.split(target)
+    try:
+        candidates = os.listdir(directory)
+    except OSError:
+        return
+    prefix, suffix = f".{_temporary_stem(name)}.", ".tmp"
+    for candidate in candidates:
+        if not (candidate.startswith(prefix) and candidate.endswith(suffix)):
+            continue
+        match = _TEMPORARY_ID.fullmatch(candidate[len(prefix) : -len(suffix)])
+        if match is None:
+            continue
+        full = os.path.join(directory, candidate)
+        with _WRITING_LOCK:
+            pid = match["pid"]
+            if full in _WRITING or (pid is not None and not _process_is_gone(int(pid))):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(full)
+
+
+def _keep_mode(target: str, tmp: str) -> None:
+    """Gives `tmp` the permissions of the file `target` it replaces, if there is one:
+    a checkpoint made private (`0o600`) or read-only stays so when saved again."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return
+    os.chmod(tmp, mode)
+
+
+def write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
+    """Writes to a temporary file next to the target and renames it onto the target,
+    so a reader sees either the previous file or the whole new one, never a partial
+    one. The target is `path`, or the file a symlink at `path` leads to; the new file
+    keeps the permissions of the one it replaces."""
+    target = _target_file(path)
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {path!r}: the directory {directory!r} does "
+            "not exist. Create it first, e.g. with `os.makedirs(directory, "
+            "exist_ok=True)`."
+        )
+    if os.path.isdir(target):
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {path!r}: it is a directory. Pass the path "
+            "of a file, e.g. `os.path.join(directory, 'model.eqstate')`; a directory "
+            "of numbered checkpoints is written with `eqstate.CheckpointManager`."
+        )
+    _remove_stale_temporaries(target)
+    tmp = os.path.join(
+        directory,
+        f".{_temporary_stem(os.path.basename(target))}.{os.getpid()}."
+        f"{secrets.token_hex(8)}.tmp",
+    )
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    with _WRITING_LOCK:
+        _WRITING.add(tmp)
+    try:
+        fd = os.open(tmp, flags, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            _keep_mode(target, tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        where = repr(path)
+        if target != os.path.abspath(path):
+            where += f" (a link to {target!r})"
+        fix = (
+            "Use a shorter file name: the file system limits each name's length."
+            if e.errno == errno.ENAMETOOLONG
+            else "Check that the directory is writable and the disk has space."
+        )
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {where}: {e.strerror or e}. Nothing was "
+            f"written there: a checkpoint already at that path is unchanged. {fix}"
+        ) from e
+    finally:
+        with _WRITING_LOCK:
+            _WRITING.discard(tmp)
+    _fsync_directory(directory)
+
+
+# Writing and reading a checkpoint --------------------------------------------------
+
+
 def _little_endian(array: np.ndarray) -> np.ndarray:
     if sys.byteorder == "big" and array.dtype.itemsize > 1:
         return array.byteswap()
@@ -85,9 +220,7 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 
 def _host_bytes(spec: Leaf, leaf: Any) -> memoryview:
     check_savable(spec, leaf)
-    require_fully_addressable(
-        leaf, f"`{spec.path}` ({state_label(spec.state)})", "save", SAVE_FIX
-    )
+    require_fully_addressable(leaf, spec.where, "save", SAVE_FIX)
     if spec.key_impl is not None:
         leaf = jax.random.key_data(leaf)
     array = np.ascontiguousarray(_little_endian(np.asarray(leaf)))
@@ -347,12 +480,23 @@ def _parse_header(path: str, raw: bytes) -> list[dict[str, Any]]:
     return header["entries"]
 
 
-def read_array(spec: Leaf, entry: dict[str, Any], data: memoryview) -> jax.Array:
-    """The array of a checked `entry` of the data section `data`, as `spec` expects it
-    (PRNG keys wrapped again)."""
+def _read_array(spec: Leaf, entry: dict[str, Any], data: memoryview) -> np.ndarray:
+    """The array of a checked `entry` of the data section `data`, in `spec`'s dtype
+    and shape (a copy, which does not hold on to the whole file)."""
     raw = data[entry["offset"] : entry["offset"] + entry["length"]]
     array = _little_endian(np.frombuffer(raw, dtype=spec.dtype)).reshape(spec.shape)
-    value = jnp.asarray(array)
-    if spec.key_impl is not None:
-        value = jax.random.wrap_key_data(value, impl=spec.key_impl)
-    return value
+    return np.array(array)
+
+
+def read_into(path: str, target: Target) -> tuple[list[Any], dict[str, Any]]:
+    """The arrays of the checkpoint file at `path` for `target.specs` (each made and
+    placed as its target value expects), and its entries by path. The whole file is
+    read and checked first."""
+    entries, data = read_checkpoint(path)
+    specs = [spec for spec, _ in target.specs]
+    by_path = check_entries(path, target.name, specs, entries)
+    arrays = [
+        as_loaded(spec, leaf, _read_array(spec, by_path[spec.path], data))
+        for spec, leaf in target.specs
+    ]
+    return arrays, by_path

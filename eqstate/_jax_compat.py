@@ -22,10 +22,26 @@ makes eqstate slower or its errors less precise, never wrong:
   another. Without it, reading a state inside a raw transform that stages out raises
   in eqstate traces too, as at top level.
 
+- a JAX differentiation (`differentiation_inside`, `is_traced_by`) is told apart
+  from other transforms that evaluate at once, so that a parameter read inside
+  `eqx.filter_grad` or `jax.grad` of `eqstate.run`, which gets no gradient, warns.
+  Without it nothing warns.
+
 - the effect a collective over a named axis records (`psum` inside `shard_map`) is told
   apart from those that can fail while a computation runs (`can_fail_at_run_time`),
   so that `jit(donate_states=True)` donates such functions. Without it every effect
   counts as one that can fail, and they run without donation.
+
+- a state handle given to JAX where it takes an array (an argument of `jax.jit` or
+  `jax.grad`, of a `jax.numpy` function) gets eqstate's error (`refuse_as_array`),
+  through JAX's table of the types it abstracts. Without it, JAX's own error, whose
+  advice (mark the argument static) does not fit a handle.
+
+- the client of `jax.distributed`'s coordination service (`distributed_client`), whose
+  key-value store and barriers with a timeout let the processes of a program agree on
+  what a checkpoint save holds before Orbax's collectives, so that processes saving
+  different things refuse in bounded time. Without it the agreement is skipped, and
+  such saves wait in those collectives, or crash there, as plain Orbax does.
 
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
@@ -87,16 +103,22 @@ _NamedAxisEffect: Any = _from_jax("NamedAxisEffect", (_core,))
 try:  # JAX 0.10: the traces of transforms that evaluate at once when called eagerly.
     _batching: Any = importlib.import_module("jax._src.interpreters.batching")
     _ad: Any = importlib.import_module("jax._src.interpreters.ad")
-    _AT_ONCE_TRACES: tuple[type, ...] = (
-        _batching.BatchTrace,
-        _ad.JVPTrace,
-        _ad.LinearizeTrace,
-    )
+    _DIFFERENTIATING_TRACES: tuple[type, ...] = (_ad.JVPTrace, _ad.LinearizeTrace)
+    _AT_ONCE_TRACES: tuple[type, ...] = (_batching.BatchTrace, *_DIFFERENTIATING_TRACES)
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
-    _AT_ONCE_TRACES = ()
+    _AT_ONCE_TRACES = _DIFFERENTIATING_TRACES = ()
 
 
 _single_pass = contextvars.ContextVar("eqstate_single_pass", default=_HAS_NEW_ARG)
+
+
+def refuse_as_array(cls: type, refuse: "Callable[[Any], Any]") -> None:
+    """Makes JAX call `refuse(x)` for an `x` of type `cls` (or a subclass) where it
+    takes an array, before its own error. `refuse` raises an error that is not a
+    `TypeError`, which `jax.jit` would replace with its own."""
+    mappings = getattr(_core, "pytype_aval_mappings", None)
+    if isinstance(mappings, dict):
+        mappings[cls] = refuse
 
 
 def hide_from_tracebacks(path: str) -> None:
@@ -263,6 +285,31 @@ def new_trace_era() -> None:
     _thread_era.value = next(_eras)
     if isinstance(_TRACE_CONTEXT.value, int):  # inside a frame (see `enter_trace_era`)
         _TRACE_CONTEXT.set_local(_thread_era.value)
+
+
+def differentiation_inside(trace: Any) -> Any:
+    """The trace of the innermost JAX differentiation (`jax.grad`, `jax.vjp`,
+    `jax.jvp`, `eqx.filter_grad`, called eagerly or under `jax.vmap`) that runs
+    inside `trace` (an enclosing frame's; `None`: the top level), or `None`. A value
+    read from a frame outside it is a constant to it and gets no derivative. Always
+    `None` where this JAX cannot tell."""
+    current = current_trace()
+    while current is not trace and isinstance(current, _AT_ONCE_TRACES):
+        if isinstance(current, _DIFFERENTIATING_TRACES):
+            return current
+        current = getattr(current, "parent_trace", None)
+    return None
+
+
+def is_traced_by(x: Any, trace: Any) -> bool:
+    """Whether `x` is a tracer of `trace` or of a transform nested in it (so `trace`
+    follows what `x` depends on)."""
+    current = getattr(x, "_trace", None)
+    while current is not None:
+        if current is trace:
+            return True
+        current = getattr(current, "parent_trace", None)
+    return False
 
 
 def stages_inside(trace: Any) -> bool:
@@ -466,3 +513,16 @@ def weakly_typed(x: jax.Array) -> jax.Array:
     if convert is None or x.weak_type:  # pragma: no cover - depends on the JAX release
         return x
     return convert(x, weak_type=True)
+
+
+def distributed_client() -> Any:
+    """The client of `jax.distributed`'s coordination service in this process, or
+    None (not initialised, or the internal moved)."""
+    try:
+        state = importlib.import_module("jax._src.distributed").global_state
+    except (
+        ImportError,
+        AttributeError,
+    ):  # pragma: no cover - depends on the JAX release
+        return None
+    return getattr(state, "client", None)

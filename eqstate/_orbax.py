@@ -4,37 +4,32 @@ An eqstate Orbax checkpoint is a directory that Orbax's `CompositeCheckpointHand
 writes, with two items:
 
 - `state`: a flat dict `{path: array}` saved by Orbax's `PyTreeCheckpointHandler`,
-    where `path` is the readable state path of the single-file format
+    where `path` is the readable path of the single-file format
     (`layers.0.bn.running_mean`). PRNG keys are stored as their key data. Plain Orbax
     restores it without eqstate. A checkpoint of no arrays (no states, or values
     such as `{}`) has no `state` item: Orbax cannot save an empty PyTree.
 - `eqstate`: JSON `{"format": "eqstate-orbax", "version": 2, "entries": [...],
     "entries_crc32": ...}`, one entry per array as in the single-file header
     (`path`, `dtype`, `shape`, `weak_type`, `key_impl` for keys) plus `checksum`: a
-    64-bit checksum of the array's bytes, computed on the devices, so that a
-    corrupted shard is refused on restore as the single-file format refuses a
-    corrupted file; `entries_crc32` is the CRC32 of the entries' JSON (sorted keys,
-    no spaces). Version 1, still read, had 32-bit checksums (see `_checksum_v1`) and
-    no `entries_crc32`.
+    64-bit checksum of the array's bytes, computed on the devices holding it;
+    `entries_crc32` is the CRC32 of the entries' JSON (sorted keys, no spaces).
+    Orbax and TensorStore check no array bytes (a flipped byte in a chunk loads as
+    another value), so eqstate's checksum is what refuses a damaged array.
 
-`orbax-checkpoint` is imported only when one of these functions runs.
+Orbax's own save replaces a checkpoint already at its path by removing it first:
+`save_orbax` writes beside the path and swaps the new checkpoint in, so that a failed
+save leaves the old one. `orbax-checkpoint` is imported only when a function here runs.
 """
 
 import contextlib
 import functools as ft
-import gc
 import importlib
-import itertools
 import json
-import operator
 import os
-import queue
 import shutil
-import sys
 import threading
-import weakref
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -43,33 +38,23 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import PyTree
 
-from ._checkpoint_checks import (
-    check_savable,
-    refuse_under_transforms,
-    values_to_save,
-)
-from ._checkpoint_match import check_entries, load_target
 from ._checkpoint_paths import (
+    as_loaded,
+    check_entries,
+    check_savable,
     Leaf,
-    made_where,
-    state_paths,
-    stored_leaves,
+    leaves_to_save,
+    Target,
     target_sharding,
-    values_from_arrays,
 )
 from ._errors import CheckpointError
-from ._multi_process import device_put
-from ._pretty_print import first_and_more, state_label
+from ._multi_process import agree_on_save, exchange
+from ._pretty_print import first_and_more
 from ._shapes import is_key
-from ._state import State
-from ._state_dict import StateDict
 
 
 _FORMAT = "eqstate-orbax"
 _VERSION = 2
-# Version 1 had 32-bit checksums that two changes could cancel, and no checksum of
-# the entries themselves; it is still read.
-_READABLE = (1, 2)
 _STATE_ITEM = "state"
 _META_ITEM = "eqstate"
 
@@ -109,8 +94,6 @@ def _use_distributed_barriers() -> None:
 
 # Checksums ---------------------------------------------------------------------------
 
-_GOLDEN = np.uint32(0x9E3779B1)
-
 
 def _words(x: jax.Array) -> jax.Array:
     """The bytes of every element of `x` as `uint32` words (exact, no rounding)."""
@@ -143,16 +126,6 @@ def _flat_index(words: jax.Array) -> jax.Array:
     return index
 
 
-def _checksum_v1(x: jax.Array) -> jax.Array:
-    """The checksum of format version 1, kept to verify such checkpoints: the sum of
-    `x`'s words, each times an odd weight that depends on its position, modulo
-    2**32. A change confined to one word always changes it, but changes in two words
-    can cancel out (flipping the top bit of any two words does)."""
-    words = _words(x)
-    weights = _flat_index(words) * _GOLDEN * np.uint32(2) + np.uint32(1)
-    return jnp.sum(words * weights, dtype=jnp.uint32)
-
-
 _SEEDS = (np.uint32(0x243F6A88), np.uint32(0x85A308D3))
 
 
@@ -182,61 +155,60 @@ def _checksum(x: jax.Array) -> jax.Array:
     return jnp.stack(halves)
 
 
-@ft.partial(jax.jit, static_argnums=0)
-def _checksums(version: int, arrays: list[jax.Array]) -> list[jax.Array]:
-    checksum = _checksum if version == _VERSION else _checksum_v1
-    return [checksum(x) for x in arrays]
+@jax.jit
+def _checksums(arrays: list[jax.Array]) -> list[jax.Array]:
+    return [_checksum(x) for x in arrays]
 
 
 def _device_group(x: jax.Array) -> Any:
     return frozenset(x.sharding.device_set) if x.committed else None
 
 
-def checksums(arrays: list[jax.Array], version: int = _VERSION) -> list[int]:
-    """The checksum of each array for checkpoints of format `version`, computed on
-    the devices holding it: one compiled call per set of devices (a single call for
-    a model placed on one mesh)."""
+def checksums(arrays: list[jax.Array]) -> list[int]:
+    """The checksum of each array, computed on the devices holding it (one compiled
+    call per set of devices: a single call for a model placed on one mesh), as a
+    Python int: the two halves, high half first."""
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(arrays):
         groups.setdefault(_device_group(x), []).append(i)
     out: list[int] = [0] * len(arrays)
     for indices in groups.values():
-        # Each result is a replicated scalar, which every process can read.
-        values = _checksums(version, [arrays[i] for i in indices])
-        for i, value in zip(indices, values):
-            out[i] = _as_int(np.asarray(value))
+        # Each result is a replicated pair, which every process can read.
+        for i, value in zip(indices, _checksums([arrays[i] for i in indices])):
+            high, low = np.asarray(value).tolist()
+            out[i] = high << 32 | low
     return out
-
-
-def _as_int(checksum: np.ndarray) -> int:
-    """A checksum as one Python int: version 2's two halves, high half first."""
-    if checksum.ndim == 0:
-        return int(checksum)
-    high, low = (int(h) for h in checksum)
-    return high << 32 | low
 
 
 # Saving ------------------------------------------------------------------------------
 
 
-def _stored_array(spec: Leaf, leaf: Any) -> jax.Array:
+def _stored_array(spec: Leaf, leaf: Any) -> Any:
     check_savable(spec, leaf)
     return jax.random.key_data(leaf) if spec.key_impl is not None else leaf
 
 
-def _save_args(
-    ocp: Any, states: Mapping[State, PyTree], model: PyTree | None
-) -> tuple[Any, list[dict[str, Any]]]:
-    """Orbax's save arguments for `states`, and the eqstate entries they describe."""
-    values = values_to_save(states)
-    leaves = stored_leaves(state_paths(tuple(values), model, "save"), values)
-    arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
-    _refuse_what_orbax_cannot_save(leaves)
-    _refuse_paths_orbax_merges(leaves)
+def save_args(
+    ocp: Any, where: str, step: int | None, prepare: Callable[[], list]
+) -> Any:
+    """Orbax's save arguments for the arrays `prepare()` returns, with their paths,
+    once every process has agreed to make this same save: a refusal in one process
+    (by `prepare`, or of what Orbax cannot save) is a refusal in all, and processes
+    saving different things raise, before any collective."""
+    try:
+        leaves = prepare()
+        arrays = [_stored_array(spec, leaf) for spec, leaf in leaves]
+        _refuse_what_orbax_cannot_save(leaves)
+        _refuse_paths_orbax_merges(leaves)
+        refusal = None
+    except Exception as error:  # Every process must learn of it, whatever it is.
+        leaves, arrays, refusal = [], [], error
+    described = [(spec.path, spec.shape, spec.dtype.name) for spec, _ in leaves]
+    agree_on_save(where, step, described, refusal)
+    sums = checksums([jnp.asarray(x) for x in arrays])
+    _refuse_values_that_differ_across_processes(where, leaves, arrays, sums)
     entries: list[dict[str, Any]] = []
     tree: dict[str, Any] = {}
-    sums = checksums(arrays)
-    _refuse_values_that_differ_across_processes(leaves, arrays, sums)
     for (spec, _), array, checksum in zip(leaves, arrays, sums):
         entry: dict[str, Any] = {
             "path": spec.path,
@@ -248,9 +220,10 @@ def _save_args(
         if spec.key_impl is not None:
             entry["key_impl"] = spec.key_impl
         entries.append(entry)
-        if jax.process_count() > 1 and array.is_fully_addressable:
+        if spec.numpy or (jax.process_count() > 1 and _is_process_local(array)):
             # A process-local value is the same on every process (they run the same
-            # program): Orbax saves NumPy arrays from the first process only.
+            # program): Orbax saves NumPy arrays from the first process only. (It
+            # has no type for NumPy scalars.)
             array = np.asarray(array)
         tree[spec.path] = array
     meta = {
@@ -265,32 +238,33 @@ def _save_args(
         # replaces: a checkpoint of no arrays (no states, or values such as `{}`)
         # has no `state` item.
         items[_STATE_ITEM] = ocp.args.PyTreeSave(tree)
-    return ocp.args.Composite(**items), entries
+    return ocp.args.Composite(**items)
+
+
+def _is_process_local(x: Any) -> bool:
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
 def _refuse_values_that_differ_across_processes(
-    leaves: list, arrays: list[jax.Array], sums: list[int]
+    where: str, leaves: list, arrays: list[Any], sums: list[int]
 ) -> None:
     """Raises `CheckpointError` if an array has another value in some process, by its
     checksum: the checkpoint would keep process 0's, and every other process would
     load it as its own. Either each process holds it apart (a random state seeded by
     rank, a data loader's position), or it is one array across the processes whose
     copies differ (such a value written by a jitted step: JAX takes a value each
-    process holds apart as one that every process holds alike). Every process takes
-    part (one small all-gather), and all raise alike. The checksum of one array
-    across the processes is computed by them together, and is the same in each
-    unless their copies differ."""
-    if jax.process_count() == 1 or not arrays:
-        return
-    from jax.experimental import multihost_utils
-
-    mine = np.array([divmod(c, 2**32) for c in sums], np.uint32).reshape(-1)
-    every = np.asarray(multihost_utils.process_allgather(mine))
-    differs = np.flatnonzero((every != every[:1]).any(axis=0)) // 2
-    if not differs.size:
+    process holds apart as one that every process holds alike). The checksum of one
+    array across the processes is computed by them together, and is the same in each
+    unless their copies differ. Every process publishes its checksums, and all raise
+    alike."""
+    every = exchange(sums, f"save a checkpoint to {where!r}")
+    differs = [
+        i for i, checksum in enumerate(sums) if any(o[i] != checksum for o in every)
+    ]
+    if not differs:
         return
     spec, _ = leaves[differs[0]]
-    if arrays[differs[0]].is_fully_addressable:
+    if _is_process_local(arrays[differs[0]]):
         how = "each holds its own (not one array across them)"
     else:
         how = (
@@ -305,21 +279,6 @@ def _refuse_values_that_differ_across_processes(
         "in every process), or hold one value per process in an array across them "
         "(`jax.make_array_from_process_local_data`). Nothing was written."
     )
-
-
-def _process_0s(step: int | None) -> int | None:
-    """Process 0's `step` (a non-negative integer or `None`), in every process."""
-    if jax.process_count() == 1:
-        return step
-    from jax.experimental import multihost_utils
-
-    # Two int32 words: 64-bit types may be off.
-    words = divmod(0 if step is None else step + 1, 2**30)
-    high, low = np.asarray(
-        multihost_utils.broadcast_one_to_all(np.array(words, np.int32))
-    ).tolist()
-    agreed = high * 2**30 + low
-    return None if agreed == 0 else agreed - 1
 
 
 def _bits(dtype: np.dtype) -> int:
@@ -357,7 +316,7 @@ def _refuse_what_orbax_cannot_save(leaves: list[tuple[Leaf, Any]]) -> None:
             continue
         raise CheckpointError(
             f"Cannot save entry `{spec.path}` (shape {tuple(spec.shape)}, dtype "
-            f"{spec.dtype}) of {state_label(spec.state)} with the Orbax backend: "
+            f"{spec.dtype}) of {spec.label} with the Orbax backend: "
             f"Orbax cannot save {why}. Nothing was written or removed. Save with "
             f"`backend='single-file'`, which stores it bit for bit, or {fix}."
         )
@@ -373,8 +332,8 @@ def _refuse_paths_orbax_merges(leaves: list[tuple[Leaf, Any]]) -> None:
         other = seen.setdefault(stored, spec)
         if other is not spec:
             raise CheckpointError(
-                f"Cannot save entries `{other.path}` (of {state_label(other.state)}) "
-                f"and `{spec.path}` (of {state_label(spec.state)}) with the Orbax "
+                f"Cannot save entries `{other.path}` (of {other.label}) "
+                f"and `{spec.path}` (of {spec.label}) with the Orbax "
                 f"backend: Orbax drops a path's trailing '/', so it would store both "
                 f"under `{stored}`, one over the other. Nothing was written or "
                 "removed. Rename one of the keys, or save with "
@@ -397,10 +356,10 @@ _DIRECTORY_FIX = (
     "`eqstate.CheckpointManager(path)`"
 )
 # Orbax writes this file into every checkpoint it commits.
-_CHECKPOINT_FILE = "_CHECKPOINT_METADATA"
+CHECKPOINT_FILE = "_CHECKPOINT_METADATA"
 
 
-def _refuse_to_replace(
+def refuse_to_replace(
     path: str,
     checkpoint: str = "an Orbax checkpoint",
     fixes: tuple[str, str] = (_FILE_FIX, _DIRECTORY_FIX),
@@ -424,7 +383,7 @@ def _refuse_to_replace(
             )
         )
     held = sorted(os.listdir(path))
-    if held and not os.path.isfile(os.path.join(path, _CHECKPOINT_FILE)):
+    if held and not os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):
         shown = first_and_more(repr(name) for name in held)
         raise CheckpointError(
             _NOT_A_CHECKPOINT.format(
@@ -436,31 +395,6 @@ def _refuse_to_replace(
         )
 
 
-def _refuse_to_replace_in_any_process(path: str, *refusal: Any) -> None:
-    """`_refuse_to_replace(path, *refusal)` in every process, all raising if one
-    does: the others would otherwise begin the save and wait for that process in
-    Orbax's collectives until they time out (one small all-gather)."""
-    try:
-        _refuse_to_replace(path, *refusal)
-        refused: Exception | None = None
-    except (CheckpointError, OSError) as error:
-        refused = error
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        flags = np.asarray(
-            multihost_utils.process_allgather(np.int32(refused is not None))
-        ).reshape(-1)
-        if refused is None and flags.any():
-            raise CheckpointError(
-                f"Cannot save a checkpoint to {path!r}: process "
-                f"{int(np.flatnonzero(flags)[0])} refused to save there (see its "
-                "error), so no process saves. Nothing was written or removed."
-            )
-    if refused is not None:
-        raise refused
-
-
 # Orbax numbers each save from one counter shared by the whole process, and the
 # save's later steps read the number back: two saves started at once from two
 # threads write into each other's temporary directories, fail, and leave the paths
@@ -468,11 +402,11 @@ def _refuse_to_replace_in_any_process(path: str, *refusal: Any) -> None:
 # call returns. A save in the background goes on in Orbax's threads without it
 # (they took the save's number when it started), so waiting for one while holding
 # the lock, as a manager's next save does, cannot deadlock.
-_SAVING = threading.Lock()
+SAVING = threading.Lock()
 
 
 @contextlib.contextmanager
-def _orbax_write_errors(where: str) -> Iterator[None]:
+def orbax_write_errors(where: str) -> Iterator[None]:
     """Turns an `OSError` of Orbax's into `CheckpointError`."""
     try:
         yield
@@ -489,37 +423,35 @@ def _orbax_write_errors(where: str) -> Iterator[None]:
 # one in its place, so a failed save would lose it).
 _STAGING = ".eqstate-saving"
 _REPLACED = ".eqstate-replaced"
-_SWAPS = itertools.count()
 
 
-def save_orbax(
-    path: str, states: Mapping[State, PyTree], *, model: PyTree | None = None
-) -> None:
-    """`eqstate.save(path, states, model=model, backend='orbax')`."""
+def save_orbax(path: str, model_or_states: PyTree, model: PyTree | None) -> None:
+    """`eqstate.save(path, model_or_states, model=model, backend='orbax')`."""
     ocp = orbax("Saving a checkpoint with the Orbax backend")
-    with _SAVING:
-        # Numbered in the order in which saves take the lock (saves from several
-        # threads), and before anything can fail: a save that fails in some
-        # processes only still takes its number there. So later saves' barriers
-        # keep matching across processes.
-        number = next(_SWAPS)
-        _refuse_to_replace_in_any_process(path)
-        args, _ = _save_args(ocp, states, model)
+
+    def prepare() -> list:
+        refuse_to_replace(path)
+        return leaves_to_save(model_or_states, model)
+
+    with SAVING:
+        args = save_args(ocp, path, None, prepare)
         # Through a symlink, the directory it leads to is replaced and the link stays.
         target = os.path.realpath(path)
-        with _orbax_write_errors(path):
-            with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-                checkpointer.save(target + _STAGING, args=args, force=True)
-            _swap_in(ocp, target, number)
+        with orbax_write_errors(path):
+            _write_and_swap_in(ocp, target, args)
 
 
-def _swap_in(ocp: Any, target: str, number: int) -> None:
-    """Moves the checkpoint written at `target + _STAGING` to `target`, replacing
-    what is there (process 0 alone, the others waiting for it). Until the new one is
-    in place, the old one is at `target` or, for the two renames between, at
-    `target + _REPLACED`."""
+def _write_and_swap_in(ocp: Any, target: str, args: Any) -> None:
+    """Writes the checkpoint at `target + _STAGING`, then process 0 moves it to
+    `target`, replacing what is there. Until the new one is in place, the old one is
+    at `target` or, between the two renames, at `target + _REPLACED`. Every process
+    then waits for the others (a failure in one is a failure in all), also after a
+    failure of its own, so that none waits for it in vain."""
+    failure: Exception | None = None
     try:
-        if ocp.multihost.is_primary_host(0):
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            checkpointer.save(target + _STAGING, args=args, force=True)
+        if jax.process_index() == 0:
             replaced = target + _REPLACED
             if os.path.lexists(target):
                 if os.path.lexists(replaced):
@@ -528,10 +460,17 @@ def _swap_in(ocp: Any, target: str, number: int) -> None:
             os.rename(target + _STAGING, target)
             if os.path.lexists(replaced):
                 shutil.rmtree(replaced)
-    finally:
-        # Reached by process 0 also when a rename fails, so that no process waits
-        # for it until the barrier times out.
-        ocp.multihost.sync_global_processes(f"eqstate_save_swap_{number}")
+    except Exception as error:  # Every process must learn of it, whatever it is.
+        failure = error
+    failed = exchange(failure is not None, f"save a checkpoint to {target!r}")
+    if failure is not None:
+        raise failure
+    if any(failed):
+        raise CheckpointError(
+            f"Cannot save a checkpoint to {target!r}: process {failed.index(True)} "
+            "failed to write it (see its error). Check that every process can write "
+            "there and the disk has space."
+        )
 
 
 # Loading -----------------------------------------------------------------------------
@@ -554,7 +493,7 @@ def _entries_crc32(entries: Any) -> int:
     return zlib.crc32(text.encode())
 
 
-def _check_meta(where: str, meta: Any) -> tuple[list[dict[str, Any]], int]:
+def _check_meta(where: str, meta: Any) -> list[dict[str, Any]]:
     if (
         not isinstance(meta, dict)
         or meta.get("format") != _FORMAT
@@ -567,17 +506,17 @@ def _check_meta(where: str, meta: Any) -> tuple[list[dict[str, Any]], int]:
             "malformed. Restore it with Orbax directly, or save it again with eqstate."
         )
     version = meta.get("version")
-    if type(version) is not int or version not in _READABLE:
+    if version != _VERSION:
         raise CheckpointError(
             f"{where!r} has eqstate's Orbax format version {version}, but this "
-            f"version of eqstate reads only versions {', '.join(map(str, _READABLE))}."
-            " Load it with the eqstate release that wrote it."
+            f"version of eqstate reads only version {_VERSION}. Load it with the "
+            "eqstate release that wrote it."
         )
     entries = meta["entries"]
     # Every entry eqstate wrote has a checksum (a bit flipped in its key name would
-    # otherwise skip verifying that array); version 2 also has one of the entries.
+    # otherwise skip verifying that array), and so do the entries themselves.
     if not all(type(entry.get("checksum")) is int for entry in entries) or (
-        version >= 2 and meta.get("entries_crc32") != _entries_crc32(entries)
+        meta.get("entries_crc32") != _entries_crc32(entries)
     ):
         raise CheckpointError(
             f"The checkpoint {where!r} is corrupted: its `eqstate` item, which "
@@ -585,7 +524,7 @@ def _check_meta(where: str, meta: Any) -> tuple[list[dict[str, Any]], int]:
             "changed after they were written (a disk or transfer error); copy it "
             "again or use an earlier checkpoint."
         )
-    return entries, version
+    return entries
 
 
 def _place_directly(leaf: Any) -> bool:
@@ -623,27 +562,10 @@ def _restore_args(ocp: Any, specs: list[tuple[Leaf, Any]]) -> dict[str, Any]:
     return args
 
 
-def _value(spec: Leaf, leaf: Any, stored: Any) -> Any:
-    with made_where(leaf):
-        value = jnp.asarray(stored)
-        if spec.key_impl is not None:
-            value = jax.random.wrap_key_data(value, impl=spec.key_impl)
-    if isinstance(stored, np.ndarray) and (sharding := target_sharding(leaf)):
-        # As in the single-file format: only values tied to devices are placed.
-        value = device_put(value, sharding)
-    return value
-
-
-def _verify(
-    where: str,
-    specs: list[tuple[Leaf, Any]],
-    stored: dict,
-    by_path: dict,
-    version: int,
-) -> None:
+def _verify(where: str, specs: list[tuple[Leaf, Any]], stored: dict, by_path: dict):
     paths = [spec.path for spec, _ in specs]
     arrays = [jnp.asarray(stored[path]) for path in paths]
-    for path, found in zip(paths, checksums(arrays, version)):
+    for path, found in zip(paths, checksums(arrays)):
         entry = by_path[path]
         if found != entry["checksum"]:
             raise CheckpointError(
@@ -655,22 +577,22 @@ def _verify(
 
 
 def restore_with(
-    restore: Any, where: str, model_or_states: PyTree, model: PyTree | None
-) -> StateDict:
-    """Loads into the target through `restore(args)`, an Orbax restore call of one
-    checkpoint: reads eqstate's entries, checks them against the target, restores
-    each array onto the target's sharding, and verifies the checksums."""
+    restore: Callable[[Any], Any], where: str, target: Target
+) -> tuple[list[Any], dict[str, Any]]:
+    """The arrays for `target.specs` and eqstate's entries by path, read through
+    `restore(args)`, an Orbax restore call of one checkpoint: checks the entries
+    against the target, restores each array onto the target's sharding, and
+    verifies the checksums."""
     ocp = orbax("Loading an Orbax checkpoint")
-    expected, paths, target = load_target(model_or_states, model)
-    specs = stored_leaves(paths, expected)
+    specs = target.specs
     try:
         meta = restore(ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
     except (KeyError, FileNotFoundError, ValueError):
         meta = {_META_ITEM: None}  # not an eqstate checkpoint: refused just below
-    entries, version = _check_meta(where, meta[_META_ITEM])
-    by_path = check_entries(where, target, [spec for spec, _ in specs], entries)
+    entries = _check_meta(where, meta[_META_ITEM])
+    by_path = check_entries(where, target.name, [spec for spec, _ in specs], entries)
     if not specs:  # Nothing to read: a checkpoint of no arrays has no `state` item.
-        return values_from_arrays(expected, [], [], by_path)
+        return [], by_path
     args = ocp.args.PyTreeRestore(restore_args=_restore_args(ocp, specs))
     try:
         stored = restore(ocp.args.Composite(**{_STATE_ITEM: args}))[_STATE_ITEM]
@@ -681,23 +603,19 @@ def restore_with(
             "incomplete (changed or cut short after they were written); copy it "
             "again or use an earlier checkpoint."
         ) from e
-    _verify(where, specs, stored, by_path, version)
-    arrays = [_value(spec, leaf, stored[spec.path]) for spec, leaf in specs]
-    return values_from_arrays(expected, specs, arrays, by_path)
+    _verify(where, specs, stored, by_path)
+    return [as_loaded(spec, leaf, stored[spec.path]) for spec, leaf in specs], by_path
 
 
-def load_orbax(
-    path: str, model_or_states: PyTree, *, model: PyTree | None = None
-) -> StateDict:
-    """`eqstate.load(path, model_or_states, model=model, backend='orbax')`."""
+def load_orbax(path: str, target: Target) -> tuple[list[Any], dict[str, Any]]:
+    """`eqstate.load(path, ..., backend='orbax')`: the arrays for `target.specs`,
+    and the checkpoint's entries by path."""
     ocp = orbax("Loading an Orbax checkpoint")
     if not os.path.isdir(path):
         raise CheckpointError(f"No Orbax checkpoint at {path!r}: " + _why_none(path))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         restore = ft.partial(checkpointer.restore, os.path.abspath(path))
-        return restore_with(
-            lambda args: restore(args=args), path, model_or_states, model
-        )
+        return restore_with(lambda args: restore(args=args), path, target)
 
 
 def _why_none(path: str) -> str:
@@ -714,483 +632,3 @@ def _why_none(path: str) -> str:
         "the directory does not exist. Check the path, or write one first with "
         "`eqstate.save`."
     )
-
-
-# A series of checkpoints ---------------------------------------------------------------
-
-
-def _as_step(step: Any, directory: str) -> int:
-    """`step` as a Python int (NumPy and 0-d JAX integers count); else `CheckpointError`:
-    Orbax would write a directory named `1.5` that a reopened manager does not list."""
-    try:
-        number = operator.index(step)
-    except TypeError:
-        number = None
-    if number is None or isinstance(step, bool) or number < 0:
-        raise CheckpointError(
-            f"Checkpoint steps in {directory!r} are non-negative integers, got "
-            f"{step!r} (a {type(step).__name__}). Pass the training step, e.g. "
-            "`int(step)`."
-        )
-    return number
-
-
-# The closers of managers that may have saves in flight when the program ends (see
-# `_finish_saves`). Each `weakref.finalize` also runs when its manager is dropped, so
-# that a manager a function made and forgot to close finishes its saves then, while
-# Python can still start the threads Orbax needs (from 3.12 on it cannot at exit).
-_UNCLOSED: "set[weakref.finalize]" = set()
-# The Orbax managers of this process, and their directories: a manager's first save
-# removes no unfinished save while another of them is writing one there.
-_ORBAX_MANAGERS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
-# Managers the garbage collector dropped, waiting for `_close_queued` to close them
-# (see `_close_dropped`); `None` tells that thread to stop.
-_DROPPED: "queue.SimpleQueue[tuple[Any, str] | None]" = queue.SimpleQueue()
-_CLOSER: list[threading.Thread] = []
-_CLOSER_STARTING = threading.Lock()
-_FINISH_REGISTERED = threading.Lock()
-# Whether this thread is collecting garbage (see `_note_collection`).
-_COLLECTING = threading.local()
-
-
-def _note_collection(phase: str, info: dict) -> None:
-    _COLLECTING.now = phase == "start"
-
-
-def _close_dropped(manager: Any, directory: str) -> None:
-    """Waits for the saves of a manager nobody closed, then closes it; says on stderr
-    if its last checkpoint may be lost.
-
-    A manager in a reference cycle is dropped by the garbage collector, which runs
-    in whichever thread allocates, possibly one of Orbax's own that the save needs,
-    or one holding a lock of `threading`'s that starting a thread takes: waiting or
-    starting a thread there could wait forever. The manager is queued instead, for
-    a thread started with the first manager."""
-    if getattr(_COLLECTING, "now", False):
-        _DROPPED.put((manager, directory))  # Safe inside a collection: no lock.
-    else:
-        _close_now(manager, directory)
-
-
-def _close_now(manager: Any, directory: str) -> None:
-    try:
-        manager.close()
-    except Exception as error:
-        _report_incomplete(directory, error)
-
-
-def _close_queued() -> None:
-    while (dropped := _DROPPED.get()) is not None:
-        _close_now(*dropped)
-
-
-def _start_closer_thread() -> None:
-    """Starts the thread closing the managers the garbage collector drops, unless it
-    runs. It is a daemon: `_finish_saves` waits for its work when the program ends."""
-    with _CLOSER_STARTING:
-        if _CLOSER and _CLOSER[0].is_alive():
-            return
-        closer = threading.Thread(
-            target=_close_queued,
-            name="eqstate: closing dropped checkpoint managers",
-            daemon=True,
-        )
-        closer.start()
-        _CLOSER[:] = [closer]
-
-
-def _report_incomplete(directory: str, error: BaseException) -> None:
-    print(
-        f"eqstate: the checkpoint being saved in {directory!r} when its manager was "
-        f"dropped or the program ended may be incomplete: {error!r}. Call `close()` "
-        "(or use a `with` block) once training is done.",
-        file=sys.stderr,
-    )
-
-
-def _finish_saves() -> None:
-    """Closes every manager not yet closed, each in turn even if one fails, and waits
-    for those being closed: a program that ends without `close()` must not lose the
-    checkpoint its last `save` reported."""
-    closers = list(_UNCLOSED)
-    for closer in closers:
-        closer()
-    _UNCLOSED.difference_update(closers)
-    _DROPPED.put(None)
-    for thread in _CLOSER:
-        thread.join()
-    # Dropped after the thread stopped (or in a child process, which has no thread).
-    while not _DROPPED.empty():
-        if (dropped := _DROPPED.get()) is not None:
-            _close_now(*dropped)
-
-
-def _finish_saves_at_exit() -> None:
-    """Registers `_finish_saves` to run when the main thread ends, once. It must run
-    before `concurrent.futures` stops taking work (Orbax's background saves submit
-    more), so it uses the hook that module uses, where there is one: a plain
-    `atexit` handler runs too late."""
-    if not _FINISH_REGISTERED.acquire(blocking=False):
-        return
-    gc.callbacks.append(_note_collection)
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # pragma: no cover - depends on the Python release
-        import atexit
-
-        atexit.register(_finish_saves)
-    else:
-        register(_finish_saves)
-
-
-_STEP_FIX = (
-    "Move it out of {directory!r}, whose entries named by numbers are checkpoints, "
-    "or save another step"
-)
-
-
-class _CheckpointsOnly:
-    """An Orbax `NameFormat` that lists as steps only the directories that are Orbax
-    checkpoints: a user's directory `1/` or file `5` in the manager's directory is no
-    step, so the manager neither loads it nor deletes it under `max_to_keep`."""
-
-    def __init__(self, name_format: Any):
-        self._name_format = name_format
-
-    def build_name(self, step: int) -> str:
-        return self._name_format.build_name(step)
-
-    def find_all(self, base_path: Any) -> Any:
-        return (
-            metadata
-            for metadata in self._name_format.find_all(base_path)
-            if (metadata.path / _CHECKPOINT_FILE).is_file()
-        )
-
-    def find_step(self, base_path: Any, step: int) -> Any:
-        metadata = self._name_format.find_step(base_path, step)
-        if not (metadata.path / _CHECKPOINT_FILE).is_file():
-            raise ValueError(f"{metadata.path} is not a checkpoint.")
-        return metadata
-
-
-class CheckpointManager:
-    """A directory of numbered checkpoints of a training run, written with Orbax: it
-    keeps the last few, saves in the background while training goes on, and finds
-    the latest one to resume from.
-
-    Every process of a multi-process program (`jax.distributed`) creates the manager
-    with the same directory and calls `save` and `load` together; each process then
-    writes and reads only its own shards. Checkpoints store each array under its
-    readable state path, as [`eqstate.save`][] does, and `load` refuses a
-    checkpoint that does not match the target with the same errors as
-    [`eqstate.load`][], or whose bytes changed since they were written. A checkpoint
-    loads onto any mesh and any number of processes: each array goes where the
-    target's value is placed.
-
-    Needs `orbax-checkpoint` (`pip install 'eqstate[orbax]'`).
-
-    !!! Example
-
-        ```python
-        import tempfile
-
-        import eqstate as es
-        import jax.numpy as jnp
-
-        w = es.ParamState(jnp.zeros(3), name="w")
-        with tempfile.TemporaryDirectory() as directory:
-            with es.CheckpointManager(directory, max_to_keep=2) as manager:
-                for step in range(1, 5):
-                    w.value = w.value + 1
-                    manager.save(step, es.values_of(w))
-                manager.wait_until_finished()
-                assert manager.steps() == (3, 4)
-
-            # Later, perhaps in a new process: resume from the latest checkpoint.
-            w.value = jnp.zeros(3)
-            with es.CheckpointManager(directory) as manager:
-                es.assign(manager.load(es.values_of(w)))
-                assert manager.latest_step() == 4 and (w.value == 4).all()
-        ```
-    """
-
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        *,
-        max_to_keep: int | np.integer | None = None,
-        async_save: bool = True,
-    ):
-        """**Arguments:**
-
-        - `directory`: where the checkpoints go, one subdirectory per step. It is
-            created if missing. Only subdirectories that are checkpoints count as
-            steps: others, even named by a number, are neither loaded nor deleted.
-            What a save that never finished (a crash) left is removed at this
-            manager's first save (or a later one, while another manager of this
-            program is writing there), not before: a manager that only reads never
-            touches a save another program is writing.
-            With several processes, every process must see it (a shared file
-            system, or a bucket Orbax can write).
-        - `max_to_keep`: keep only the last this many checkpoints (a positive
-            `int`), deleting older ones after each save; `None` keeps all. (Keyword
-            only argument.)
-        - `async_save`: save in the background: `save` returns once the values are
-            copied off the devices, and the files are written while the program
-            goes on. Call `close()` (or use a `with` block) once training is done.
-            A manager dropped without it (say, the local of a function that
-            returned) waits for its saves and closes then; one in a reference cycle
-            is closed by a background thread of eqstate's once the garbage
-            collector drops it. One whose saves are still being written when the
-            program ends is waited for then on Python 3.11; from Python 3.12 on,
-            Python refuses the threads Orbax then needs, so its last save may be
-            lost (eqstate says so on stderr) and Orbax's waiting threads may hold
-            the program's exit up for minutes. (Keyword only argument.)
-
-        **Raises:**
-
-        [`eqstate.CheckpointError`][] if `directory` is a file, or cannot be created
-        or read.
-        """
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool)
-            or not isinstance(max_to_keep, (int, np.integer))
-            or max_to_keep < 1
-        ):
-            raise ValueError(
-                f"`max_to_keep` must be a positive number of checkpoints (an int), or "
-                f"None to keep all; got {max_to_keep!r}."
-            )
-        ocp = orbax("`eqstate.CheckpointManager`")
-        self._ocp = ocp
-        self.directory = os.path.abspath(os.fspath(directory))
-        if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
-            what = "a file" if os.path.exists(self.directory) else "a broken symlink"
-            raise CheckpointError(
-                f"Cannot keep checkpoints in {self.directory!r}: it is {what}, not a "
-                "directory. Pass the path of a directory, which is created if "
-                "missing; a single checkpoint file is written with "
-                "`eqstate.save(path, states)`."
-            )
-        self._name_format = _CheckpointsOnly(ocp.step.standard_name_format())
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if max_to_keep is None else int(max_to_keep),
-            enable_async_checkpointing=async_save,
-            create=True,
-            # Orbax would remove unfinished saves in a background thread, racing
-            # with saves other managers are writing; `save` removes them instead.
-            cleanup_tmp_directories=False,
-            step_name_format=self._name_format,
-        )
-        try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
-        except OSError as e:
-            raise CheckpointError(
-                f"Cannot keep checkpoints in {self.directory!r}: creating or reading "
-                f"it failed ({type(e).__name__}: {e}). Pass a directory this program "
-                "can create and write, on a file system with space."
-            ) from e
-        _ORBAX_MANAGERS[self._manager] = os.path.realpath(self.directory)
-        self._closed = False
-        self._unfinished_saves_removed = False
-        self._closer = weakref.finalize(
-            self, _close_dropped, self._manager, self.directory
-        )
-        self._closer.atexit = async_save  # Only saves in the background can be lost.
-        _start_closer_thread()
-        if async_save:
-            _UNCLOSED.difference_update([c for c in list(_UNCLOSED) if not c.alive])
-            _UNCLOSED.add(self._closer)
-            _finish_saves_at_exit()
-
-    def save(
-        self,
-        step: int | np.integer | jax.Array,
-        states: Mapping[State, PyTree],
-        *,
-        model: PyTree | None = None,
-    ) -> None:
-        """Saves the values of `states` as checkpoint `step`.
-
-        **Arguments:**
-
-        - `step`: the checkpoint's number, a non-negative integer (a NumPy or 0-d
-            JAX integer too), e.g. the training step; higher than every step saved
-            before.
-        - `states`, `model`: as in [`eqstate.save`][]: the values, and a PyTree
-            holding the handles that gives each state its path (else state names).
-            (`model` is a keyword only argument.)
-
-        **Raises:**
-
-        [`eqstate.CheckpointError`][] as [`eqstate.save`][] does (inside a JAX
-        transform too), if `step` is not a non-negative integer higher than the
-        latest step saved, if the directory holds a file, a directory that is
-        not a checkpoint, or a checkpoint another manager saved, under the name of
-        `step` (saving would delete it), or if the manager is closed. Nothing is
-        written or removed then.
-        """
-        refuse_under_transforms(
-            "save",
-            "step(x)\n    manager.save(n, eqstate.values_of(model), model=model)",
-        )
-        self._refuse_if_closed("save")
-        step = _as_step(step, self.directory)
-        latest = self._manager.latest_step()
-        if latest is not None and step <= latest:
-            raise CheckpointError(
-                f"Cannot save checkpoint {step} in {self.directory!r}: it already "
-                f"holds step {latest}, and steps must increase. Pass the training "
-                "step, or resume from the latest checkpoint with `load` first."
-            )
-        step_path = os.path.join(self.directory, self._name_format.build_name(step))
-        if os.path.isfile(os.path.join(step_path, _CHECKPOINT_FILE)):
-            raise CheckpointError(
-                f"Cannot save checkpoint {step} in {self.directory!r}: another manager "
-                "or program saved that step after this manager was made, and saving "
-                "would replace it. Nothing was written or removed. Keep one manager "
-                "per directory, or make a new one, which sees every step saved, and "
-                "save a later step."
-            )
-        fix = _STEP_FIX.format(directory=self.directory)
-        _refuse_to_replace_in_any_process(step_path, f"checkpoint {step}", (fix, fix))
-        args, _ = _save_args(self._ocp, states, model)
-        with _SAVING, _orbax_write_errors(step_path):
-            self._remove_unfinished_saves()
-            self._manager.save(step, args=args, force=True)
-
-    def load(
-        self,
-        model_or_states: PyTree,
-        *,
-        step: int | np.integer | jax.Array | None = None,
-        model: PyTree | None = None,
-    ) -> StateDict:
-        """Loads checkpoint `step` (by default the latest) into the target.
-
-        **Arguments:**
-
-        - `model_or_states`, `model`: the target, as in [`eqstate.load`][]. Its
-            current values give the expected shapes and dtypes, and the sharding
-            each loaded array gets. (`model` is a keyword only argument.)
-        - `step`: which checkpoint; `None` for the latest: in a program of several
-            processes, the latest that process 0 sees, in every process (another
-            program may save while they look). (Keyword only argument.)
-
-        **Returns:**
-
-        A [`eqstate.StateDict`][] of the loaded values; pass it to
-        [`eqstate.assign`][].
-
-        **Raises:**
-
-        [`eqstate.CheckpointError`][] if there is no such checkpoint or the manager
-        is closed, or as [`eqstate.load`][] does (inside a JAX transform too).
-        """
-        refuse_under_transforms(
-            "load", "eqstate.assign(manager.load(model))\n    step(x)"
-        )
-        self._refuse_if_closed("load")
-        self._manager.wait_until_finished()
-        steps = self.steps()
-        if step is None:
-            # Another program may save meanwhile: every process loads the step that
-            # process 0 sees as the latest (it may be new to the others' listing).
-            latest = _process_0s(steps[-1] if steps else None)
-            if latest is None:
-                raise CheckpointError(
-                    f"No checkpoint in {self.directory!r} yet. Check "
-                    "`manager.latest_step() is not None` before loading, and start "
-                    "from scratch otherwise."
-                )
-            step = latest
-            if step not in steps:  # Saved since this process listed the directory.
-                self._reread_steps()
-        else:
-            step = _as_step(step, self.directory)
-            if step not in steps:
-                raise CheckpointError(
-                    f"No checkpoint {step} in {self.directory!r}; it holds steps "
-                    f"{list(steps)}."
-                )
-        restore = ft.partial(self._manager.restore, step)
-        where = os.path.join(self.directory, str(step))
-        return restore_with(
-            lambda args: restore(args=args), where, model_or_states, model
-        )
-
-    def latest_step(self) -> int | None:
-        """The highest step saved (or being saved), or `None` if there is none. Steps
-        other managers or programs saved or removed count too."""
-        self._reread_steps()
-        return self._manager.latest_step()
-
-    def steps(self) -> tuple[int, ...]:
-        """Every step kept, in increasing order, as the directory now holds them."""
-        self._reread_steps()
-        return tuple(sorted(self._manager.all_steps()))
-
-    def _reread_steps(self) -> None:
-        """Lists the steps in the directory again (another manager or program may
-        have saved or removed some since), unless a save of this manager's is being
-        written, which Orbax would then leave out."""
-        if not self._closed and not self._manager.is_saving_in_progress():
-            self._manager.reload()
-
-    def is_saving(self) -> bool:
-        """Whether a save is still being written in the background."""
-        return self._manager.is_saving_in_progress()
-
-    def wait_until_finished(self) -> None:
-        """Blocks until every save has been written and committed."""
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        """Waits for the saves in flight, then releases the manager's resources.
-        Call it (or use a `with` block) before the program ends: see `async_save`.
-        A closed manager refuses to save or load; closing it again is harmless.
-
-        **Raises:**
-
-        What Orbax raises if a save in the background failed; the manager is
-        closed all the same."""
-        try:
-            self._manager.close()
-        finally:
-            self._closed = True
-            self._closer.detach()
-            _UNCLOSED.discard(self._closer)
-
-    def _remove_unfinished_saves(self) -> None:
-        """Removes what saves that never finished (a crash) left in the directory.
-
-        Done at the first save, not when the manager is made: a manager made only
-        to read would otherwise remove the save another program is writing. Put
-        off to a later save while another manager of this process writes one there.
-        """
-        here = _ORBAX_MANAGERS[self._manager]  # its real path: through any symlink
-        if self._unfinished_saves_removed or any(
-            other is not self._manager
-            and where == here
-            and other.is_saving_in_progress()
-            for other, where in list(_ORBAX_MANAGERS.items())
-        ):
-            return
-        self._manager.wait_until_finished()  # as Orbax's `save` does next
-        if jax.process_index() == 0:
-            for name in self._ocp.step.tmp_checkpoints(self.directory):
-                shutil.rmtree(os.path.join(self.directory, name))
-        self._unfinished_saves_removed = True
-
-    def _refuse_if_closed(self, what: str) -> None:
-        if self._closed:
-            raise CheckpointError(
-                f"Cannot {what} with the checkpoint manager of {self.directory!r}: it "
-                "is closed. Make a new `eqstate.CheckpointManager` for the directory."
-            )
-
-    def __enter__(self) -> "CheckpointManager":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()

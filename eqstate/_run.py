@@ -2,26 +2,37 @@
 make_with_states, states_of."""
 
 import functools as ft
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, overload, ParamSpec, TypeVar
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _context, _jax_compat as compat
+from ._arguments import flag
 from ._custom_types import Filter, MISSING
 from ._errors import (
+    note_frozen_module,
     RAW_TRANSFORM_READ,
     StateNotFoundError,
     StateValueError,
     TraceContextError,
 )
 from ._filters import to_predicate
-from ._pretty_print import state_label, value_summary
-from ._state import is_state, State
+from ._pretty_print import first_and_more, state_label, value_summary
+from ._shapes import is_key
+from ._state import is_state, ParamState, RandomState, State
 from ._state_dict import state_dict_of, StateDict
 from ._static_fields import refuse_static_handles
+from ._write_checks import (
+    check_write,
+    refuse_leaked_tracers,
+    to_new_value,
+    to_value,
+)
 
 
 _P = ParamSpec("_P")
@@ -182,7 +193,7 @@ def _scope_value(state: State, value: Any) -> Any:
             "scope or `eqstate.run` needs values to compute with. Pass arrays, e.g. "
             "`jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)`."
         )
-    return _context.to_value(value)
+    return to_value(value)
 
 
 class scope:
@@ -258,6 +269,8 @@ class scope:
         assert self._frame is not None
         if exc_type is None:
             self._states = state_dict_of(dict(self._frame.values))
+        else:
+            note_frozen_module(exc_value)
         # A task or thread that copied the context inside the block still holds the
         # frame: ending it makes its later uses raise instead of changing the result.
         self._frame.end()
@@ -325,9 +338,48 @@ def run(
         assert states[count] == 1 and y == 2.0
         ```
     """
+    if not compat.is_top_level() and isinstance(states, StateDict):
+        models = {"fn": fn, **{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
+        _warn_if_half_differentiated(states, models)
     with scope(states) as s:
         out = fn(*args, **kwargs)
     return s.states, out
+
+
+_HALF_DIFFERENTIATED = (
+    "`eqstate.run` is differentiated (`jax.grad`, `eqx.filter_grad`, ...) with "
+    "respect to part of a model's values only: {missing} get no gradient. "
+    "Differentiate the model's arrays and its states' values together "
+    "(`eqx.filter_grad` with respect to `(model, states)`), or use "
+    "`eqstate.transform.grad(loss, argnums=0, grad_states=eqstate.ParamState)"
+    "(model, ...)`, which differentiates both."
+)
+
+
+def _warn_if_half_differentiated(states: StateDict, models: dict[str, Any]) -> None:
+    """Under a raw JAX differentiation, warns if a model among `models` has
+    floating-point values (its arrays, the values of its `ParamState`s in `states`)
+    some of which are differentiated and some not."""
+    trace = compat.differentiation_inside(None)
+    if trace is None:
+        return
+    missing, some_traced = [], False
+    for name, model in models.items():
+        values = []
+        for path, x in jtu.tree_leaves_with_path(model, is_leaf=is_state):
+            if eqx.is_inexact_array(x):
+                values.append((f"`{name}{jtu.keystr(path)}`", [x]))
+            elif isinstance(x, ParamState) and x in states:
+                leaves = jtu.tree_leaves(eqx.filter(states[x], eqx.is_inexact_array))
+                values.append((state_label(x), leaves))
+        traced = [any(compat.is_traced_by(x, trace) for x in v) for _, v in values]
+        if any(traced):
+            some_traced = True
+            missing += [n for (n, v), t in zip(values, traced) if v and not t]
+    if some_traced and missing:
+        warnings.warn(
+            _HALF_DIFFERENTIATED.format(missing=first_and_more(missing)), stacklevel=3
+        )
 
 
 def make_with_states(
@@ -439,6 +491,7 @@ def states_of(
             "states are its keys. Pass the model, or use the StateDict's `states` or "
             "`filter(...)`."
         )
+    flag(with_paths, "with_paths", owner="`states_of`'s ")
     refuse_static_handles(pytree)
     predicates = [to_predicate(f) for f in filters]
     found: dict[State, tuple] = {}
@@ -492,6 +545,16 @@ def _read_to_write(frame: _context.Frame, states: list[State]) -> list[Any]:
     raise refused
 
 
+_ASSIGN_LOAD = (
+    " (`eqstate.load(path, model)` now writes the states itself and returns the model, "
+    "its arrays loaded too: `model = eqstate.load(path, model)`.)"
+)
+_ASSIGN_PAIR = (
+    " A pair `(StateDict, arrays)` is shaped like `eqstate.trainable(model)`: apply "
+    "such updates to the model with `model = eqstate.apply_updates(model, updates)`."
+)
+
+
 def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     """Writes every value of `values` to its state in the innermost context, as
     `state.value = value` would, all at once: every write is checked before any is
@@ -516,12 +579,8 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
         assert (w.value == 1).all()
         ```
     """
-    if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
-        raise TypeError(
-            "`eqstate.assign` takes a StateDict or a mapping from state handles to new "
-            f"values, got {type(values).__name__} {values!r:.60}. E.g. "
-            "`eqstate.assign({w: new_w})`."
-        )
+    pair = _ASSIGN_PAIR if _is_update_pair(values) else ""
+    _check_mapping(values, "assign", _ASSIGN_LOAD + pair)
     states = list(values)
     if not states:
         return
@@ -530,6 +589,120 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     current = _read_to_write(frame, states)
     checked = {}
     for state, old in zip(states, current):
-        _context.refuse_leaked_tracers(state, values[state], eager)
-        checked[state] = _context.check_write(state, old, values[state])
+        refuse_leaked_tracers(state, values[state], eager)
+        checked[state] = check_write(state, old, values[state])
     frame.commit(checked)
+
+
+def _is_update_pair(values: Any) -> bool:
+    """Whether `values` is shaped like `eqstate.trainable(model)`."""
+    return (
+        isinstance(values, tuple)
+        and len(values) == 2
+        and isinstance(values[0], StateDict)
+    )
+
+
+def _check_mapping(values: Any, name: str, hint: str = "") -> None:
+    if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
+        raise TypeError(
+            f"`eqstate.{name}` takes a StateDict or a mapping from state handles to "
+            f"new values, got {type(values).__name__} {values!r:.60}. E.g. "
+            f"`eqstate.{name}({{w: new_w}})`.{hint}"
+        )
+
+
+_NEW_SHAPE_IN_TRANSFORM = (
+    "Cannot give {label} the value {new} inside an eqstate transform: a traced "
+    "function keeps the structure and shape of every state it uses, which its trace "
+    "takes as inputs. Call `eqstate.init_states` before calling the transformed "
+    "function (which traces again for the new shapes): in eager code, or inside "
+    "`eqstate.scope` or `eqstate.run`."
+)
+
+
+def init_states(values: Mapping[State, PyTree] | PyTree) -> None:
+    """Gives states new values of any structure, shape or dtype, all at once, as
+    when they were created: what brainstate's `init_state(batch_size)` and
+    `reset_state` do, such as giving a hidden state the batch size of the next
+    sequence. A write (`state.value = ...`, [`eqstate.assign`][]) must keep the
+    structure, shape and dtype of the current value; this is the separate, explicit
+    way to change them.
+
+    A state keeps its structure and shape within a traced function, so this changes
+    them only outside eqstate's transforms: in eager code, and inside
+    [`eqstate.scope`][] and [`eqstate.run`][] (also under `jax.jit`). Inside a
+    transform, values that keep the structure and shape are written as by
+    [`eqstate.assign`][], and any other raises [`eqstate.StateValueError`][] with
+    nothing written, so that a layer's `init_state` may be called everywhere with
+    the batch size it already has.
+
+    **Arguments:**
+
+    - `values`: a [`eqstate.StateDict`][] or mapping from handles to their new
+        values (PyTrees of arrays). Each state must have a value in the innermost
+        context already; a [`eqstate.RandomState`][] takes typed keys.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import equinox as eqx
+        import jax.numpy as jnp
+
+        class Integrator(eqx.Module):
+            h: es.ShortTermState
+
+            def __init__(self, size):
+                self.h = es.ShortTermState(jnp.zeros(size))
+
+            def init_state(self, batch_size):
+                es.init_states({self.h: jnp.zeros((batch_size, *self.h.value.shape[-1:]))})
+
+            def __call__(self, x):
+                self.h.value = self.h.value + x
+                return self.h.value
+
+        layer = Integrator(3)
+        layer.init_state(8)
+        step = es.transform.jit(layer)
+        assert step(jnp.ones((8, 3))).shape == (8, 3)
+        layer.init_state(2)  # a new batch size: `step` traces again
+        assert step(jnp.ones((2, 3))).shape == (2, 3)
+        ```
+    """
+    _check_mapping(values, "init_states")
+    states = list(values)
+    frame = _context.current_frame()
+    if not isinstance(frame, _context.World | _context.DictFrame):
+        current = _read_to_write(frame, states)
+        for state, old in zip(states, current):
+            new = to_new_value(state, values[state])
+            if not _same_structure_and_shapes(old, new):
+                label, shown = state_label(state, old), value_summary(new)
+                raise StateValueError(
+                    _NEW_SHAPE_IN_TRANSFORM.format(label=label, new=shown)
+                )
+        assign(values)
+        return
+    new = {}
+    for state in states:
+        frame.fetch(state)  # Raises for a state that has no value here.
+        value = to_new_value(state, values[state])
+        refuse_leaked_tracers(state, value, compat.is_top_level())
+        if isinstance(state, RandomState) and not all(
+            map(is_key, jtu.tree_leaves(value))
+        ):
+            raise StateValueError(
+                f"Cannot give {state_label(state)} the value {value_summary(value)}: a "
+                "RandomState holds typed PRNG keys (`jax.random.key`)."
+            )
+        new[state] = value
+    frame.commit(new)
+
+
+def _same_structure_and_shapes(old: PyTree, new: PyTree) -> bool:
+    old_leaves, old_def = jtu.tree_flatten(old)
+    new_leaves, new_def = jtu.tree_flatten(new)
+    shapes = [(o.shape, n.shape) for o, n in zip(old_leaves, new_leaves)]
+    return old_def == new_def and all(o == n for o, n in shapes)

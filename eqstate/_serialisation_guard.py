@@ -21,24 +21,19 @@ _SERIALISE = (
     "`eqx.tree_serialise_leaves` met {label}. A handle holds no value, so Equinox would "
     "skip it and save none of the values of the states: the file would load back as a "
     "model with its initial states. (Equinox had already opened the file for writing: "
-    "a file that was at that path is now truncated.) Save the states' values, in the "
-    "model's order, next to the model's arrays, and leave the handles out:\n"
-    "    eqx.tree_serialise_leaves(path, (eqx.filter(model, eqx.is_array), "
-    "[s.value for s in eqstate.states_of(model)]))\n"
-    "or use `eqstate.save`, which matches entries by path and also stores PRNG keys. "
-    "See the checkpoints how-to."
+    "a file that was at that path is now truncated.) Save the model with eqstate, "
+    "which stores its arrays and its states' values together, by path:\n"
+    "    eqstate.save(path, model)\n"
+    "    model = eqstate.load(path, model)"
 )
 
 _DESERIALISE = (
     "`eqx.tree_deserialise_leaves` met {label} in `like`. A handle holds no value, so "
     "Equinox would load nothing into it and the states would keep the values they have "
-    "now. Load the values in the model's order and assign them:\n"
-    "    states = eqstate.states_of(model)\n"
-    "    arrays, values = eqx.tree_deserialise_leaves(path, "
-    "(eqx.filter(model, eqx.is_array), [s.value for s in states]))\n"
-    "    model = eqx.combine(arrays, model)\n"
-    "    eqstate.assign(dict(zip(states, values)))\n"
-    "See the checkpoints how-to."
+    "now. Save and load the model with eqstate, which stores its arrays and its "
+    "states' values together, by path:\n"
+    "    eqstate.save(path, model)\n"
+    "    model = eqstate.load(path, model)"
 )
 
 _EQUINOX_CALLERS = {

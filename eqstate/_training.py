@@ -17,6 +17,7 @@ from ._pretty_print import first_and_more, state_label
 from ._run import assign, states_of, values_of
 from ._state import ParamState, State
 from ._state_dict import state_dict_of, StateDict
+from ._write_checks import STRUCTURE_HINTS
 
 
 _Model = TypeVar("_Model")
@@ -39,6 +40,52 @@ Updates of the states alone (a StateDict, as optax gives them for
     eqstate.assign(optax.apply_updates(params, updates))"""
 
 
+_OTHER_STYLE = """\
+Cannot write a value shaped like {new} to {label}, whose value is shaped like {old}:
+the two come from the two ways of training a model (`eqstate.trainable` gives pairs
+`(StateDict, arrays)`, `eqstate.values_of` StateDicts alone). Build the optimiser
+state, the gradients and the updates alike, as in the recommended step:
+
+    opt_state = eqstate.LongTermState(optimizer.init(eqstate.trainable(model)))
+    ...
+    grad = eqstate.transform.grad(loss, argnums=0, grad_states=eqstate.ParamState)
+    params = eqstate.trainable(model)
+    updates, opt_state.value = optimizer.update(grad(model, x), opt_state.value, params)
+    model = eqstate.apply_updates(model, updates)"""
+
+_SHAPED_LIKE = {
+    "trainable": "`eqstate.trainable(model)`",
+    "values_of": "`eqstate.values_of(model, eqstate.ParamState)`",
+}
+
+
+def _is_trainable_pair(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], StateDict)
+
+
+def _style(value: PyTree) -> str | None:
+    """`'trainable'` if `value` (an optimiser state, say) holds `trainable`'s pairs
+    only, `'values_of'` if it holds StateDicts alone only, else `None`."""
+    is_node = lambda x: _is_trainable_pair(x) or isinstance(x, StateDict)  # noqa: E731
+    kinds = {
+        _is_trainable_pair(x) for x in jtu.tree_leaves(value, is_node) if is_node(x)
+    }
+    return {frozenset({True}): "trainable", frozenset({False}): "values_of"}.get(
+        frozenset(kinds)
+    )
+
+
+def _other_style_hint(label: str, old: PyTree, new: PyTree) -> str:
+    styles = (_style(old), _style(new))
+    if set(styles) != {"trainable", "values_of"}:
+        return ""
+    old_shape, new_shape = (_SHAPED_LIKE[s] for s in styles)  # type: ignore[index]
+    return _OTHER_STYLE.format(label=label, old=old_shape, new=new_shape)
+
+
+STRUCTURE_HINTS.append(_other_style_hint)
+
+
 def _is_inexact_leaf(x: Any) -> bool:
     # Under `vmap`, `peek` gives a lane's `jax.ShapeDtypeStruct`s, not arrays.
     return isinstance(
@@ -54,7 +101,7 @@ def inexact_part(value: PyTree) -> PyTree | None:
     return part if jtu.tree_leaves(part) else None
 
 
-def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, PyTree]:
+def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, Any]:
     """The values an optimiser updates in a model: the floating-point values of its
     states matching `filters` ([`eqstate.ParamState`][]s by default), and its own
     floating-point arrays (the weights of `eqx.nn` layers).

@@ -68,19 +68,6 @@ def data(key: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     return x, jnp.sin(x[:, 0]) * jnp.cos(x[:, 1])
 
 
-def save(path: str, model: MLP) -> None:
-    # `es.save` stores states; the arrays of the `eqx.nn` layers ride in one more.
-    arrays = es.LongTermState(eqx.filter(model, eqx.is_array))
-    tree = {"model": model, "arrays": arrays}
-    es.save(path, es.values_of(tree), model=tree)
-
-
-def load(path: str, model: MLP) -> MLP:
-    arrays = es.LongTermState(eqx.filter(model, eqx.is_array))
-    es.assign(es.load(path, {"model": model, "arrays": arrays}))
-    return eqx.combine(arrays.value, model)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few steps only")
@@ -101,8 +88,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "mlp.eqstate")
-        save(path, model)
-        restored = load(path, MLP(jr.key(3)))  # other weights, until loaded
+        es.save(path, model)  # the arrays of its `eqx.nn` layers and its states
+        restored = es.load(path, MLP(jr.key(3)))  # other weights, until loaded
     same = jax.tree.leaves((eqx.filter(model, eqx.is_array), es.values_of(model)))
     got = jax.tree.leaves((eqx.filter(restored, eqx.is_array), es.values_of(restored)))
     assert all((a == b).all() and a.dtype == b.dtype for a, b in zip(same, got))

@@ -125,7 +125,7 @@ def main(argv=None):
 
     with es.CheckpointManager(args.checkpoint_dir, max_to_keep=2) as manager:
         if manager.latest_step() is not None:
-            es.assign(manager.load(training))
+            training = manager.load(training)  # writes the states
             say(f"resumed from checkpoint {manager.latest_step()}", flush=True)
         step = int(training.step.value)
         pending = None
@@ -144,7 +144,7 @@ def main(argv=None):
                 # Returns once the values are copied off the devices (after the
                 # previous save, if any, is written); the files are written while
                 # the next steps run.
-                manager.save(step, es.values_of(training), model=training)
+                manager.save(step, training)
                 if pending is not None:
                     say(f"checkpoint {pending} saved", flush=True)
                 pending = step

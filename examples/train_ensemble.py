@@ -274,14 +274,14 @@ def main() -> None:
     # 4. Save every state (weights and hidden states), each under its path in the
     # model, such as `cell.weight_hh`.
     checkpoint = args.out / "ensemble.eqstate"
-    es.save(checkpoint, es.values_of(ensemble), model=ensemble)
+    es.save(checkpoint, ensemble)
     print(f"\nSaved {checkpoint}.")
     # A freshly built ensemble has new handles and new random weights...
     restored = build_ensemble()
     gap = np.abs(restored.cell.weight_hh.value - ensemble.cell.weight_hh.value).max()
     print(f"A freshly built ensemble has other weights (differing by up to {gap:.2f}).")
     # ...until the checkpoint, matched to its states by path, is loaded into it.
-    es.assign(es.load(checkpoint, restored))
+    restored = es.load(checkpoint, restored)
     predict_restored = es.transform.jit(lambda series: predict_all(restored, series))
     same = np.array_equal(predict_restored(test_series), predictions)
     print(

@@ -93,6 +93,21 @@ if os.environ.get("EQSTATE_TEST_CHECK_LEAKS"):
             yield
 
 
+# On a TPU, float32 matrix products run at bfloat16 precision by default; the tests
+# compare with references computed at float32 precision on the CPU.
+_ON_TPU = jax.default_backend() == "tpu"
+if _ON_TPU:
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_or_gpu_only(request):
+    """Tests marked `cpu_or_gpu` are skipped on a TPU, with the marker's reason."""
+    marker = request.node.get_closest_marker("cpu_or_gpu")
+    if _ON_TPU and marker is not None:
+        pytest.skip(f"not on a TPU: {marker.args[0]}")
+
+
 if _STRICT:
 
     @pytest.fixture(autouse=True)
@@ -120,6 +135,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "upstream_leak(reason): trips jax.checking_leaks without eqstate too",
+    )
+    config.addinivalue_line(
+        "markers",
+        "cpu_or_gpu(reason): needs what a TPU lacks (a program that raises while it "
+        "runs, the CPU's memory accounting); skipped on a TPU with the reason",
     )
     config.addinivalue_line(
         "markers",

@@ -119,6 +119,27 @@ def test_ifelse_checks_that_exactly_one_condition_holds():
         f(2.0)
 
 
+def test_eager_ifelse_checks_its_conditions_before_running_a_branch():
+    ran = []
+    branches = [lambda: ran.append(0), lambda: ran.append(1)]
+    with pytest.raises(eqx.EquinoxRuntimeError, match="exactly one condition"):
+        es.transform.ifelse([jnp.array(True), jnp.array(True)], branches)
+    assert ran == []
+
+
+def test_a_traced_ifelse_check_on_a_tpu_warns_and_takes_the_first_branch(
+    monkeypatch,
+):
+    # A TPU program cannot raise: Equinox's check would wait at a prompt forever.
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.delenv("EQX_ON_ERROR", raising=False)
+    f = es.transform.jit(
+        lambda x: es.transform.ifelse([x > 0, x > 1], [lambda: 1, lambda: 2])
+    )
+    with pytest.warns(UserWarning, match="cannot check that exactly one condition"):
+        assert f(2.0) == 1
+
+
 @pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
 def test_ifelse_with_an_else_branch_and_check_cond_says_to_pass_check_cond_false():
     f = es.transform.jit(

@@ -62,7 +62,11 @@ _DOCSTRINGS = _public_objects()
 
 # Pages whose code, written for readers, broadcasts as NumPy does or uses optax.adam
 # (a Python float to an int32 power): the strict run gives them JAX's default promotion.
-_NUMPY_PROMOTION = {"docs/how-to/ensembles.md", "docs/how-to/stateful-layers.md"}
+_NUMPY_PROMOTION = {
+    "docs/how-to/brainstate-ports.md",
+    "docs/how-to/ensembles.md",
+    "docs/how-to/stateful-layers.md",
+}
 
 
 def _page(path: pathlib.Path):

@@ -362,9 +362,7 @@ class _StaticCounter(eqx.Module):
         lambda model, _: es.states_of(model),
         lambda model, _: es.values_of(model),
         lambda model, _: es.clone(model),
-        lambda model, path: es.save(
-            path, es.values_of(model["model"][1].w), model=model
-        ),
+        lambda model, path: es.save(path, model),
     ],
     ids=["states_of", "values_of", "clone", "save"],
 )

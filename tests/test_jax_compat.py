@@ -1,6 +1,7 @@
 import importlib
 import threading
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -187,6 +188,74 @@ def test_evaluates_at_once_tells_eager_transforms_from_staging_ones():
         "scan": False,
     }
     assert compat.evaluates_at_once()  # at top level
+
+
+def test_differentiation_inside_finds_the_innermost_raw_differentiation():
+    seen = {}
+
+    def probe(tag, outer=None):
+        def f(x):
+            seen[tag] = compat.differentiation_inside(outer) is not None
+            return jnp.sum(x)
+
+        return f
+
+    jax.grad(probe("grad"))(jnp.ones(2))
+    jax.vjp(probe("vjp"), jnp.ones(2))
+    jax.jvp(probe("jvp"), (jnp.ones(2),), (jnp.ones(2),))
+    jax.grad(lambda x: jax.vmap(probe("grad-vmap"))(x).sum())(jnp.ones((2, 2)))
+    jax.vmap(probe("vmap"))(jnp.ones((2, 2)))
+    jax.jit(probe("jit"))(jnp.ones(2))
+    jax.grad(jax.jit(probe("grad-jit")))(jnp.ones(2))
+    probe("top level")(jnp.ones(2))
+
+    def inside(x):  # A differentiation inside a trace, seen from that trace.
+        outer = compat.current_trace()
+        probe("own trace", outer)(x)
+        jax.grad(probe("nested", outer))(x)
+        return x
+
+    jax.make_jaxpr(inside)(jnp.ones(2))
+    assert seen == {
+        "grad": True,
+        "vjp": True,
+        "jvp": True,
+        "grad-vmap": True,
+        "vmap": False,
+        "jit": False,
+        "grad-jit": False,
+        "top level": False,
+        "own trace": False,
+        "nested": True,
+    }
+
+
+def test_is_traced_by_follows_values_into_nested_transforms():
+    seen = []
+    constant = jnp.ones(2)
+
+    def f(x):
+        trace = compat.differentiation_inside(None)
+        seen.append(
+            (compat.is_traced_by(x, trace), compat.is_traced_by(constant, trace))
+        )
+        jax.vmap(lambda y: seen.append((compat.is_traced_by(y, trace),)) or y)(x)
+        return jnp.sum(x)
+
+    jax.grad(f)(jnp.ones(2))
+    assert seen == [(True, False), (True,)]
+
+
+def test_without_telling_differentiations_apart_a_parameter_read_does_not_warn(
+    monkeypatch,
+):
+    import eqstate as es
+
+    monkeypatch.setattr(compat, "_DIFFERENTIATING_TRACES", ())
+    w = es.ParamState(jnp.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (jax.grad(lambda x: jnp.sum(w.value * x))(jnp.ones(2)) == 1).all()
 
 
 def test_is_dead_tracer_tells_leaked_tracers_from_live_ones():
@@ -404,3 +473,8 @@ def test_without_trace_eras_a_read_from_a_nested_staging_transform_raises(
     assert es.transform.jit(lambda x: jax.vmap(lambda y: y * w.value)(x))(
         jnp.ones(2)
     ).tolist() == [2.0, 2.0]
+
+
+def test_distributed_client_is_none_until_jax_distributed_is_initialised():
+    # `tests/test_multi_process_checkpoints.py` uses it in processes that did.
+    assert compat.distributed_client() is None

@@ -4,7 +4,9 @@ static leaf, and its state is read and written exactly as if closed over."""
 import collections
 import dataclasses
 import functools as ft
+import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import eqstate as es
@@ -274,7 +276,10 @@ def test_grad_of_a_model_matches_eqx_filter_grad(getkey):
     with pytest.warns(UserWarning, match="'scale', held by the differentiated"):
         grads = es.transform.grad(_loss)(model, x)
     values = es.values_of(model)
-    reference = eqx.filter_grad(lambda m, x: es.run(_loss, values, m, x)[1])(model, x)
+    with pytest.warns(UserWarning, match="ParamState 'scale' get no gradient"):
+        reference = eqx.filter_grad(lambda m, x: es.run(_loss, values, m, x)[1])(
+            model, x
+        )
     assert tree_allclose(grads, reference)
 
 
@@ -325,16 +330,17 @@ def test_vjp_and_jvp_of_a_model(getkey):
     x = jnp.ones(3)
     out, vjp_fn = es.transform.vjp(lambda m: m(x), model)
     (ct,) = vjp_fn(jnp.ones(3))
-    ref_w = jax.grad(
-        lambda w: jnp.sum(_pure(w, model.linear.bias, model.scale.value, x))
-    )(model.linear.weight)
+    scale = model.scale.value
+    ref_w = jax.grad(lambda w: jnp.sum(_pure(w, model.linear.bias, scale, x)))(
+        model.linear.weight
+    )
     assert tree_allclose(ct.linear.weight, ref_w) and ct.scale is None
     # Tangents for the floating-point arrays only, as for `eqx.filter_jvp`.
     tangent = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
     tangent = eqx.combine(tangent, eqx.filter(model, eqx.is_array, inverse=True))
     _, t_out = es.transform.jvp(lambda m: m(x), (model,), (tangent,))
     ref = jax.jvp(
-        lambda w, b: _pure(w, b, model.scale.value, x),
+        lambda w, b: _pure(w, b, scale, x),
         (model.linear.weight, model.linear.bias),
         (jnp.ones((3, 3)), jnp.ones(3)),
     )[1]
@@ -451,38 +457,207 @@ def test_one_optimiser_trains_arrays_and_parameter_states(getkey):
     assert tree_allclose(model.scale.value, params[2], rtol=1e-4, atol=1e-5)
 
 
-def test_grad_warns_when_a_mixed_model_is_closed_over_or_passed_without_argnums(
-    getkey,
+_GLOBAL_MODEL: Any = None
+_TRAINER: Any = None
+
+
+class _Trainer:
+    """brainstate's style: a plain object holding the model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def loss(self, x):
+        return _loss(self.model, x)
+
+
+class _Caller(eqx.Module):
+    model: Mixed
+
+    def __call__(self, x):
+        return _loss(self.model, x)
+
+
+def _global_loss(x):
+    return _loss(_GLOBAL_MODEL, x)
+
+
+def _global_trainer_loss(x):
+    return _TRAINER.loss(x)
+
+
+def _how_reached(how: str, model: Mixed) -> tuple[Callable, tuple, str]:
+    """A loss reaching `model` without differentiating it, the extra arguments it
+    takes besides `x`, and the name the warning gives the model."""
+    return {
+        "closure": (lambda x: _loss(model, x), (), "model"),
+        "global": (_global_loss, (), "_GLOBAL_MODEL"),
+        "method of a plain object": (_Trainer(model).loss, (), "self.model"),
+        "attribute of a global": (_global_trainer_loss, (), "_TRAINER.model"),
+        "module called": (_Caller(model), (), "fun.model"),
+        "partial": (ft.partial(_loss, model), (), "fun(...)"),
+        "argument outside argnums": (lambda x, m: _loss(m, x), (model,), "args[1]"),
+    }[how]
+
+
+@pytest.mark.parametrize("in_jit", (False, True))
+@pytest.mark.parametrize(
+    "how",
+    [
+        "closure",
+        "global",
+        "method of a plain object",
+        "attribute of a global",
+        "module called",
+        "partial",
+        "argument outside argnums",
+    ],
+)
+def test_grad_of_states_alone_warns_naming_the_model_arrays_left_untrained(
+    getkey, monkeypatch, how, in_jit
 ):
     model = Mixed(getkey())
+    monkeypatch.setattr(f"{__name__}._GLOBAL_MODEL", model)
+    monkeypatch.setattr(f"{__name__}._TRAINER", _Trainer(model))
+    loss, extra, name = _how_reached(how, model)
+    grad = es.transform.grad(loss, grad_states=es.ParamState)
+    call = es.transform.jit(grad) if in_jit else grad
+    weight = re.escape(f"`{name}.linear.weight`, `{name}.linear.bias`")
+    with pytest.warns(UserWarning, match=f"arrays get no gradient .*: {weight}"):
+        grads = call(jnp.ones(3), *extra)
+    assert grads.states == (model.scale,)
 
-    class Holder(eqx.Module):
-        model: Mixed
 
-        def loss(self, x):
-            return _loss(self.model, x)
+def test_grad_of_states_alone_warns_about_a_traced_model_closed_over(getkey):
+    # The model-in style of a jitted step, with the loss closing over the model.
+    @es.transform.jit
+    def step(m, x):
+        return es.transform.grad(lambda x: _loss(m, x), grad_states=es.ParamState)(x)
 
-        def __call__(self, x):
-            return self.loss(x)
+    with pytest.warns(UserWarning, match="no gradient .*: `m.linear.weight`"):
+        step(Mixed(getkey()), jnp.ones(3))
 
-    with pytest.warns(UserWarning, match="arrays get no gradient"):
-        es.transform.grad(Holder(model).loss, grad_states=es.ParamState)(jnp.ones(3))
-    # The model itself, or a partial binding it: the same silent case.
-    with pytest.warns(UserWarning, match="is a Holder.*arrays get no gradient"):
-        es.transform.grad(Holder(model), grad_states=es.ParamState)(jnp.ones(3))
-    with pytest.warns(UserWarning, match="closes over a Mixed.*arrays get no gradient"):
-        es.transform.grad(ft.partial(_loss, model), grad_states=es.ParamState)(
+
+def test_grad_of_states_alone_names_only_the_arrays_the_function_uses(getkey):
+    class Two(eqx.Module):
+        used: Mixed
+        frozen: eqx.nn.Linear
+
+    model = Two(Mixed(getkey()), eqx.nn.Linear(3, 3, key=getkey()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        es.transform.grad(lambda x: _loss(model.used, x), grad_states=es.ParamState)(
             jnp.ones(3)
         )
-    # Passed as an argument without `argnums`: the same silent case.
-    with pytest.warns(UserWarning, match=r"argument 0.*add `argnums=0`"):
-        es.transform.grad(_loss, grad_states=es.ParamState)(model, jnp.ones(3))
+    [message] = [str(w.message) for w in caught]
+    assert "`model.used.linear.weight`" in message and "frozen" not in message
+
+
+def test_grad_of_a_model_and_its_states_does_not_warn_and_matches_jax(getkey):
+    model = Mixed(getkey())
+    x = jr.normal(getkey(), (3,))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        # Differentiated with `argnums`: no warning.
-        es.transform.grad(_loss, grad_states=es.ParamState, argnums=0)(
-            model, jnp.ones(3)
-        )
+        grads = es.transform.grad(_loss, grad_states=es.ParamState, argnums=0)(model, x)
+        # A frozen teacher: none of its values differentiated, nothing to warn about.
+        teacher = Mixed(getkey())
+        es.transform.grad(
+            lambda m, x: _loss(m, x) + _loss(teacher, x),
+            grad_states=es.trainable(model)[0],
+            argnums=0,
+            check_states=False,
+        )(model, x)
+    expected = jax.grad(_pure_loss, argnums=(0, 1, 2))(
+        model.linear.weight, model.linear.bias, model.scale.value, x
+    )
+    got = (grads[1].linear.weight, grads[1].linear.bias, grads[0][model.scale])
+    assert tree_allclose(got, expected)
+
+
+class _Scaled(eqx.Module):
+    """`Mixed` without its counter, which a raw transform could not write."""
+
+    linear: eqx.nn.Linear
+    scale: es.ParamState
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(3, 3, key=key)
+        self.scale = es.ParamState(jnp.arange(1.0, 4.0), name="scale")
+
+    def __call__(self, x):
+        return self.linear(x) * self.scale.value
+
+
+@pytest.mark.parametrize("where", ("eager", "in jit", "in a scope"))
+@pytest.mark.parametrize(
+    "transform",
+    (
+        eqx.filter_grad,
+        eqx.filter_value_and_grad,
+        lambda f: ft.partial(eqx.filter_vjp, f),
+    ),
+)
+def test_a_param_state_read_inside_a_raw_differentiation_warns(
+    getkey, where, transform
+):
+    model = _Scaled(getkey())
+    differentiated = transform(lambda m: _loss(m, jnp.ones(3)))
+    match = (
+        r"ParamState 'scale' \(f32\[3\]\) is read inside a JAX differentiation .* no "
+        r"gradient.*argnums=0, grad_states=eqstate.ParamState"
+    )
+    with pytest.warns(UserWarning, match=match):
+        if where == "in jit":
+            es.transform.jit(lambda m: differentiated(m) and None)(model)
+        elif where == "in a scope":
+            with es.scope(es.values_of(model)):
+                differentiated(model)
+        else:
+            differentiated(model)
+
+
+def test_other_states_read_inside_a_raw_differentiation_do_not_warn(getkey):
+    model = _Frozen(
+        eqx.nn.Linear(3, 3, key=getkey()),
+        es.LongTermState(jnp.ones(3)),
+        es.ParamState(jnp.ones(3)),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = eqx.filter_grad(lambda m, x: m(x).sum())(model, jnp.ones(3))
+        # Read by eqstate's own transform, or through values passed in: no warning.
+        es.transform.grad(lambda m: m.unused.value.sum(), argnums=0)
+        es.transform.grad(
+            lambda: model.unused.value.sum(), grad_states=[model.unused]
+        )()
+    assert grads.linear.weight is not None
+
+
+def test_raw_grad_of_run_warns_naming_what_of_the_model_it_leaves_out(getkey):
+    model, x = _Scaled(getkey()), jnp.ones(3)
+    values = es.values_of(model)
+
+    def loss(model, states):
+        return es.run(_loss, states, model, x)[1]
+
+    match = r"`eqstate.run` is differentiated .*: `args\[0\].linear.weight`"
+    with pytest.warns(UserWarning, match=match):
+        jax.grad(lambda states: loss(model, states))(values)
+    with pytest.warns(UserWarning, match="only: ParamState 'scale' get no gradient"):
+        eqx.filter_grad(lambda m: loss(m, values))(model)
+    # Both differentiated: no warning, and JAX's gradients of the pure function.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model_grads, state_grads = eqx.filter_grad(lambda p: loss(*p))((model, values))
+    expected = jax.grad(_pure_loss, argnums=(0, 1, 2))(
+        model.linear.weight, model.linear.bias, model.scale.value, x
+    )
+    got = (
+        model_grads.linear.weight,
+        model_grads.linear.bias,
+        state_grads[model.scale],
+    )
+    assert tree_allclose(got, expected)
 
 
 def test_a_batch_norm_model_passes_through_eqx_and_eqstate_transforms(getkey):

@@ -280,7 +280,8 @@ def _orbax_checks(report, workdir, mesh, gather, check):
     def _():
         target = _checkpoint_model(zeros=True)
         es.shard(target, mesh, {target["w"]: P("d")})
-        loaded = es.load(os.path.join(workdir, "from-one"), target)
+        where = os.path.join(workdir, "from-one")
+        loaded = es.load(where, es.values_of(target), model=target)
         return {
             "values": _plain(loaded, target, gather),
             "w_spec": str(tuple(loaded[target["w"]].sharding.spec)),
@@ -289,10 +290,10 @@ def _orbax_checks(report, workdir, mesh, gather, check):
     @check("orbax_round_trip")
     def _():
         path = os.path.join(workdir, "from-two")
-        es.save(path, es.values_of(model), model=model)  # Orbax: two processes
+        es.save(path, model)  # Orbax: two processes
         target = _checkpoint_model(zeros=True)
         es.shard(target, mesh, {target["w"]: P(None)})  # onto another layout
-        loaded = es.load(path, target)
+        loaded = es.load(path, es.values_of(target), model=target)
         return {
             "values": _plain(loaded, target, gather),
             "w_spec": str(tuple(loaded[target["w"]].sharding.spec)),
@@ -391,7 +392,7 @@ def _orbax_checks(report, workdir, mesh, gather, check):
             refusal = str(e)
         after = os.path.join(workdir, "after-refusal")
         es.save(after, es.values_of({"w": w}), model={"w": w}, backend="orbax")
-        loaded = es.load(after, {"w": w})[w]
+        loaded = es.load(after, es.values_of(w))[w]
         return {"refusal": refusal, "loaded": gather(loaded)}
 
     @check("latest_step_of_process_0")
@@ -399,7 +400,7 @@ def _orbax_checks(report, workdir, mesh, gather, check):
         # What `CheckpointManager.load` loads when the processes list the directory
         # at different moments, while another program saves: process 0's latest.
         import jax
-        from eqstate._orbax import _process_0s
+        from eqstate._checkpoint_manager import _process_0s
 
         rank = jax.process_index()
         return [_process_0s(v) for v in (rank, 2**40 + rank, None if rank else 5)]
@@ -419,7 +420,7 @@ def _orbax_checks(report, workdir, mesh, gather, check):
             for step in range(1, 4):
                 train_step().block_until_ready()
                 done += 1
-                manager.save(step, es.values_of(model), model=model)
+                manager.save(step, model)
                 saved_at[step] = done
                 # Training goes on while the save is written in the background.
                 # Every process runs the same steps (each has collectives); each
@@ -436,7 +437,7 @@ def _orbax_checks(report, workdir, mesh, gather, check):
         es.shard(target, mesh, {target["w"]: P("d")})
         with es.CheckpointManager(directory) as resumed:
             latest = resumed.latest_step()
-            loaded = resumed.load(target)
+            loaded = resumed.load(es.values_of(target), model=target)
         return {
             "steps": steps,
             "latest": latest,
@@ -547,7 +548,7 @@ def _run_checks(workdir: pathlib.Path) -> dict:
         from jax.sharding import PartitionSpec as P
 
         es.shard(model, mesh, {model["w"]: P("d")})
-        es.save(workdir / "from-one", es.values_of(model), model=model, backend="orbax")
+        es.save(workdir / "from-one", model, backend="orbax")
         args.append("--orbax")
     start = time.monotonic()
     code, output = _launch(args, _TIMEOUT)
@@ -718,7 +719,7 @@ def test_orbax_checkpoint_of_two_processes_restores_in_one(run):
         if mesh_size is not None:
             mesh = jax.make_mesh((mesh_size,), ("d",))
             es.shard(target, mesh, {target["w"]: P("d")})
-        loaded = es.load(path, target)
+        loaded = es.load(path, es.values_of(target), model=target)
         values = _plain(loaded, target, lambda x: np.asarray(x).tolist())
         assert values == _expected_checkpoint_values()
         if mesh_size is not None:

@@ -1,6 +1,7 @@
 """The Orbax backend of `eqstate.save` / `eqstate.load` and `eqstate.CheckpointManager`,
 in one process; `test_multi_process.py` runs them across processes."""
 
+import io
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from eqstate import _orbax
+from eqstate import _checkpoint_manager, _orbax
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -44,19 +45,17 @@ def test_orbax_round_trips_every_dtype_bit_exactly_onto_the_targets_sharding(
     model = _model(getkey)
     mesh = jax.make_mesh((len(jax.devices()),), ("d",))
     es.shard(model, mesh, {model["arrays"][0]: P("d")})
-    es.save(tmp_path / "ckpt", es.values_of(model), model=model, backend="orbax")
+    es.save(tmp_path / "ckpt", model, backend="orbax")
     assert (tmp_path / "ckpt").is_dir()
 
     target = _model(getkey, zeros=True)
     es.shard(target, mesh, {target["arrays"][1]: P("d")})  # another layout
-    loaded = es.load(tmp_path / "ckpt", target)  # a directory: Orbax, by default
-    saved = es.values_of(model)
+    es.load(tmp_path / "ckpt", target)  # a directory: Orbax, by default
     assert tree_bitwise_equal(
-        [loaded[s] for s in es.states_of(target)],
-        [saved[s] for s in es.states_of(model)],
+        [s.value for s in es.states_of(target)], [s.value for s in es.states_of(model)]
     )
-    assert loaded[target["arrays"][0]].sharding.spec == P()
-    assert loaded[target["arrays"][1]].sharding.spec == P("d")
+    assert target["arrays"][0].value.sharding.spec == P()
+    assert target["arrays"][1].value.sharding.spec == P("d")
 
 
 def _split_later(shape, spec, mesh, fill):
@@ -86,61 +85,44 @@ def test_orbax_round_trips_values_split_along_a_later_axis_of_an_explicit_mesh(
     model = _split_later(shape, spec, mesh, lambda s: jax.random.normal(getkey(), s))
     target = _split_later(shape, spec, mesh, jnp.zeros)
     if via == "save":
-        es.save(tmp_path / "ckpt", es.values_of(model), model=model, backend="orbax")
-        loaded = es.load(tmp_path / "ckpt", target)
+        es.save(tmp_path / "ckpt", model, backend="orbax")
+        es.load(tmp_path / "ckpt", target)
     else:
         with es.CheckpointManager(tmp_path / "run") as manager:
-            manager.save(1, es.values_of(model), model=model)
-            loaded = manager.load(target)
-    saved = es.values_of(model)
+            manager.save(1, model)
+            manager.load(target)
     assert tree_bitwise_equal(
-        [loaded[s] for s in es.states_of(target)],
-        [saved[s] for s in es.states_of(model)],
+        [s.value for s in es.states_of(target)], [s.value for s in es.states_of(model)]
     )
-    assert all(loaded[s].sharding.spec == spec for s in es.states_of(target))
+    assert all(s.value.sharding.spec == spec for s in es.states_of(target))
 
 
-# The values stored in checkpoints of each format version: a change would refuse
-# every earlier checkpoint of that version.
-_PINNED_CHECKSUMS = {
-    1: [2956984320, 2677125184, 4231120544, 1454964103],
-    2: [
-        3752665816936513480,
-        6037356004539565040,
-        3625128629409687066,
-        5841783868567822132,
-    ],
-}
+# The checksums stored in checkpoints (eqstate's Orbax format version 2): a change
+# would refuse every checkpoint saved before it.
+_PINNED_CHECKSUMS = [
+    3752665816936513480,
+    6037356004539565040,
+    3625128629409687066,
+    5841783868567822132,
+]
 
 
-@pytest.mark.parametrize("version", sorted(_PINNED_CHECKSUMS))
-def test_orbax_checksums_do_not_depend_on_the_placement(version):
+def test_orbax_checksums_do_not_depend_on_the_placement():
     x = jnp.arange(64.0).reshape(4, 8, 2)
     values = [x, x.astype(jnp.bfloat16), x.astype(jnp.int8), x > 20]
-    expected = _PINNED_CHECKSUMS[version]
-    assert _orbax.checksums(values, version) == expected
+    assert _orbax.checksums(values) == _PINNED_CHECKSUMS
     on_device_3 = [jax.device_put(v, jax.devices()[3]) for v in values]
-    assert _orbax.checksums(on_device_3, version) == expected
+    assert _orbax.checksums(on_device_3) == _PINNED_CHECKSUMS
     specs = [P("a"), P(None, "b"), P(None, None, "a"), P("a", "b"), P(None, ("a", "b"))]
     for axis_type in (AxisType.Auto, AxisType.Explicit):
         mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(axis_type,) * 2)
         for spec in specs:
             placed = [jax.device_put(v, NamedSharding(mesh, spec)) for v in values]
-            assert _orbax.checksums(placed, version) == expected, (axis_type, spec)
+            assert _orbax.checksums(placed) == _PINNED_CHECKSUMS, (axis_type, spec)
 
 
 def _meta_file(path) -> "os.PathLike":
     return path / "eqstate" / "metadata"
-
-
-def _as_version_1(path, values: list) -> None:
-    """Rewrites the `eqstate` item of the checkpoint at `path`, which holds `values`
-    in this order, as format version 1 wrote it."""
-    meta = json.loads(_meta_file(path).read_text())
-    for entry, checksum in zip(meta["entries"], _orbax.checksums(values, 1)):
-        entry["checksum"] = checksum
-    del meta["entries_crc32"]
-    _meta_file(path).write_text(json.dumps({**meta, "version": 1}))
 
 
 def _sign_flipped(x: np.ndarray, *at: int) -> np.ndarray:
@@ -152,13 +134,10 @@ def _sign_flipped(x: np.ndarray, *at: int) -> np.ndarray:
 def test_orbax_load_refuses_values_that_differ_from_their_entry_by_two_sign_flips(
     tmp_path,
 ):
+    # A checksum that weighs each word by an odd number modulo 2**32 (as eqstate's
+    # first one did) would miss this: two top bits flipped add 2**32.
     x = np.arange(1.0, 1001.0, dtype=np.float32)
     flipped = _sign_flipped(x, 3, 700)
-    # Format version 1 gave each word an odd weight modulo 2**32: flipping the top
-    # bit of any two words adds 2**32, which left its checksum as it was.
-    assert _orbax.checksums([jnp.asarray(x)], 1) == _orbax.checksums(
-        [jnp.asarray(flipped)], 1
-    )
     w = es.ParamState(jnp.asarray(x), name="w")
     es.save(tmp_path / "a", es.values_of(w), backend="orbax")
     w.value = jnp.asarray(flipped)
@@ -202,20 +181,13 @@ def _flip_weak_type(meta: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "version, damage",
-    [
-        (1, _rename_checksum_key),
-        (2, _rename_checksum_key),
-        (2, _flip_weak_type),
-        (2, lambda meta: meta.pop("entries_crc32")),
-    ],
-    ids=["v1 checksum key", "v2 checksum key", "v2 weak type", "v2 entries crc32"],
+    "damage",
+    [_rename_checksum_key, _flip_weak_type, lambda meta: meta.pop("entries_crc32")],
+    ids=["checksum key", "weak type", "entries crc32"],
 )
-def test_orbax_load_refuses_damaged_entries(tmp_path, version, damage):
+def test_orbax_load_refuses_damaged_entries(tmp_path, damage):
     w = es.ParamState(jnp.arange(8.0), name="w")
     es.save(tmp_path / "c", es.values_of(w), backend="orbax")
-    if version == 1:
-        _as_version_1(tmp_path / "c", [w.value])
     meta = json.loads(_meta_file(tmp_path / "c").read_text())
     damage(meta)
     _meta_file(tmp_path / "c").write_text(json.dumps(meta))
@@ -223,19 +195,13 @@ def test_orbax_load_refuses_damaged_entries(tmp_path, version, damage):
         es.load(tmp_path / "c", es.values_of(w))
 
 
-def test_orbax_loads_a_checkpoint_of_format_version_1_bit_exactly(tmp_path, getkey):
-    model = {
-        "w": es.ParamState(jax.random.normal(getkey(), (5, 3)), name="w"),
-        "half": es.State(jnp.arange(6.0, dtype=jnp.bfloat16), name="half"),
-        "rng": es.RandomState(3, name="rng"),
-    }
-    es.save(tmp_path / "c", es.values_of(model), model=model, backend="orbax")
-    stored = [model["half"].value, model["rng"].value, model["w"].value]  # by path
-    stored[1] = jax.random.key_data(stored[1])
-    _as_version_1(tmp_path / "c", stored)
-    assert json.loads(_meta_file(tmp_path / "c").read_text())["version"] == 1
-    loaded = es.load(tmp_path / "c", model)
-    assert tree_bitwise_equal(loaded, es.values_of(model))
+def test_an_orbax_checkpoint_of_another_format_version_is_refused(tmp_path):
+    w = es.ParamState(jnp.arange(8.0), name="w")
+    es.save(tmp_path / "c", es.values_of(w), backend="orbax")
+    meta = json.loads(_meta_file(tmp_path / "c").read_text())
+    _meta_file(tmp_path / "c").write_text(json.dumps({**meta, "version": 1}))
+    with pytest.raises(es.CheckpointError, match=r"version 1, .* reads only version 2"):
+        es.load(tmp_path / "c", es.values_of(w))
 
 
 # Plain Orbax, restoring with no target, says that it reads the shardings from the
@@ -422,7 +388,7 @@ def test_each_unclosed_manager_is_closed_at_exit_even_if_one_fails(tmp_path, cap
     closed = []
     a._manager.close = fails
     b._manager.close = lambda: closed.append(close_b())
-    _orbax._finish_saves()  # what runs when the program ends
+    _checkpoint_manager._finish_saves()  # what runs when the program ends
     assert closed == [None] and not b._manager.is_saving_in_progress()
     error = capsys.readouterr().err
     assert "may be incomplete" in error and str(tmp_path / "a") in error
@@ -435,7 +401,7 @@ def test_a_manager_closed_by_the_program_is_not_closed_again_at_its_end(tmp_path
     manager.save(1, es.values_of(es.ParamState(jnp.zeros(2), name="w")))
     manager.close()
     manager._manager.close = lambda: pytest.fail("closed twice")
-    _orbax._finish_saves()  # what runs when the program ends
+    _checkpoint_manager._finish_saves()  # what runs when the program ends
     del manager
 
 
@@ -443,7 +409,9 @@ def test_managers_dropped_long_ago_are_not_kept_for_the_programs_end(tmp_path):
     for run in range(3):
         es.CheckpointManager(tmp_path / str(run))
     kept = es.CheckpointManager(tmp_path / "kept")
-    assert sum(closer.alive for closer in _orbax._UNCLOSED) == len(_orbax._UNCLOSED)
+    assert sum(closer.alive for closer in _checkpoint_manager._UNCLOSED) == len(
+        _checkpoint_manager._UNCLOSED
+    )
     kept.close()
 
 
@@ -671,3 +639,132 @@ def test_a_manager_sees_the_steps_another_manager_saved_or_removed_since(tmp_pat
     assert reader.steps() == (2,) and reader.latest_step() == 2
     assert (reader.load(es.values_of(w))[w] == 2.0).all()
     reader.close()
+
+
+# Two processes that do not make the same save: every process refuses, in bounded time,
+# before Orbax's collectives (where one more state in a process aborted both with
+# Gloo's "Received data size doesn't match expected size", and a save made by one
+# process alone, or to another path, waited until the launcher's timeout).
+_DISAGREEING_SAVES = """
+import json, os, sys
+import eqstate as es
+import jax
+
+jax.distributed.initialize()
+
+import jax.numpy as jnp
+from eqstate import _multi_process
+from jax.experimental import multihost_utils
+
+_multi_process.AGREEMENT_TIMEOUT_S = 10  # for the process that never comes
+workdir, rank = sys.argv[1], jax.process_index()
+report = {"process": rank}
+
+
+def model(extra=False, size=3):
+    states = {"w": es.ParamState(jnp.arange(float(size))), "n": es.State(jnp.int32(7))}
+    if extra:
+        states["extra"] = es.State(jnp.zeros(2))
+    return states
+
+
+def refusal(save):
+    try:
+        save()
+    except es.CheckpointError as error:
+        return str(error)
+    return None
+
+
+path = lambda name: os.path.join(workdir, name)
+report["one_more_state"] = refusal(lambda: es.save(path("more"), model(rank == 1)))
+report["another_shape"] = refusal(
+    lambda: es.save(path("shape"), model(size=3 + rank))
+)
+order = ["a", "b"] if rank == 0 else ["b", "a"]
+report["opposite_orders"] = [refusal(lambda: es.save(path(p), model())) for p in order]
+with es.CheckpointManager(path("run")) as manager:
+    report["another_step"] = refusal(lambda: manager.save(1 + rank, model()))
+es.save(path("agreed"), model())  # in step again: saves
+report["agreed"] = float(es.load(path("agreed"), model(size=3))["w"].value.sum())
+report["written"] = sorted(os.listdir(workdir))
+if rank == 0:  # last: the processes are out of step after it
+    report["one_process"] = refusal(lambda: es.save(path("alone"), model()))
+multihost_utils.sync_global_devices("reported")
+print("RESULT " + json.dumps(report), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def disagreeing(tmp_path_factory):
+    """The report of each process of one launch of `_DISAGREEING_SAVES`, which must
+    end within the launch's timeout: no save waits for a process that never comes."""
+    from eqstate._launch import local_processes, wait_all
+
+    workdir = tmp_path_factory.mktemp("disagreeing")
+    out = io.StringIO()
+    command = [sys.executable, "-c", _DISAGREEING_SAVES, str(workdir)]
+    with local_processes(command, 2, cpu_devices=2, out=out) as procs:
+        code = wait_all(procs, timeout=180.0)
+    reports = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in out.getvalue().splitlines()
+        if "RESULT " in line
+    ]
+    if code != 0 or len(reports) != 2:
+        pytest.fail(f"the launch exited with {code}:\n{out.getvalue()[-6000:]}")
+    return sorted(reports, key=lambda r: r["process"])
+
+
+def test_a_process_saving_one_more_state_is_refused_in_every_process(disagreeing):
+    first, second = disagreeing
+    for report in (first, second):
+        message = report["one_more_state"]
+        assert "the processes save different things" in message
+        assert "differs between processes" not in message
+        assert "same saves and loads, in the same order" in message
+    assert (
+        "process 1 alone saves `extra` (shape (2,), dtype float32)"
+        in (first["one_more_state"])
+    )
+    assert "this process alone saves `extra`" in second["one_more_state"]
+
+
+def test_processes_saving_another_shape_name_the_entry_and_both_shapes(disagreeing):
+    first, second = disagreeing
+    assert (
+        "`w` has shape (4,), dtype float32 in process 1, shape (3,), dtype float32 here"
+        in first["another_shape"]
+    )
+    assert "`w` has shape (3,), dtype float32 in process 0" in second["another_shape"]
+
+
+def test_processes_saving_to_two_paths_in_opposite_orders_refuse_each_save(
+    disagreeing,
+):
+    first, second = disagreeing
+    for report, other in ((first, 1), (second, 0)):
+        one, two = report["opposite_orders"]
+        assert f"process {other} saves to" in one and f"process {other} saves to" in two
+        assert "same saves and loads, in the same order" in one
+
+
+def test_managers_saving_another_step_are_refused(disagreeing):
+    first, second = disagreeing
+    assert "process 1 saves step 2 at the same time" in first["another_step"]
+    assert "process 0 saves step 1 at the same time" in second["another_step"]
+
+
+def test_refused_saves_write_nothing_and_the_next_agreed_save_works(disagreeing):
+    first, second = disagreeing
+    for report in (first, second):
+        assert report["agreed"] == 3.0
+        assert report["written"] == ["agreed", "run"]
+
+
+def test_a_save_made_by_one_process_alone_is_refused_in_bounded_time(disagreeing):
+    first, second = disagreeing
+    assert "process 1 did not come to it within 10 s" in first["one_process"]
+    assert "same saves and loads, in the same order" in first["one_process"]
+    assert "one_process" not in second

@@ -4,6 +4,8 @@ This file is also type-checked by pyright (it is in `[tool.pyright] include`), s
 test is a check at run time (the values are what the APIs want) and at type-checking
 time (the idioms need no `cast`)."""
 
+import functools as ft
+import typing
 from typing import Any, assert_type
 
 import eqstate as es
@@ -96,6 +98,81 @@ def test_an_abstract_state_dict_takes_a_shape_dtype_struct_as_a_value():
     struct = jax.ShapeDtypeStruct((2,), jnp.float32)
     for written in (abstract.set(w, struct), abstract.update({w: struct})):
         assert written[w] == struct
+
+
+class _Scaled(eqx.Module):
+    linear: eqx.nn.Linear
+    scale: es.ParamState[jax.Array]
+
+    def __init__(self, key: jax.Array):
+        self.linear = eqx.nn.Linear(2, 2, key=key)
+        self.scale = es.ParamState(jnp.ones(2))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear(x) * self.scale.value
+
+
+def _loss(model: _Scaled, x: jax.Array) -> jax.Array:
+    return jnp.sum(model(x) ** 2)
+
+
+def test_the_gradients_of_the_training_step_are_typed_by_their_layout():
+    model, x = _Scaled(jax.random.key(0)), jnp.ones(2)
+    grad = es.transform.grad(
+        _loss, argnums=0, grad_states=es.ParamState, return_value=True
+    )
+    (state_grads, grads), value = grad(model, x)
+    assert_type(state_grads, es.StateDict)
+    assert_type(value, jax.Array)
+    params = es.trainable(model)
+    assert_type(params, tuple[es.StateDict, Any])
+    optimiser = optax.sgd(0.1)
+    updates, _ = optimiser.update((state_grads, grads), optimiser.init(params), params)
+    new_model = es.apply_updates(model, updates)
+    assert_type(new_model, _Scaled)
+    assert isinstance(new_model, _Scaled) and value.shape == ()
+
+    pair = es.transform.grad(_loss, grad_states=es.ParamState, argnums=0)(model, x)
+    assert_type(pair, tuple[es.StateDict, Any])
+
+    def scale_loss(x: jax.Array) -> jax.Array:
+        return jnp.sum(model.scale.value * x)
+
+    only_states = es.transform.grad(scale_loss, grad_states=es.ParamState)(x)
+    assert_type(only_states, es.StateDict)
+    loss, state_grads = es.transform.value_and_grad(
+        scale_loss, grad_states=es.ParamState
+    )(x)
+    assert_type(loss, jax.Array)
+    assert_type(state_grads, es.StateDict)
+    assert state_grads.states == (model.scale,)
+
+
+def test_vjp_and_jvp_are_typed_by_the_function_output():
+    model, x = _Scaled(jax.random.key(0)), jnp.ones(2)
+    out, vjp_fn = es.transform.vjp(_loss, model, x, argnums=1)
+    assert_type(out, jax.Array)
+    assert vjp_fn(jnp.ones(())).shape == (2,)
+    primal_out, tangent_out = es.transform.jvp(ft.partial(_loss, model), (x,), (x,))
+    assert_type(primal_out, jax.Array)
+    assert_type(tangent_out, jax.Array)
+
+
+def test_load_returns_the_type_of_its_target(tmp_path):
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        w: es.ParamState
+
+    model = Model(eqx.nn.Linear(2, 2, key=jax.random.key(0)), es.ParamState(1.0))
+    es.save(tmp_path / "c", model)
+    restored = typing.assert_type(es.load(tmp_path / "c", model), Model)
+    assert isinstance(restored, Model)
+    values = es.values_of(model, es.ParamState)
+    es.save(tmp_path / "p", values, model=eqx.filter(model, es.is_state))
+    loaded = typing.assert_type(
+        es.load(tmp_path / "p", values, model=model), es.StateDict
+    )
+    assert isinstance(loaded, es.StateDict)
 
 
 def test_a_jitted_function_keeps_its_signature_and_has_its_methods():

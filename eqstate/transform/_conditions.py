@@ -7,6 +7,7 @@ through); the others are closed over. States cannot be created inside a branch.
 
 import functools as ft
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import ArrayLike, Bool, Integer, Real
 
-from .. import _context, _jax_compat as compat
+from .. import _jax_compat as compat
 from .._pretty_print import array_summary, state_label
 from .._state import State
+from .._write_checks import has_tracer
 from ._common import (
     abstract,
     changed_static,
@@ -32,7 +34,7 @@ from ._common import (
 )
 from ._discovery import Discovery
 from ._eager import guarded, jit_disabled
-from ._staged import staged
+from ._equinox_errors import with_equinox_errors
 
 
 compat.hide_from_tracebacks(__file__)
@@ -92,10 +94,9 @@ def _switch(
 ) -> Any:
     """`switch`, whose errors call each branch by its name in `names`."""
     _check_index(index)
-    # As `jax.lax.switch`: to int32 first (a large index wraps), then clamp. Also the
-    # compiled program of a top-level call (see `staged`) takes no larger integer.
+    # As `jax.lax.switch`: to int32 first (a large index wraps), then clamp.
     index = jax.lax.convert_element_type(index, jnp.int32)
-    if jit_disabled() and not _context.has_tracer(index):
+    if jit_disabled() and not has_tracer(index):
         chosen = min(max(int(index), 0), len(branches) - 1)
         with guarded(names[chosen]):
             return branches[chosen](*operands)
@@ -140,7 +141,7 @@ def _switch(
         return branch
 
     try:
-        out, new_values = staged(
+        out, new_values = with_equinox_errors(
             lambda index, entry, operands: jax.lax.switch(
                 index,
                 [make_branch(*tbn) for tbn in zip(traced, branches, names)],
@@ -325,6 +326,13 @@ def cond(
     return _switch(_branch_index(pred), [false_fun, true_fun], operands, names)
 
 
+_UNCHECKED_ON_TPU = (
+    "`ifelse` cannot check that exactly one condition holds while the program runs on "
+    "a TPU, which cannot raise errors there: the first condition that holds wins, as "
+    "with `check_cond=False`. Pass `check_cond=False` to say so, or set "
+    "`EQX_ON_ERROR` to choose Equinox's behaviour (`nan`, `breakpoint`)."
+)
+
 _NOT_EXACTLY_ONE = (
     "`ifelse`: exactly one condition must hold (checked as `check_cond=True`, the "
     "default). To run the branch of the first condition that holds, as `if ... elif "
@@ -349,8 +357,12 @@ def ifelse(
         raise `TypeError`.
     - `branches`: functions of `*operands`, as for [`eqstate.transform.switch`][].
     - `*operands`: passed to the chosen branch.
-    - `check_cond`: check at run time that exactly one condition holds (an
-        `eqx.error_if` error otherwise). If `False`, the first condition that holds
+    - `check_cond`: check that exactly one condition holds, raising
+        `eqx.EquinoxRuntimeError` otherwise: at once when the conditions are known
+        (eager code), else while the program runs (`eqx.error_if`). A TPU cannot
+        raise while a program runs, so there a traced check warns once at trace
+        time and the first condition that holds wins (unless `EQX_ON_ERROR` is set,
+        which Equinox then follows). If `False`, the first condition that holds
         wins, and when none holds the first branch runs. (Keyword only argument.)
 
     **Returns:**
@@ -389,5 +401,19 @@ def ifelse(
     flags = jnp.stack([jnp.asarray(c, dtype=bool) for c in conditions])
     index = jnp.argmax(flags)
     if check_cond:
-        index = eqx.error_if(index, jnp.sum(flags) != 1, _NOT_EXACTLY_ONE)
+        index = _checked(index, jnp.sum(flags) != 1)
     return switch(index, branches, *operands)
+
+
+def _checked(index: Any, failed: Any) -> Any:
+    """`index`, checked that `failed` is false: at once if it is known now, else as
+    the program runs where the platform can raise there."""
+    if not has_tracer(failed):
+        if failed:
+            raise eqx.EquinoxRuntimeError(_NOT_EXACTLY_ONE)
+        return index
+    if jax.default_backend() == "tpu" and os.environ.get("EQX_ON_ERROR") is None:
+        # A TPU program cannot raise: Equinox's check would wait at a prompt forever.
+        warnings.warn(_UNCHECKED_ON_TPU, stacklevel=3)
+        return index
+    return eqx.error_if(index, failed, _NOT_EXACTLY_ONE)

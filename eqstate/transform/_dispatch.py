@@ -31,13 +31,14 @@ import jax.numpy as jnp
 from jax.core import Tracer
 
 from .. import _context, _jax_compat as compat
-from .._context import current_frame as _current_frame, has_tracer, WORLD
+from .._context import current_frame as _current_frame, WORLD
 from .._custom_types import MISSING
 from .._jax_compat import is_top_level
 from .._placement import private_copies
 from .._pretty_print import state_label
 from .._state import State
 from .._state_dict import sharding_rule
+from .._write_checks import has_tracer
 from ._common import constrained_to
 from ._equinox_errors import EQUINOX_ERRORS, raise_equinox_error, RUNTIME_ERRORS
 from ._function_traces import FunctionTraces

@@ -1,6 +1,9 @@
 """`eqx.error_if` failing in a program eqstate compiled raises what it raises under
 `eqx.filter_jit`: `eqx.EquinoxRuntimeError`, with the check's message."""
 
+from collections.abc import Callable
+from typing import Any
+
 import equinox as eqx
 import jax
 
@@ -41,3 +44,10 @@ def _raise_equinox_runtime_error(exc: BaseException) -> None:
 # `with EQUINOX_ERRORS:` turns a failed `eqx.error_if` check raised in the block into
 # `eqx.EquinoxRuntimeError`.
 EQUINOX_ERRORS = ErrorsRaisedAs(_raise_equinox_runtime_error)
+
+
+def with_equinox_errors(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`, where a failed `eqx.error_if` check of a top-level call (which JAX
+    evaluates at once) raises `eqx.EquinoxRuntimeError`, as under `eqx.filter_jit`."""
+    with EQUINOX_ERRORS:
+        return fn(*args)

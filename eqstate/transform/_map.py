@@ -10,19 +10,19 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
+from .._arguments import integer
 from .._pretty_print import state_label
 from .._state import RandomState, split_and_advance, State
 from ._common import (
     hide_static,
     merge_leading_axes,
-    positive_int,
     show_static,
     strong,
     WeakCarry,
 )
 from ._discovery import Discovery
+from ._equinox_errors import with_equinox_errors
 from ._loops import _loop_length, _scan, _slice
-from ._staged import staged
 from ._trace import sub_jaxprs, Trace
 from ._vmap import key_after_lanes, written_alike, written_per_lane
 
@@ -126,7 +126,7 @@ def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     entry = [values[s] for s in carried]
     weak = WeakCarry(entry)
     chunk = _chunk_function(traced, values, written, randoms, weak)
-    state_values, ys = staged(
+    state_values, ys = with_equinox_errors(
         lambda entry, xs: _scan_chunks(chunk, entry, xs, n, size), strong(entry), xs
     )
     traced.commit(dict(zip(carried, weak.restored(state_values))))
@@ -288,7 +288,7 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
 
         _, ys = _scan(body, None, xs, None, False, 1, None, _MAP)
         return ys
-    size = positive_int(batch_size, "batch_size")
+    size = integer(batch_size, "batch_size", at_least=1, none=True)
     # Leaves JAX does not take (the handles of a model in `xs`) ride in the tree
     # structure: every element sees the same ones.
     xs = hide_static(xs)

@@ -136,7 +136,11 @@ class ArgSplitter:
                     if type(arg) is not ArrayImpl:
                         break
                 else:
-                    if recent[1] is None or _unchanged(recent[1]):
+                    watched = recent[1]  # `_unchanged`, inlined for handles alone
+                    if watched is None or (
+                        watched[0] == watched[1]
+                        and (not watched[2] or _unchanged(watched))
+                    ):
                         return (recent[2], *_ARRAYS[len(rest)]), recent[3] + rest
             for arg in args:
                 if type(arg) is not ArrayImpl:
