@@ -21,6 +21,9 @@ median per-call time (and min-max over the rounds) of:
 - `jax.jit(module)` and `eqx.filter_jit(module)`: what plain JAX and Equinox pay for
   a module argument: the floor's function taking an `eqx.Module` that holds the array,
   through `jax.jit` and `eqx.filter_jit`;
+- `floor(donate)` and `transform.jit(donate)`: the floor donating its dict of states
+  (`donate_argnums=0`), and `eqstate.transform.jit(f, donate_states=True)`: compare
+  these two with each other;
 
 with each system's ratio to the floor, all measured side by side in one run. It also
 prints the first trace of `f` (eqstate) against `jax.make_jaxpr` of the pure function,
@@ -128,6 +131,24 @@ def _systems(n: int) -> dict:
             flagged(x, train=True),
             flagged(x, train=False),
         )[1]
+    pure_donating = jax.jit(pure.__wrapped__, donate_argnums=0)
+    box["donated"] = {k: jnp.copy(v) for k, v in box["dict"].items()}
+
+    def floor_donate():
+        box["donated"], out = pure_donating(box["donated"], x)
+        return out
+
+    systems["floor(donate)"] = floor_donate
+    if hasattr(es.transform, "jit"):
+        donated = [es.ShortTermState(jnp.zeros(4), name=f"d{i}") for i in range(n)]
+
+        def donating_step(x):
+            for s in donated:
+                s.value = s.value * 0.5 + x
+            return x.sum()
+
+        donating = es.transform.jit(donating_step, donate_states=True)
+        systems["transform.jit(donate)"] = lambda: donating(x)
     systems["jax.jit(module)"] = via_jax_module
     systems["eqx.filter_jit(module)"] = via_eqx_module
     return systems

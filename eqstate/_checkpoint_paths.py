@@ -350,7 +350,9 @@ def check_savable(spec: Leaf, leaf: Any) -> None:
             "`donate_states=True`, `donate_argnums`) or deleted by hand. Nothing was "
             "written. Save the states' current values, e.g. "
             "`eqstate.values_of(model)` taken after the call, or keep a copy "
-            "(`jnp.copy(x)`) of values that must outlive a donating call."
+            "(`jnp.copy(x)`) of values that must outlive a donating call. A thread "
+            "saving while another runs a donating call must take turns with it: "
+            "copy the values under the lock that call takes, then save the copy."
         )
     if spec.dtype == jax.dtypes.float0:
         raise CheckpointError(

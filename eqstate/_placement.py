@@ -39,8 +39,7 @@ def device_put_apart(value: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
     `jax.device_put` may return a new array whose shard on a device is the buffer of
     the value there (replicating a one-device array does, even with
     `may_alias=False` in JAX 0.10). A state holding it could be donated by
-    `jit(donate_states=True)`, which counts Python references only: that would
-    delete the value its caller still holds. A shared buffer is found by address,
+    `jit(donate_states=True)`, which would delete the value the caller placed. A shared buffer is found by address,
     and only then is the value copied.
     """
     return jax.tree_util.tree_map(lambda x: _put_leaf_apart(x, sharding), value)

@@ -163,14 +163,15 @@ def write_after_scope_ended():
 
 
 @case(
-    "`jit(donate_argnums=...)` called with a model holding handles",
+    "`jit(out_shardings=...)` of a function returning handles or strings",
     NotImplementedError,
-    "refer to positions of arguments",
+    "refers to positions of outputs",
 )
 def positional_options_with_handles():
     w = _w()
-    step = es.transform.jit(lambda model, x: model["w"].value * x, donate_argnums=1)
-    return lambda: step({"w": w}, jnp.ones(3)), [w]
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    step = es.transform.jit(lambda x: (w.value * x, "label"), out_shardings=one)
+    return lambda: step(jnp.ones(3)), [w]
 
 
 @case(

@@ -698,6 +698,27 @@ def test_jit_in_shardings_of_another_length_counts_the_arguments_as_jax_jit(lowe
         good(*args, jnp.ones(N))
 
 
+def test_jit_in_shardings_place_the_arrays_of_a_model_holding_handles():
+    # One entry per argument, a PyTree prefix of it, as `jax.jit` takes them: the
+    # model's handles are static, its arrays placed as the entry says.
+    split = NamedSharding(_mesh(), P("x"))
+    here = NamedSharding(_mesh(), P())
+    total = es.State(jnp.zeros(()), name="total")
+    model = {"scale": jnp.arange(float(N)), "total": total}
+
+    def f(model, x):
+        model["total"].value = model["total"].value + jnp.sum(x)
+        return model["scale"] * x
+
+    jitted = es.transform.jit(f, in_shardings=({"scale": split, "total": None}, here))
+    compiled = jitted.lower(model, jnp.ones(N)).compile()
+    *_, scale_sharding, x_sharding = compiled.input_shardings[0]
+    assert scale_sharding.is_equivalent_to(split, 1)
+    assert x_sharding.is_equivalent_to(here, 1)
+    assert tree_allclose(jitted(model, jnp.ones(N)), jnp.arange(float(N)))
+    assert total.value == N
+
+
 def test_jit_with_one_sharding_refuses_keyword_arguments_as_jax_jit():
     split = NamedSharding(_mesh(), P("x"))
     jitted = es.transform.jit(lambda x, y: x + y, in_shardings=split)

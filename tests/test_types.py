@@ -173,3 +173,31 @@ def test_load_returns_the_type_of_its_target(tmp_path):
         es.load(tmp_path / "p", values, model=model), es.StateDict
     )
     assert isinstance(loaded, es.StateDict)
+
+
+def test_a_jitted_function_keeps_its_signature_and_has_its_methods():
+    w = es.ParamState(jnp.ones(3), name="w")
+
+    def step(x: jax.Array, scale: float = 1.0) -> jax.Array:
+        w.value = w.value * scale + x
+        return w.value.sum()
+
+    @es.transform.jit(donate_states=True)
+    def decorated(x: jax.Array) -> jax.Array:
+        return step(x)
+
+    jitted = es.transform.jit(step)
+    functions: list[es.transform.JittedFunction[..., jax.Array]] = [jitted, decorated]
+    assert all(isinstance(f, es.transform.JittedFunction) for f in functions)
+    assert_type(jitted(jnp.ones(3), scale=2.0), jax.Array)
+    assert_type(decorated(jnp.ones(3)), jax.Array)
+    assert_type(jitted.lower(jnp.ones(3)), jax.stages.Lowered)
+    assert jitted.eval_shape(jnp.ones(3)).shape == ()
+    stats: dict[str, Any] = jitted.get_cache_stats()
+    assert stats["misses"] >= 1
+    assert jitted.validate_states()
+    expected = w.value + 1
+    new, out = jitted.debug_call(es.values_of(w), jnp.ones(3))
+    assert out == expected.sum() and (new[w] == expected).all()
+    jitted.clear_cache()
+    decorated.clear_cache()

@@ -1,6 +1,7 @@
 """A call's arguments as a trace sees them: a hashable cache key, the leaves that are
 traced, and what it takes to put the call back together."""
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -9,59 +10,22 @@ import jax.tree_util as jtu
 
 from .._arguments import given
 from .._jax_compat import trace_context
-from ._leaves import in_module, is_traced, jax_jit_sees_as_eqstate, signature
+from ._leaves import in_module, is_traced, signature
 from ._split_args import typed_static
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class CallArgs:
-    """The arguments of one call, split by `ArgParser.parse`."""
+    """The arguments of one call, split by `ArgParser.parse`: its cache `key`, its
+    traced `leaves`, and how to rebuild it (`rebuild`)."""
 
-    __slots__ = (
-        "_all_leaves",
-        "_fields",
-        "_index",
-        "_jax_keys_statics",
-        "_static",
-        "_static_kw",
-        "_template",
-        "_treedef",
-        "key",
-        "leaves",
-    )
-
-    def __init__(
-        self,
-        key,
-        leaves,
-        treedef,
-        template,
-        index,
-        static,
-        static_kw,
-        all_leaves,
-        fields,
-        jax_keys_statics=True,
-    ):
-        self.key: Hashable = key
-        self._jax_keys_statics = jax_keys_statics
-        self.leaves: list = leaves
-        self._all_leaves = all_leaves
-        self._fields = fields
-        self._treedef = treedef
-        self._template = template
-        self._index = index
-        self._static = static
-        self._static_kw = static_kw
-
-    @property
-    def jit_as_is(self) -> bool:
-        """Whether `jax.jit` can take the (non-static) arguments as they are (see
-        `jax_jit_sees_as_eqstate`), and its static arguments too (see
-        `ArgParser.jax_keys_statics`). Only `jit` asks, so it is worked out on
-        demand."""
-        return self._jax_keys_statics and jax_jit_sees_as_eqstate(
-            self._all_leaves, self._fields
-        )
+    key: Hashable
+    leaves: list
+    _treedef: Any
+    _template: list
+    _index: list
+    _static: list
+    _static_kw: tuple
 
     def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple, dict]:
         """`(args, kwargs)` with the traced leaves replaced by `leaves`."""
@@ -89,7 +53,8 @@ class ArgParser:
     arguments) stay static, as a JAX transform passes them to the function as they
     are, so that `range(n)` works. `transformed_axes`, instead, for a transform of
     some leaves only (`vmap`'s `in_axes`): one prefix tree per positional argument,
-    whose `None` entries leave their Python scalars static."""
+    whose `None` entries leave their Python scalars static (`transformed_argnums`
+    stands for the axes `0` at those positions, `None` elsewhere)."""
 
     def __init__(
         self,
@@ -113,11 +78,6 @@ class ArgParser:
         self.static_positions = tuple(dict.fromkeys(positions))
         names += _names_of(params, self.static_argnums)
         self.static_argnames = tuple(dict.fromkeys(names))
-        # Some `jax.jit` releases (0.8) insert one static argument twice when a
-        # negative position and another spelling both name it; eqstate then keeps the
-        # static arguments itself (`jit` splits such calls).
-        negative = any(i < 0 for i in self.static_argnums)
-        self.jax_keys_statics = not (negative and len(self.static_positions) > 1)
 
     def parse(
         self, args: tuple, kwargs: dict, axis_env: Sequence | None = None
@@ -146,16 +106,12 @@ class ArgParser:
         leaves, treedef = jtu.tree_flatten((dyn_args, dyn_kwargs))
         fields = in_module((dyn_args, dyn_kwargs))
         mask = [is_traced(x, m) for x, m in zip(leaves, fields)]
-        transformed = None
+        axes = self.transformed_axes
         if self.transformed_argnums is not None:
-            transformed = _leaves_of_positions(
-                dyn_args, leaves, self.transformed_argnums, n, static_index
-            )
-        elif self.transformed_axes is not None:
-            transformed = _leaves_under_axes(
-                dyn_args, leaves, self.transformed_axes, n, static_index
-            )
-        if transformed is not None:
+            wanted = {i % n for i in self.transformed_argnums if -n <= i < n}
+            axes = tuple(0 if i in wanted else None for i in range(n))
+        if axes is not None:
+            transformed = _leaves_under_axes(dyn_args, leaves, axes, n, static_index)
             mask = [
                 m and (t or not _is_python_scalar(x))
                 for x, m, t in zip(leaves, mask, transformed)
@@ -181,39 +137,12 @@ class ArgParser:
         # not one for this call.
         key = (typed, typed_kw, treedef, tuple(sigs), trace_context(axis_env))
         return CallArgs(
-            key,
-            dynamic,
-            treedef,
-            template,
-            dynamic_index,
-            static,
-            static_kw,
-            leaves,
-            fields,
-            self.jax_keys_statics,
+            key, dynamic, treedef, template, dynamic_index, static, static_kw
         )
 
 
 def _is_python_scalar(x: Any) -> bool:
     return type(x) in (bool, int, float, complex)
-
-
-def _leaves_of_positions(
-    dyn_args: tuple,
-    leaves: list,
-    argnums: Sequence[int],
-    n: int,
-    static_index: Any,
-) -> list[bool]:
-    """For each of `leaves` (of `(dyn_args, kwargs)`, flattened), whether it is in
-    one of the positional arguments at `argnums` (of a call with `n` of them, the
-    static ones left out of `dyn_args`)."""
-    wanted = {i % n for i in argnums if -n <= i < n}
-    positions = [i for i in range(n) if i not in static_index]
-    marks: list[bool] = []
-    for i, arg in zip(positions, dyn_args):
-        marks += [i in wanted] * jtu.tree_structure(arg).num_leaves
-    return marks + [False] * (len(leaves) - len(marks))
 
 
 def _leaves_under_axes(

@@ -3,7 +3,16 @@
 import functools as ft
 import inspect
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, overload, ParamSpec, TypeVar
+from typing import (
+    Any,
+    Generic,
+    overload,
+    ParamSpec,
+    TYPE_CHECKING,
+    TypedDict,
+    TypeVar,
+    Unpack,
+)
 
 import jax
 
@@ -26,15 +35,22 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-class JittedFunction(JitDispatch):
+class JittedFunction(JitDispatch, Generic[_P, _T]):
     """A function compiled by [`eqstate.transform.jit`][]. Call it like the original
-    function; `lower`, `eval_shape` and `clear_cache` mirror `jax.jit`'s."""
+    function (its type keeps the signature); `lower`, `eval_shape` and
+    `clear_cache` mirror `jax.jit`'s."""
 
-    def __init__(self, fun: Callable, sf: StatefulFunction, **options: Any):
+    def __init__(self, fun: Callable[_P, _T], sf: StatefulFunction, **options: Any):
         super().__init__(traces_of(sf), **options)
         self.fun = fun
         self.stateful_function = sf
         ft.update_wrapper(self, fun, updated=())
+
+    if TYPE_CHECKING:  # The call itself is `JitDispatch.__call__`.
+
+        def __call__(  # pyright: ignore[reportIncompatibleMethodOverride]
+            self, *args: _P.args, **kwargs: _P.kwargs
+        ) -> _T: ...
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -44,12 +60,12 @@ class JittedFunction(JitDispatch):
     def __repr__(self) -> str:
         return f"jit({self.stateful_function.name})"
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
+    def lower(self, *args: _P.args, **kwargs: _P.kwargs) -> jax.stages.Lowered:
         """`jax.stages.Lowered` of the call with these arguments (the state values
         are the current ones), as `jax.jit(f).lower` gives."""
         return self.lower_call(args, kwargs)
 
-    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+    def eval_shape(self, *args: _P.args, **kwargs: _P.kwargs) -> Any:
         """The output's shapes and dtypes, as `jax.ShapeDtypeStruct`s, without
         computing anything or touching any value."""
         return out_shapes(trace_of_call(self.stateful_function, args, kwargs))[0]
@@ -60,9 +76,8 @@ class JittedFunction(JitDispatch):
 
     def get_cache_stats(self) -> dict[str, Any]:
         """Statistics of the trace cache, as
-        [`eqstate.transform.StatefulFunction.get_cache_stats`][] gives them. Its
-        lookups happen only when JAX traces the function (a first call, new shapes
-        or static arguments): steady-state calls are not counted."""
+        [`eqstate.transform.StatefulFunction.get_cache_stats`][] gives them: every
+        call that reused a trace is a hit."""
         return self.stateful_function.get_cache_stats()
 
     def validate_states(self, cache_key: Hashable = ()) -> bool:
@@ -110,42 +125,31 @@ def _check_like_jax(fun: Any, options: dict[str, Any]) -> None:
         jax.jit(fun, **given)  # Skipped otherwise: it costs as much as a call.
 
 
-@overload
-def jit(
-    fun: Callable[_P, _T],
-    *,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
-    donate_states: bool = False,
-    donate_argnums: int | Sequence[int] = (),
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    state_shardings: Any = None,
-    keep_unused: bool = False,
-    device: Any = None,
-    backend: str | None = None,
-    inline: bool = False,
-    compiler_options: dict[str, Any] | None = None,
-) -> Callable[_P, _T]: ...
+class _JitOptions(TypedDict, total=False):
+    static_argnums: int | Sequence[int]
+    static_argnames: str | Sequence[str]
+    donate_states: bool
+    donate_argnums: int | Sequence[int]
+    in_shardings: Any
+    out_shardings: Any
+    state_shardings: Any
+    keep_unused: bool
+    device: Any
+    backend: str | None
+    inline: bool
+    compiler_options: dict[str, Any] | None
 
 
 @overload
 def jit(
-    fun: Missing = MISSING,
-    *,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
-    donate_states: bool = False,
-    donate_argnums: int | Sequence[int] = (),
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    state_shardings: Any = None,
-    keep_unused: bool = False,
-    device: Any = None,
-    backend: str | None = None,
-    inline: bool = False,
-    compiler_options: dict[str, Any] | None = None,
-) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+    fun: Callable[_P, _T], **options: Unpack[_JitOptions]
+) -> JittedFunction[_P, _T]: ...
+
+
+@overload
+def jit(
+    fun: Missing = MISSING, **options: Unpack[_JitOptions]
+) -> Callable[[Callable[_P, _T]], JittedFunction[_P, _T]]: ...
 
 
 def _jax_jit_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -204,23 +208,26 @@ def jit(
         argument is static whether passed by position or by keyword, also when both
         options are given (`jax.jit` then infers neither from the other); see
         [`eqstate.transform.StatefulFunction`][].
-    - `donate_states`: donate the buffers of the written states to the computation,
-        so that they are updated in place. Donation never deletes an array object
-        that is held elsewhere: a call where a written state's value is also held by
-        another state, passed as an argument, or kept by the caller (`old = s.value`;
-        for a random key, also its data, `jax.random.key_data(rng.value)`, which
-        is the key's own buffer) runs without donation, as does every call while
-        `jax.debug_nans` or `jax.debug_infs` is on. With several processes, which
-        must all run the same program whatever each holds, such a call donates
-        private copies of the written values instead. A function that can fail
-        while it runs (it holds a callback: `eqx.error_if`, `jax.debug.callback`,
-        `jax.debug.print`) is never donated, with a warning, because a failed call
-        must leave the previous values readable. Another array object sharing a
-        device buffer with a state's value is not seen (nor is it by `jax.jit`'s
-        `donate_argnums`), and is deleted with it: `jax.device_put` makes one when
-        the value is already where it puts it (on its own device, or replicating a
-        one-device array). Keep a snapshot with `jnp.copy(s.value)`, and place
-        states with [`eqstate.shard`][], which never shares buffers.
+    - `donate_states`: donate the buffers of the values of the written states to
+        each call, which reuses them for the new values (updated in place), as
+        `jax.jit`'s `donate_argnums` does for arguments; for any value (arrays,
+        tuples, `StateDict`s, optimiser states, keys, stacked ensembles). The rule is
+        `jax.jit`'s: a donated value is the call's, so an array taken from such a
+        state before the call (`old = s.value`, a `values_of(...)` snapshot, the
+        same array given to another state; for a key, `jax.random.key_data` of
+        it) is deleted by it. Keep `jnp.copy(s.value)` of what must outlive the
+        call; a thread reading such states takes turns with the calls, as writers
+        do. Where donating would lose a value that eqstate holds or needs, a call
+        does not donate, and warns once per function and reason naming the
+        states: in a `scope` or `run` (their dictionary's values may be the
+        world's), while `jax.debug_nans` or `jax.debug_infs` is on (JAX runs a
+        failing call again with its inputs), and in every call of a function
+        holding a callback that can raise (`eqx.error_if`, `jax.debug.callback`:
+        a failed call must leave readable values). A value that is also another
+        input of the call (another state's, an argument) is copied, and the copy
+        donated. Inside another transform the outer `jit` donates, as in JAX.
+    - `donate_argnums`: as in `jax.jit`; an argument holding handles (a model) has
+        its arrays donated, and its states as `donate_states` says.
     - `state_shardings`: where state values go, as a `jax.sharding.Sharding` for all,
         `{filter: Sharding}`, or `(state, value) -> Sharding | None`: the compiled
         function constrains those states to their sharding on input, and their new
@@ -240,9 +247,9 @@ def jit(
         `eqstate.run`). Where that value is itself traced (`eqstate.run` inside
         `jax.jit`), the new value is left unconstrained until a call sees a concrete
         one. Inside `shard_map`, where each device holds its shard, neither applies.
-    - `donate_argnums`, `in_shardings`, `out_shardings`, `keep_unused`, `device`,
-        `backend`, `inline`, `compiler_options`: as in `jax.jit`, for the arguments
-        and the output of `fun`.
+    - `in_shardings`, `out_shardings`, `keep_unused`, `device`, `backend`, `inline`,
+        `compiler_options`: as in `jax.jit`, for the arguments and the output of
+        `fun`.
 
     **Returns:**
 
@@ -252,13 +259,16 @@ def jit(
 
         A call that raises (while tracing, or when XLA refuses to run it: a shape
         error, most out-of-memory errors) writes nothing: every state keeps its
-        value. A call does not wait for its result, though, so a failure that XLA
-        reports only while the computation runs (an allocation failing in a donated
-        call; on some platforms, a callback raising) surfaces when a new value is
-        first used, and the states then hold those failed values: eqstate cannot
-        undo that without blocking on every call. Without donation the previous values stay valid
-        wherever you kept them; `jax.block_until_ready(es.values_of(model))` at a
-        checkpoint surfaces such failures.
+        value. With `donate_states`, though, XLA may refuse a call for want of
+        memory after it took the donated buffers (the CPU does; a TPU keeps them):
+        those values are lost, and the error names their states. Restore them (e.g. from a
+        checkpoint), or leave donation off for a call that may not fit. A call
+        does not wait for its result, so a failure that XLA reports only while the
+        computation runs (on some platforms, a callback raising) surfaces when a
+        new value is first used, and the states then hold those failed values:
+        eqstate cannot undo that without blocking on every call;
+        `jax.block_until_ready(es.values_of(model))` at a checkpoint surfaces such
+        failures.
 
     !!! Example
 

@@ -58,36 +58,6 @@ def is_traced(x: Any, module_field: bool) -> bool:
     return _is_array(x) if module_field else is_dynamic(x)
 
 
-def may_stand_for_python_scalar(x: Any) -> bool:
-    """Whether `jax.jit` could have made `x` from a Python scalar: a scalar array or
-    tracer that is weakly typed, or a boolean (`jax.jit` makes Python bools strongly
-    typed)."""
-    if not isinstance(x, jax.Array):
-        return False
-    aval = jax.typeof(x)
-    return aval.shape == () and (aval.weak_type or aval.dtype == np.bool_)
-
-
-def jax_jit_sees_as_eqstate(
-    leaves: Sequence[Any], module_fields: Sequence[bool]
-) -> bool:
-    """Whether `jax.jit`, given these leaves as they are, traces what eqstate traces
-    and nothing else: every leaf is traced (see `is_traced`), and no field of an
-    `eqx.Module` is a scalar array that `jax.jit` cannot tell from a Python scalar
-    (see `may_stand_for_python_scalar`; static for eqstate), so that its trace could
-    be reused for one.
-
-    **Arguments:**
-
-    - `leaves`: a tree's leaves.
-    - `module_fields`: `in_module` of the tree.
-    """
-    return all(
-        _is_array(x) and not may_stand_for_python_scalar(x) if m else is_dynamic(x)
-        for x, m in zip(leaves, module_fields)
-    )
-
-
 def dynamic_mask(tree: Any) -> list[bool]:
     """`is_traced` of each leaf of `tree`."""
     leaves = jtu.tree_leaves(tree)

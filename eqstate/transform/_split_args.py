@@ -1,18 +1,19 @@
-"""Calls to `jax.jit` with arguments and outputs it does not take as they are.
+"""A call's arguments as `jit` hands them to `jax.jit`: a *key* and dynamic leaves.
 
-`jax.jit` takes PyTrees of arrays. A call whose arguments hold other leaves (the state
-handles of a model, strings, static arguments) is passed *split*: a small integer
-*key* standing for the tree structure and those static leaves (a static argument of the
-jitted function, so cheap for JAX to hash), and the list of dynamic leaves. An output
-holding such leaves comes back as its dynamic leaves and is rebuilt from what the trace
-recorded under the key.
+`jax.jit` takes PyTrees of arrays, and hashes and compares its static arguments at
+each call. `jit` passes every call *split* instead: its key, a tuple of small
+integers that stand for each argument's tree structure and static leaves (handles,
+strings, static arguments, a Module's Python `bool`), which selects a `jax.jit` made
+with those bound; and the list of the dynamic leaves (arrays and Python scalars,
+traced as `jax.jit` traces them). An output holding static leaves comes back as its
+dynamic leaves and is rebuilt from what its trace recorded.
 
-Splitting flattens every argument, which costs Python time for an `eqx.Module` (its
-flattening runs in Python). A positional argument that is the very object of the
-previous call, and whose tree holds no mutable container (only tuples, `None` and
-Modules, which are frozen), cannot have changed: its split is reused. One holding
-lists or dicts (a model's list of layers) is reused when each of those still holds
-the very objects it held then.
+Splitting flattens each argument in Python, which costs time for an `eqx.Module`.
+A positional argument that is the very object of the previous call at that position,
+and whose tree holds no mutable container (only tuples, `None` and Modules, which are
+frozen), cannot have changed: its split is reused. One holding lists or dicts (a
+model's list of layers) is reused when each of those still holds the very objects it
+held then.
 """
 
 import dataclasses
@@ -33,12 +34,22 @@ from ._leaves import ArrayImpl, dynamic_mask, in_module, is_traced
 
 
 # Distinct argument structures remembered per jitted function; the least recently
-# made is forgotten first (its key is never reused, so JAX's cache entry for it just
-# goes unused).
+# made is forgotten first (its number is never reused).
 KEYS_KEPT = 256
 _ids = itertools.count()
 # The part of a bare array argument.
 _ARRAY = -1
+
+
+class _ArrayKeys(dict):
+    """The keys of calls of `n` arrays alone, by `n`."""
+
+    def __missing__(self, n: int) -> tuple:
+        key = self[n] = (_ARRAY,) * n
+        return key
+
+
+_ARRAYS = _ArrayKeys()
 
 
 class OutputMismatch(Exception):
@@ -85,130 +96,138 @@ def typed_static(value: Any) -> tuple:
     return (type(value), value)
 
 
-def unwrapped(kwargs: dict) -> dict:
-    """`kwargs` with each `Static` replaced by the value it wraps."""
-    return {k: v.value if isinstance(v, Static) else v for k, v in kwargs.items()}
-
-
 class ArgSplitter:
-    """Splits calls into `(key, dynamic leaves)` and rebuilds them; see the module
-    documentation."""
+    """Splits calls into `(key, dynamic leaves)`; see the module documentation."""
 
     def __init__(self, static_positions: Sequence[int], static_names: Sequence[str]):
         self._static_positions = tuple(static_positions)
-        self._static_names = tuple(static_names)
-        # position -> (argument, part, dynamic leaves, *its lists and dicts as they
-        # were: see `_mutable_containers`)
-        self._last: dict[int, tuple[Any, int, list, tuple, tuple, list]] = {}
-        # One argument's structure, and a call's (the numbers of its arguments').
-        self._forgotten = 0  # how many times `_parts` forgot its oldest part
-        self._parts = _Numbering(on_forget=self._forget_parts)
-        self._keys = _Numbering(on_forget=self._forget_key)
-        self._last_call: tuple[list[int] | None, int] = (None, -1)
-        # The split of the last call `f(model, *arrays)`, to split the next one fast.
-        self.recent: Recent | None = None
-        # The same for a call `f(model, x)` whose model holds no lists or dicts but
-        # of handles: `JitDispatch` takes it inline.
-        self.pair: Recent | None = None
-        self._outputs: dict[int, tuple] = {}
+        self.no_static_below = _first_static(static_positions)
+        self._static_names = frozenset(static_names)
+        # position -> (argument, part, dynamic leaves, its lists and dicts as they
+        # were, or `None` for a frozen tree: see `_mutable_containers`)
+        self._last: dict[int, tuple[Any, int, list, tuple | None]] = {}
+        # The part of keyword arguments that are all static, by their names, types
+        # and values (see `_static_kwargs`).
+        self._kwargs: dict[tuple, int] = {}
+        # The first argument of the last call that had one remembered (see `_last`):
+        # `(argument, its lists and dicts, part, dynamic leaves)`.
+        self._recent: tuple | None = None
+        self._parts = _Numbering(on_forget=self._forget)
         self._frozen: dict[PyTreeDef, bool] = {}
         self._fields: dict[PyTreeDef, list[bool]] = {}  # see `in_module`
-        self._lock = threading.Lock()
 
-    def split(self, args: tuple, kwargs: dict, again: bool = True) -> tuple[int, list]:
-        """`(key, dynamic leaves)` of a call."""
-        recent = self.recent
-        if recent is not None and not kwargs and args and args[0] is recent.model:
-            found = recent.split(args)
-            if found is not None:
-                return found
-        forgotten = self._forgotten
+    def _forget(self) -> None:
+        """Forgets what refers to parts (one was forgotten)."""
+        self._last.clear()
+        self._kwargs.clear()
+        self._recent = None
+
+    def split(self, args: tuple, kwargs: dict) -> tuple[tuple, Sequence[Any]]:
+        """`(key, dynamic leaves)` of a call. Raises `TypeError` for an unhashable
+        static value."""
+        if len(args) <= self.no_static_below:
+            # The usual calls, split without a loop over parts: `f(model, *arrays)`
+            # with the model of the last such call, and `f(*arrays)` with static
+            # keyword arguments alone (`train=True`).
+            recent = self._recent
+            if recent is not None and args and args[0] is recent[0] and not kwargs:
+                rest = args[1:]
+                for arg in rest:
+                    if type(arg) is not ArrayImpl:
+                        break
+                else:
+                    watched = recent[1]  # `_unchanged`, inlined for handles alone
+                    if watched is None or (
+                        watched[0] == watched[1]
+                        and (not watched[2] or _unchanged(watched))
+                    ):
+                        return (recent[2], *_ARRAYS[len(rest)]), recent[3] + rest
+            for arg in args:
+                if type(arg) is not ArrayImpl:
+                    break
+            else:
+                key = _ARRAYS[len(args)]
+                if not kwargs:
+                    return key, args
+                part = self._static_kwargs(kwargs)
+                if part is not None:
+                    return (*key, part), args
         static = self._static_of(len(args)) if self._static_positions else ()
         parts: list[int] = []
         dynamic: list[Any] = []
         remembered = self._last
         for i, arg in enumerate(args):
+            if i in static:
+                parts.append(self._parts.number((None, Static(arg))))
+                continue
             if type(arg) is ArrayImpl:
                 parts.append(_ARRAY)
                 dynamic.append(arg)
                 continue
             last = remembered.get(i)
-            # A negative static position names another argument when the number of
-            # arguments changes: a split remembered from a dynamic position is stale.
             if (
-                last is not None
-                and last[0] is arg
-                and i not in static
-                and _unchanged_since(*last[3:])
+                last is None
+                or last[0] is not arg
+                or (last[3] is not None and not _unchanged(last[3]))
             ):
-                parts.append(last[1])
-                dynamic.extend(last[2])
-                continue
-            part, leaves = self._split_one(i, arg, i in static)
-            parts.append(part)
-            dynamic.extend(leaves)
+                last = self._split_remembered(i, arg)
+            parts.append(last[1])
+            dynamic.extend(last[2])
+            if i == 0 and remembered.get(0) is last:
+                self._recent = (arg, last[3], last[1], tuple(last[2]))
         if kwargs:
-            marked = _Kwargs(
-                (k, Static(v) if k in self._static_names else v)
-                for k, v in sorted(kwargs.items())
-            )
-            part, leaves = self._split_tree(marked)
+            part = self._static_kwargs(kwargs)
+            if part is None:
+                names = self._static_names
+                marked = _Kwargs(
+                    (k, Static(v) if k in names else v)
+                    for k, v in sorted(kwargs.items())
+                )
+                part, leaves = self._split_tree(marked)
+                dynamic.extend(leaves)
             parts.append(part)
-            dynamic.extend(leaves)
-        # A call like the last (the usual case) skips numbering its parts.
-        last_parts, last_key = self._last_call
-        if parts == last_parts:
-            key = last_key
-        else:
-            key = self._keys.number(tuple(parts))
-            self._last_call = (parts, key)
-        if self._forgotten != forgotten and again:
-            # Numbering forgot an old part, maybe one this call reused: split again,
-            # now that nothing is remembered from before.
-            return self.split(args, kwargs, again=False)
-        recent = self.recent = self._recent_call(args, kwargs, key)
-        simple = recent is not None and recent.n == 2 and not recent.others
-        self.pair = recent if simple else None
-        return key, dynamic
+        return tuple(parts), dynamic
 
-    def _recent_call(self, args: tuple, kwargs: dict, key: int) -> "Recent | None":
-        """What splits calls like this one again fast, if it is a call
-        `f(model, *arrays)` whose model's split is remembered; else `None`."""
-        last = self._last.get(0) if args else None
-        if kwargs or self._static_positions or last is None or last[0] is not args[0]:
+    def _static_kwargs(self, kwargs: dict) -> int | None:
+        """The part of keyword arguments that are all static (a `train` flag), found
+        without flattening them (made on a miss); `None` for others."""
+        if not self._static_names.issuperset(kwargs):
             return None
-        if not all(type(arg) is ArrayImpl for arg in args[1:]):
-            return None
-        model, _, leaves, copies, containers, others = last
-        return Recent(len(args), key, model, leaves, copies, containers, others)
+        values = tuple(kwargs.values())
+        types = tuple(map(type, values))
+        if float in types:  # and the signs of floats: `-0.0 == 0.0`
+            types += tuple(math.copysign(1.0, v) for v in values if type(v) is float)
+        seen = (tuple(kwargs), types, values)
+        part = self._kwargs.get(seen)
+        if part is None:
+            marked = _Kwargs((k, Static(v)) for k, v in sorted(kwargs.items()))
+            part = self._split_tree(marked)[0]
+            if len(self._kwargs) >= KEYS_KEPT:
+                self._kwargs.clear()
+            self._kwargs[seen] = part
+        return part
 
-    def _forget_key(self, key: int) -> None:
-        self._last_call = (None, -1)
-        self.recent = self.pair = None
-        self._outputs.pop(key, None)
-
-    def _forget_parts(self, part: int) -> None:
-        self._forgotten += 1
-        self._last.clear()
-        self.recent = self.pair = None
+    def specs(self, key: tuple) -> tuple:
+        """What each part of `key` stands for, to rebuild its calls (`rebuild`).
+        Raises `KeyError` if a part was forgotten since the call was split."""
+        return tuple(None if p == _ARRAY else self._parts.value(p) for p in key)
 
     def _static_of(self, n: int) -> set[int]:
         """The static positions of a call with `n` positional arguments."""
         return {i % n for i in self._static_positions if -n <= i < n}
 
-    def _split_one(self, position: int, arg: Any, static: bool) -> tuple[int, list]:
-        if static:
-            return self._parts.number(("static", Static(arg))), []
+    def _split_remembered(self, position: int, arg: Any) -> tuple:
+        """The split of a positional argument, remembered for the next call."""
         part, leaves = self._split_tree(arg)
         treedef = self._parts.value(part)[0]
         frozen = self._frozen.get(treedef)
         if frozen is None:
             frozen = self._frozen[treedef] = _is_frozen(treedef)
-        watched = ((), (), []) if frozen else _mutable_containers(arg)
-        if watched is not None:
-            copies, containers, others = watched
-            self._last[position] = (arg, part, leaves, copies, containers, others)
-        return part, leaves
+        watched = None if frozen else _mutable_containers(arg)
+        split = (arg, part, leaves, watched)
+        if frozen or watched is not None:
+            self._last[position] = split
+        return split
 
     def _split_tree(self, tree: Any) -> tuple[int, list]:
         leaves, treedef = jtu.tree_flatten(tree)
@@ -224,60 +243,95 @@ class ArgSplitter:
             types += tuple(
                 math.copysign(1.0, x) for x in static_leaves if type(x) is float
             )
-        part = (treedef, static, static_leaves, types)
-        return self._parts.number(part), dynamic
+        return self._parts.number((treedef, static, static_leaves, types)), dynamic
 
-    def rebuild(self, key: int, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
-        """The `(args, kwargs)` of a call split with `key`, with `dynamic` as its
-        dynamic leaves (tracers, while tracing)."""
-        rest = iter(dynamic)
-        trees = []
-        for part in self._keys.value(key):
-            if part == _ARRAY:
-                trees.append(next(rest))
-                continue
-            spec = self._parts.value(part)
-            if spec[0] == "static":
-                trees.append(spec[1].value)
-                continue
+
+def _first_static(static_positions: Sequence[int]) -> int | float:
+    """The number of positional arguments below which a call has none static."""
+    if any(i < 0 for i in static_positions):
+        return 0
+    return min(static_positions, default=math.inf)
+
+
+def rebuild(specs: tuple, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
+    """The `(args, kwargs)` of a call split with a key of these `specs` (see
+    `ArgSplitter.specs`), with `dynamic` as its dynamic leaves (tracers, while
+    tracing)."""
+    rest = iter(dynamic)
+    trees = []
+    for spec in specs:
+        if spec is None:
+            trees.append(next(rest))
+        elif is_static(spec):
+            trees.append(spec[1].value)
+        else:
             treedef, static, static_leaves, _ = spec
             full = [next(rest) for _ in range(treedef.num_leaves - len(static))]
             for i, leaf in zip(static, static_leaves):
                 full.insert(i, leaf)
             trees.append(jtu.tree_unflatten(treedef, full))
-        if trees and isinstance(trees[-1], _Kwargs):
-            kwargs = unwrapped(trees.pop())
-            return tuple(trees), kwargs
-        return tuple(trees), {}
+    if trees and isinstance(trees[-1], _Kwargs):
+        kwargs = trees.pop()
+        return tuple(trees), {
+            k: v.value if isinstance(v, Static) else v for k, v in kwargs.items()
+        }
+    return tuple(trees), {}
 
-    def record_output(self, key: int, out: Any) -> list:
-        """The dynamic leaves of `out` (while tracing), keeping how to rebuild it under
-        `key`. Raises `OutputMismatch` if another trace for `key` built an output of
-        another structure."""
-        leaves, treedef = jtu.tree_flatten(out)
-        mask = dynamic_mask(out)
-        record = (
-            treedef,
-            tuple(i for i, traced in enumerate(mask) if traced),
-            tuple(
-                (i, x) for i, (x, traced) in enumerate(zip(leaves, mask)) if not traced
-            ),
-        )
-        with self._lock:
-            known = self._outputs.setdefault(key, record)
-        if known is not record and known != record:
-            raise OutputMismatch
-        return [x for x, traced in zip(leaves, mask) if traced]
 
-    def output(self, key: int, dynamic: Sequence[Any]) -> Any:
-        """The output of a call split with `key`, from its dynamic leaves."""
-        treedef, dynamic_index, static = self._outputs[key]
-        full: list[Any] = [None] * treedef.num_leaves
-        for i, leaf in static:
-            full[i] = leaf
-        for i, leaf in zip(dynamic_index, dynamic):
-            full[i] = leaf
-        return jtu.tree_unflatten(treedef, full)
+def positional_specs(specs: tuple) -> tuple:
+    """The specs of the positional arguments among a key's `specs`."""
+    if specs and specs[-1] is not None and not is_static(specs[-1]):
+        if (specs[-1][0].node_data() or (None,))[0] is _Kwargs:
+            return specs[:-1]
+    return specs
+
+
+def is_static(spec: Any) -> bool:
+    """Whether an argument split as `spec` is a static argument."""
+    return spec is not None and spec[0] is None
+
+
+def dynamic_count(spec: Any) -> int:
+    """The number of dynamic leaves of an argument split as `spec`."""
+    if spec is None:
+        return 1
+    return 0 if is_static(spec) else spec[0].num_leaves - len(spec[1])
+
+
+def template(spec: Any, dynamic: Any) -> Any:
+    """The argument split as `spec`, with `dynamic` in place of each dynamic leaf."""
+    if spec is None:
+        return dynamic
+    if is_static(spec):
+        return spec[1].value
+    return rebuild((spec,), [dynamic] * dynamic_count(spec))[0][0]
+
+
+def record_output(known: tuple | None, out: Any) -> tuple[tuple, list]:
+    """`(record, dynamic leaves)` of `out` (while tracing): the record rebuilds it
+    (`output`). Raises `OutputMismatch` if `known`, the record of another trace for
+    the same calls, differs."""
+    leaves, treedef = jtu.tree_flatten(out)
+    mask = dynamic_mask(out)
+    record = (
+        treedef,
+        tuple(i for i, traced in enumerate(mask) if traced),
+        tuple((i, x) for i, (x, traced) in enumerate(zip(leaves, mask)) if not traced),
+    )
+    if known is not None and known != record:
+        raise OutputMismatch
+    return record, [x for x, traced in zip(leaves, mask) if traced]
+
+
+def output(record: tuple, dynamic: Sequence[Any]) -> Any:
+    """The output recorded by `record_output`, from its dynamic leaves."""
+    treedef, dynamic_index, static = record
+    full: list[Any] = [None] * treedef.num_leaves
+    for i, leaf in static:
+        full[i] = leaf
+    for i, leaf in zip(dynamic_index, dynamic):
+        full[i] = leaf
+    return jtu.tree_unflatten(treedef, full)
 
 
 class _Kwargs(dict):
@@ -295,7 +349,7 @@ class _Numbering:
     """Numbers hashable values: the same value, the same number, for the last
     `KEYS_KEPT` values."""
 
-    def __init__(self, on_forget: Callable[[int], None] | None = None):
+    def __init__(self, on_forget: Callable[[], None]):
         self._numbers: OrderedDict[Any, int] = OrderedDict()
         self._values: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -310,67 +364,13 @@ class _Numbering:
                     while len(self._numbers) >= KEYS_KEPT:
                         _, old = self._numbers.popitem(last=False)
                         del self._values[old]
-                        if self._on_forget is not None:
-                            self._on_forget(old)
+                        self._on_forget()
                     number = self._numbers[value] = next(_ids)
                     self._values[number] = value
         return number
 
     def value(self, number: int) -> Any:
         return self._values[number]
-
-
-class Recent:
-    """The split of a call `f(model, *arrays)` whose model's split is remembered:
-    the next such call with the same model, unchanged, takes it without flattening
-    anything (`split`)."""
-
-    __slots__ = (
-        "containers",
-        "copies",
-        "fast",
-        "key",
-        "leaves",
-        "model",
-        "n",
-        "others",
-    )
-
-    def __init__(
-        self,
-        n: int,
-        key: int,
-        model: Any,
-        leaves: list,
-        copies: tuple,
-        containers: tuple,
-        others: list,
-    ):
-        self.n, self.key, self.model, self.leaves = n, key, model, leaves
-        # See `_mutable_containers`.
-        self.copies, self.containers, self.others = copies, containers, others
-        # `(plan, jitted function)` of the last call, for `JitDispatch` to call
-        # the next one directly; dropped when its plans change.
-        self.fast: tuple | None = None
-
-    def split(self, args: tuple) -> tuple[int, list] | None:
-        """`(key, dynamic leaves)` of `args` if it is such a call with this model,
-        unchanged; else `None`."""
-        if len(args) != self.n:
-            return None
-        if not _unchanged_since(self.copies, self.containers, self.others):
-            return None
-        rest = args[1:]
-        for arg in rest:
-            if type(arg) is not ArrayImpl:
-                return None
-        return self.key, [*self.leaves, *rest]
-
-
-def _unchanged_since(copies: tuple, containers: tuple, others: list) -> bool:
-    """Whether a remembered argument's lists and dicts (see `_mutable_containers`)
-    still hold the very objects they held when it was split."""
-    return copies == containers and (not others or _unchanged(others))
 
 
 def _is_frozen(treedef: PyTreeDef) -> bool:
@@ -431,8 +431,12 @@ def _fields(module: eqx.Module) -> tuple:
     return dataclasses.fields(module)
 
 
-def _unchanged(others: list[tuple[Any, tuple]]) -> bool:
-    """Whether each list and dict still holds the very objects it held."""
+def _unchanged(watched: tuple) -> bool:
+    """Whether a remembered argument's lists and dicts (see `_mutable_containers`)
+    still hold the very objects they held when it was split."""
+    copies, containers, others = watched
+    if copies != containers:
+        return False
     for container, held in others:
         if type(container) is list:
             if len(container) != len(held) or not all(map(is_, container, held)):

@@ -331,9 +331,8 @@ class StatefulFunction:
             (the hit rate in percent), the layout of brainstate's `get_cache_stats`.
 
         [`eqstate.transform.StatefulFunction.clear_cache`][] resets the counts. A
-        function compiled by [`eqstate.transform.jit`][] looks up its trace only when
-        JAX traces it (a first call, new shapes): its steady-state calls go straight
-        to the compiled executable and are not counted.
+        call of a function compiled by [`eqstate.transform.jit`][] that goes straight
+        to a compiled executable reused a trace: it counts as a hit.
 
         !!! Example
 
