@@ -168,7 +168,7 @@ def _eqstate_model_in(width: int, batch: int) -> Callable[[], object]:
     def loss(model, x, y):
         return _mse(model(x), y)
 
-    @es.transform.jit(donate_states=True)
+    @es.transform.jit(donate_states=True, donate_argnums=0)
     def step(model, x, y):
         grad = es.transform.grad(
             loss, argnums=0, grad_states=es.ParamState, return_value=True

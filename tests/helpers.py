@@ -7,6 +7,11 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import pytest
+
+
+# A test that needs a failed check to raise while the program runs: a TPU cannot.
+raises_at_run_time = pytest.mark.cpu_or_gpu("a TPU program cannot raise while it runs")
 
 
 def tree_allclose(a, b, *, rtol=1e-6, atol=1e-6) -> bool:

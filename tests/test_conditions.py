@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import tree_allclose, unchecked
+from .helpers import raises_at_run_time, tree_allclose, unchecked
 
 
 pytestmark = pytest.mark.usefixtures("tracing_mode")
@@ -110,6 +110,7 @@ def test_ifelse_runs_the_first_true_branch():
 
 
 @pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
+@raises_at_run_time
 def test_ifelse_checks_that_exactly_one_condition_holds():
     f = es.transform.jit(
         lambda x: es.transform.ifelse([x > 0, x > 1], [lambda: 1, lambda: 2])
@@ -141,6 +142,7 @@ def test_a_traced_ifelse_check_on_a_tpu_warns_and_takes_the_first_branch(
 
 
 @pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
+@raises_at_run_time
 def test_ifelse_with_an_else_branch_and_check_cond_says_to_pass_check_cond_false():
     f = es.transform.jit(
         lambda x: es.transform.ifelse([x > 0, True], [lambda: 1, lambda: 0])

@@ -19,6 +19,8 @@ import jax.random as jr
 import optax
 import pytest
 
+from .helpers import raises_at_run_time
+
 
 def _buffers(tree) -> set[int]:
     """The device buffers of the arrays of `tree` (of a key, its data's)."""
@@ -288,6 +290,7 @@ def test_calls_in_a_scope_or_run_do_not_donate_and_say_so_once():
         "debug_callback",
     ],
 )
+@raises_at_run_time
 def test_functions_that_can_fail_at_run_time_do_not_donate_and_say_so(check):
     s = es.State(jnp.ones(3), name="s")
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, jaxtyped, TypeCheckError
 
-from .helpers import tree_allclose, tree_bitwise_equal
+from .helpers import raises_at_run_time, tree_allclose, tree_bitwise_equal
 
 
 _TOL = dict(rtol=1e-5, atol=1e-5)
@@ -328,6 +328,7 @@ _TRANSFORMS = list(_checked_calls(None, None))
 
 @pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
 @pytest.mark.parametrize("transform", _TRANSFORMS)
+@raises_at_run_time
 def test_a_failed_error_if_raises_equinox_runtime_error_through_every_transform(
     transform,
 ):

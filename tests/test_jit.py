@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import pytest
 
-from .helpers import compilations, traces_per_key, tree_allclose
+from .helpers import compilations, raises_at_run_time, traces_per_key, tree_allclose
 
 
 pytestmark = pytest.mark.usefixtures("tracing_mode")
@@ -374,6 +374,7 @@ def test_clear_cache(rnn):
 
 
 @pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
+@raises_at_run_time
 def test_a_runtime_error_runs_the_computation_once():
     runs = []
 

@@ -20,7 +20,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from .helpers import traces_per_key, tree_allclose
+from .helpers import raises_at_run_time, traces_per_key, tree_allclose
 
 
 class Mixed(eqx.Module):
@@ -210,6 +210,7 @@ def test_jit_of_model_and_x_switches_plans_for_one_model(donate, labelled):
 
 
 @pytest.mark.upstream_leak("eqx.error_if keeps its caller's frames alive")
+@raises_at_run_time
 def test_repeated_calls_of_model_and_x_follow_the_context_and_fail_cleanly():
     # After a few calls `f(model, x)` at top level, the next goes straight through
     # the last one's function: inside a scope or a raw transform it must still read
