@@ -238,29 +238,33 @@ def _memory_width() -> int:
     return int((0.3 * limit / (_DEPTH * 12)) ** 0.5) // 128 * 128
 
 
-def _peak(name: str, width: int, batch: int) -> None:
-    """Runs a few steps of one system and prints its peak device memory as JSON."""
-    run = _SYSTEMS[name](width, batch)
+def _peak(name: str) -> None:
+    """Runs a few steps of one system on the memory-sized model and prints its peak
+    device memory as JSON."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" not in stats:
+        print(json.dumps({"peak": None}))
+        return
+    width = _memory_width()
+    run = _SYSTEMS[name](width, 256)
     for _ in range(3):
         jax.block_until_ready(run())
-    stats = jax.devices()[0].memory_stats() or {}
-    print(json.dumps({"peak": stats.get("peak_bytes_in_use")}))
+    stats = jax.devices()[0].memory_stats()
+    print(
+        json.dumps(
+            {
+                "peak": stats["peak_bytes_in_use"],
+                "limit": stats["bytes_limit"],
+                "width": width,
+            }
+        )
+    )
 
 
 def _memory() -> None:
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "peak_bytes_in_use" not in stats:
-        print(f"\n{jax.default_backend()} reports no peak memory: skipped")
-        return
-    width = _memory_width()
-    state_bytes = _DEPTH * width * width * 4 * 3
-    print(
-        f"\n## peak device memory, width {width} (parameters and optimiser state "
-        f"{state_bytes / 2**30:.1f} GiB of {stats['bytes_limit'] / 2**30:.1f} GiB)\n"
-    )
-    print("| system | peak GiB | ratio to floor |")
-    print("| --- | --- | --- |")
-    peaks = {}
+    """Each system alone in a child process (the parent leaves the device alone: one
+    process at a time may hold a TPU)."""
+    rows = []
     for name in _available():
         child = subprocess.run(
             [sys.executable, "-m", "benchmarks.train_step", "--peak", name],
@@ -269,28 +273,45 @@ def _memory() -> None:
             check=False,
         )
         lines = child.stdout.strip().splitlines()
-        peaks[name] = json.loads(lines[-1])["peak"] if child.returncode == 0 else None
-        if peaks[name] is None:
-            print(f"| {name} | failed: {child.stderr.strip().splitlines()[-1:]} | |")
+        if child.returncode != 0 or not lines:
+            rows.append((name, None, child.stderr.strip().splitlines()[-1:]))
             continue
-        ratio = peaks[name] / peaks["floor"] if peaks.get("floor") else float("nan")
-        print(f"| {name} | {peaks[name] / 2**30:.2f} | {ratio:.3f} |")
+        rows.append((name, json.loads(lines[-1]), None))
+    found = [r for _, r, _ in rows if r and r["peak"] is not None]
+    if not found:
+        print("\nthe backend reports no peak memory: skipped")
+        return
+    width, limit = found[0]["width"], found[0]["limit"]
+    state_bytes = _DEPTH * width * width * 4 * 3
+    print(
+        f"\n## peak device memory, width {width} (parameters and optimiser state "
+        f"{state_bytes / 2**30:.1f} GiB of {limit / 2**30:.1f} GiB)\n"
+    )
+    print("| system | peak GiB | ratio to floor |")
+    print("| --- | --- | --- |")
+    floor = {n: r for n, r, _ in rows}.get("floor")
+    for name, result, error in rows:
+        if result is None:
+            print(f"| {name} | failed: {error} | |")
+            continue
+        ratio = result["peak"] / floor["peak"] if floor else float("nan")
+        print(f"| {name} | {result['peak'] / 2**30:.2f} | {ratio:.3f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run, for CI")
-    parser.add_argument("--memory", action="store_true", help="also peak memory")
+    parser.add_argument("--memory", action="store_true", help="peak memory instead")
     parser.add_argument("--peak", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak:
-        return _peak(args.peak, _memory_width(), 256)
+        return _peak(args.peak)
+    if args.memory:
+        return _memory()
     print(f"# train_step: a 4-layer MLP with optax.adam ({machine()})")
     rounds = 2 if args.quick else 7
     _timings(128, 32, rounds)
     _timings(512 if args.quick else 4096, 64 if args.quick else 2048, rounds)
-    if args.memory:
-        _memory()
 
 
 if __name__ == "__main__":
