@@ -170,10 +170,11 @@ class ArgSplitter:
                 or last[0] is not arg
                 or (last[3] is not None and not _unchanged(last[3]))
             ):
-                last = self._split_remembered(i, arg)
+                again = last is not None and last[0] is arg
+                last = self._split_remembered(i, arg, again)
             parts.append(last[1])
             dynamic.extend(last[2])
-            if i == 0 and remembered.get(0) is last:
+            if i == 0 and remembered.get(0) is last and last[3] is not _UNWATCHED:
                 self._recent = (arg, last[3], last[1], tuple(last[2]))
         if kwargs:
             part = self._static_kwargs(kwargs)
@@ -216,14 +217,20 @@ class ArgSplitter:
         """The static positions of a call with `n` positional arguments."""
         return {i % n for i in self._static_positions if -n <= i < n}
 
-    def _split_remembered(self, position: int, arg: Any) -> tuple:
-        """The split of a positional argument, remembered for the next call."""
+    def _split_remembered(self, position: int, arg: Any, again: bool) -> tuple:
+        """The split of a positional argument, remembered for the next call. Its
+        lists and dicts are watched (`_mutable_containers`, a walk of the whole
+        argument) only when it is passed `again`: a training loop passes a new model
+        at every call, an evaluation loop the same one."""
         part, leaves = self._split_tree(arg)
         treedef = self._parts.value(part)[0]
         frozen = self._frozen.get(treedef)
         if frozen is None:
             frozen = self._frozen[treedef] = _is_frozen(treedef)
-        watched = None if frozen else _mutable_containers(arg)
+        if frozen:
+            watched = None
+        else:
+            watched = _mutable_containers(arg) if again else _UNWATCHED
         split = (arg, part, leaves, watched)
         if frozen or watched is not None:
             self._last[position] = split
@@ -373,6 +380,11 @@ class _Numbering:
         return self._values[number]
 
 
+# An argument seen once: its lists and dicts were not watched, so its split is not
+# reused (see `ArgSplitter._split_remembered`).
+_UNWATCHED: Any = ("unwatched",)
+
+
 def _is_frozen(treedef: PyTreeDef) -> bool:
     """Whether a tree of this structure cannot change while its root object stays
     the same: its nodes are tuples, `None` and `eqx.Module`s (frozen)."""
@@ -434,6 +446,8 @@ def _fields(module: eqx.Module) -> tuple:
 def _unchanged(watched: tuple) -> bool:
     """Whether a remembered argument's lists and dicts (see `_mutable_containers`)
     still hold the very objects they held when it was split."""
+    if watched is _UNWATCHED:
+        return False
     copies, containers, others = watched
     if copies != containers:
         return False
