@@ -1201,7 +1201,8 @@ def test_weak_types_come_back_as_saved_whatever_the_target(backend, tmp_path):
     loaded = es.load(path, es.values_of(target), backend=backend)
     for old, new in zip(saved, target):
         assert loaded[new].weak_type == old.value.weak_type != new.value.weak_type
-        assert (loaded[new] * x).dtype == (old.value * x).dtype
+        with jax.numpy_dtype_promotion("standard"):  # where weak types matter
+            assert (loaded[new] * x).dtype == (old.value * x).dtype
 
 
 def test_a_checkpoint_without_weak_types_takes_the_targets(tmp_path):
@@ -1913,7 +1914,7 @@ class _Mixed(eqx.Module):
     def __call__(self, x):
         self.steps.value = self.steps.value + 1
         h = self.bn(jax.vmap(self.linear)(x))
-        return jax.vmap(self.head[0])(h) * self.head[1].value
+        return jax.vmap(self.head[0])(h) * self.head[1].value[None]
 
 
 def _trained_mixed(getkey) -> _Mixed:

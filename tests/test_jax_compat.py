@@ -309,7 +309,7 @@ def test_a_collectives_effect_cannot_fail_at_run_time_but_a_callbacks_can():
         ]
 
     summed = jax.shard_map(
-        lambda a: jax.lax.psum(a + jax.lax.axis_index("x"), "x"),
+        lambda a: jax.lax.psum(a + jax.lax.axis_index("x").astype(a.dtype), "x"),
         mesh=mesh,
         in_specs=P("x"),
         out_specs=P(),
@@ -380,7 +380,7 @@ def test_trace_context_follows_configuration_and_mapped_axes_but_not_eras():
     assert compat.trace_context() == outside
     with jax.enable_x64(True):
         assert compat.trace_context() != outside
-    with jax.numpy_rank_promotion("raise"):
+    with jax.numpy_rank_promotion("warn"):  # the tests run with "raise"
         assert compat.trace_context() != outside
     assert compat.trace_context() == outside
     seen = []

@@ -1084,12 +1084,20 @@ def test_apply_updates_refuses_a_closed_over_teachers_gradient_changing_nothing(
     assert student.s.value == pytest.approx(0.6) and teacher.s.value == 3
 
 
-def test_apply_updates_casts_a_sum_of_the_same_kind_to_the_state_dtype_as_optax():
-    w = es.ParamState(jnp.ones(3, jnp.bfloat16), name="w")
-    update = jnp.full(3, 0.5, jnp.float32)
+@pytest.mark.parametrize(
+    "state_dtype, update_dtype", [("bfloat16", "float32"), ("float32", "bfloat16")]
+)
+def test_apply_updates_casts_a_sum_of_the_same_kind_to_the_state_dtype_as_optax(
+    state_dtype, update_dtype
+):
+    # Also under strict promotion (as the tests run), where optax's sum would not
+    # promote: the cast back to the state's dtype is `apply_updates`' rule.
+    w = es.ParamState(jnp.linspace(-1, 1, 3, dtype=state_dtype), name="w")
+    update = jnp.linspace(0.1, 0.3, 3, dtype=update_dtype)
+    with jax.numpy_dtype_promotion("standard"):
+        [want] = jax.tree.leaves(optax.apply_updates([w.value], [update]))
     es.apply_updates(w, (es.StateDict({w: update}), None))
-    [want] = jax.tree.leaves(optax.apply_updates([jnp.ones(3, jnp.bfloat16)], [update]))
-    assert w.value.dtype == jnp.bfloat16 == want.dtype
+    assert w.value.dtype == state_dtype == want.dtype
     assert (w.value == want).all()
 
 
@@ -1111,7 +1119,7 @@ def test_apply_updates_refuses_an_integer_update_that_could_wrap_around(
     if fits:
         apply()
         assert n.value.dtype == state_dtype
-        assert (n.value == before + update).all()
+        assert (n.value == before + update.astype(state_dtype)).all()
     else:
         with pytest.raises(es.StateValueError, match=r"dtype .* to ShortTermState 'n'"):
             apply()
