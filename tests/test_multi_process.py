@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -550,9 +551,7 @@ def _run_checks(workdir: pathlib.Path) -> dict:
         es.shard(model, mesh, {model["w"]: P("d")})
         es.save(workdir / "from-one", model, backend="orbax")
         args.append("--orbax")
-    start = time.monotonic()
     code, output = _launch(args, _TIMEOUT)
-    seconds = time.monotonic() - start
     reports = [
         json.loads(line.split(_RESULT, 1)[1])
         for line in output.splitlines()
@@ -561,7 +560,7 @@ def _run_checks(workdir: pathlib.Path) -> dict:
     if code != 0 or len(reports) != _NUM_PROCESSES:
         return {"failure": f"the launch exited with {code}:\n{output[-6000:]}"}
     reports.sort(key=lambda r: r["process"])
-    return {"processes": reports, "seconds": seconds, "workdir": str(workdir)}
+    return {"processes": reports, "workdir": str(workdir)}
 
 
 def _both(run, name):
@@ -783,10 +782,6 @@ def test_async_save_overlaps_training_steps(run):
         assert result["overlapped"] > 0  # of 3 saves and 60 steps run during them
 
 
-def test_the_launch_is_fast(run):
-    assert run["seconds"] < _TIMEOUT
-
-
 def test_launcher_sets_each_process_environment_and_kills_the_rest_on_failure(
     tmp_path,
 ):
@@ -807,15 +802,13 @@ def test_launcher_sets_each_process_environment_and_kills_the_rest_on_failure(
         "time.sleep(120)\n"
     )
     command = [sys.executable, "-m", "eqstate.launch", "-n", "2", "--cpu-devices"]
-    start = time.monotonic()
     result = subprocess.run(
         [*command, "3", str(script), str(script)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=90,  # process 0 sleeps 120 s unless killed
         start_new_session=True,
     )
-    assert time.monotonic() - start < 60
     assert result.returncode == 3, result.stdout + result.stderr
     assert result.stderr == (
         "eqstate.launch: process 1 exited with status 3; the others were killed\n"
@@ -900,9 +893,21 @@ def _launched_job(tmp_path, seconds, prefix=()):
         launcher.wait(timeout=10)
 
 
+# Runs the command after it with the default action for SIGTERM and SIGHUP, which a
+# test run under `nohup` (ignoring SIGHUP) would otherwise pass on to the launcher.
+_DEFAULT_ACTIONS = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys\n"
+    "for signum in (signal.SIGTERM, signal.SIGHUP):\n"
+    "    signal.signal(signum, signal.SIG_DFL)\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n",
+)
+
+
 @pytest.mark.parametrize("signum", (signal.SIGTERM, signal.SIGHUP))
 def test_launcher_stopped_by_a_signal_kills_its_processes(tmp_path, signum):
-    with _launched_job(tmp_path, 120) as (launcher, children):
+    with _launched_job(tmp_path, 120, _DEFAULT_ACTIONS) as (launcher, children):
         launcher.send_signal(signum)
         status = launcher.wait(timeout=30)
         # The launcher reaped them, so they are gone, not zombies.
@@ -925,31 +930,38 @@ def test_launcher_reports_a_process_that_fails_a_moment_after_another(tmp_path):
     # A process waiting for a failed one in a collective fails in turn, and may be
     # seen to exit first, while the failed one is still being torn down: the report
     # must name both, not only the one seen first. Here process 0 fails once the
-    # others have started, and they fail 0.3 s later; process 3 succeeds.
+    # others have started, processes 1 and 2 fail once it has, and process 3
+    # succeeds. A long grace: however slow the machine, none is killed first.
     result = _launch_script(
         tmp_path,
         "import os, pathlib, sys, time\n"
-        "rank = int(os.environ['SLURM_PROCID'])\n"
-        "if rank == 0:\n"
-        "    deadline = time.monotonic() + 30\n"
-        "    while len(list(pathlib.Path.cwd().glob('started-*'))) < 3:\n"
+        "def wait_for(n, pattern):\n"
+        "    deadline = time.monotonic() + 60  # none is left behind if one hangs\n"
+        "    while len(list(pathlib.Path.cwd().glob(pattern))) < n:\n"
         "        assert time.monotonic() < deadline\n"
         "        time.sleep(0.01)\n"
+        "rank = int(os.environ['SLURM_PROCID'])\n"
+        "if rank == 0:\n"
+        "    wait_for(3, 'started-*')\n"
+        "    pathlib.Path('failed').touch()\n"
         "    sys.exit(2)\n"
         "pathlib.Path(f'started-{rank}').touch()\n"
         "if rank == 3:\n"
         "    sys.exit(0)\n"
-        "time.sleep(0.3)\n"
+        "wait_for(1, 'failed')\n"
         "sys.exit(3)\n",
         "-n",
         "4",
+        "--grace",
+        "60",
     )
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.startswith("eqstate.launch: process 0 exited with status 2")
-    assert "process 1 exited with status 3" in result.stderr
-    assert "process 2 exited with status 3" in result.stderr
-    assert "process 3" not in result.stderr
-    assert "the others were killed" not in result.stderr  # none was left to kill
+    how = re.fullmatch(r"eqstate\.launch: (.*)\n", result.stderr)
+    assert how is not None, result.stdout + result.stderr
+    failures = re.findall(r"process (\d) exited with status (\d)", how[1])
+    assert sorted(failures) == [("0", "2"), ("1", "3"), ("2", "3")], how[1]
+    assert "process 3" not in how[1]
+    assert result.returncode == int(failures[0][1])  # the first seen to fail
+    assert "the others were killed" not in how[1]  # none was left to kill
 
 
 def _launch_script(tmp_path, source, *options, timeout=90):
@@ -973,8 +985,8 @@ def test_launcher_stops_a_job_whose_process_raises_while_the_other_waits_for_it(
 ):
     # At exit, JAX's `jax.distributed.shutdown` of the failed process waits for the
     # other, which waits for it in a collective: the failure must end the job at once,
-    # not after JAX's shutdown timeout (minutes).
-    start = time.monotonic()
+    # not after JAX's timeouts (the heartbeat's 100 s, the shutdown's 300 s): the
+    # launch's own is 90 s.
     result = _launch_script(
         tmp_path,
         "import jax\n"
@@ -990,7 +1002,6 @@ def test_launcher_stops_a_job_whose_process_raises_while_the_other_waits_for_it(
         "--cpu-devices",
         "1",
     )
-    assert time.monotonic() - start < 60
     assert result.returncode == 1, result.stdout + result.stderr
     assert "process 1 exited with status 1" in result.stderr
     # The traceback starts in the program, as `python job.py` shows it.
@@ -1057,6 +1068,7 @@ def _ended(pid: int) -> bool:
         (("--cpu-devices", "0"), "--cpu-devices must be at least 1"),
         (("--timeout", "0"), "--timeout must be a positive number"),
         (("--timeout", "-1"), "--timeout must be a positive number"),
+        (("--grace", "-1"), "--grace must be a number of seconds, 0 or more"),
     ],
 )
 def test_launcher_refuses_options_out_of_range(tmp_path, options, message):
@@ -1072,7 +1084,7 @@ def test_launcher_says_when_it_stopped_a_job_at_its_timeout(tmp_path):
 
 
 def test_launcher_stops_at_its_timeout_within_the_grace_after_a_failure():
-    # After a failure the others get a second to end, but never past `timeout`.
+    # After a failure the others get `grace` seconds to end, but never past `timeout`.
     from eqstate._launch import local_processes, wait_all
 
     source = (
@@ -1084,8 +1096,8 @@ def test_launcher_stops_at_its_timeout_within_the_grace_after_a_failure():
     with local_processes([sys.executable, "-c", source], 2, out=io.StringIO()) as procs:
         procs[0].wait(timeout=30)
         start = time.monotonic()
-        code = wait_all(procs, timeout=0.2)
+        code = wait_all(procs, timeout=0.2, grace=600.0)
         elapsed = time.monotonic() - start
         assert procs[1].returncode is not None  # killed, and reaped
     assert code == 3
-    assert elapsed < 0.8
+    assert elapsed < 60  # the grace would take 600 s; a loaded machine takes 1
