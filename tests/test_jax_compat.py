@@ -478,3 +478,10 @@ def test_without_trace_eras_a_read_from_a_nested_staging_transform_raises(
 def test_distributed_client_is_none_until_jax_distributed_is_initialised():
     # `tests/test_multi_process_checkpoints.py` uses it in processes that did.
     assert compat.distributed_client() is None
+
+
+def test_weakly_typed_keeps_value_dtype_and_device():
+    x = jnp.arange(3.0)
+    weak = compat.weakly_typed(x)
+    assert weak.weak_type and weak.dtype == x.dtype and weak.sharding == x.sharding
+    assert (weak == x).all()
