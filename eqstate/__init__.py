@@ -18,6 +18,7 @@ from ._errors import (
 )
 from ._run import (
     assign as assign,
+    init_states as init_states,
     make_with_states as make_with_states,
     run as run,
     scope as scope,

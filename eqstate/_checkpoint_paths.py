@@ -23,7 +23,6 @@ from jax.core import Tracer
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
-from ._context import cast_breaks, to_value
 from ._errors import CheckpointError
 from ._jax_compat import weakly_typed
 from ._multi_process import device_put
@@ -32,6 +31,7 @@ from ._run import assign, states_of, values_of
 from ._shapes import is_key, key_impl_of
 from ._state import is_state, State
 from ._state_dict import state_dict_of, StateDict
+from ._write_checks import cast_breaks, to_value
 
 
 _NAMES_NEEDED = (

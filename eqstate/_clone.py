@@ -1,7 +1,7 @@
 """Copies of models holding handles: `clone` and `member`."""
 
 import itertools
-import operator
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _context
+from ._arguments import integer
 from ._custom_types import Filter
 from ._pretty_print import state_label, value_summary
 from ._run import states_of
@@ -64,8 +65,9 @@ def _register(
     # In the originals' creation order: a StateDict flattens in the creation order of
     # its handles, and each copy counts as created right after its original.
     fresh = {s: fresh_copy(s) for s in sorted(states, key=creation_order)}
-    if sliced:
-        for new in fresh.values():
+    for state, new in fresh.items():
+        copy_provenance(state, new)
+        if sliced:
             _forget_builds(new, sliced)
     copied = dict(zip(states, rekeyed(values, fresh)))
     for state, new in fresh.items():
@@ -79,13 +81,13 @@ def _forget_builds(state: State, sliced: "set[Build] | frozenset[Build]") -> Non
     whether it is replicated is then what the last build left says (a build nested
     in the constructor may have replicated a state that the one around stacked, or
     the other way round)."""
-    kept = frozenset(record for record in state._builds if record[0] not in sliced)
-    object.__setattr__(state, "_builds", kept)
+    kept = frozenset(record for record in _builds(state) if record[0] not in sliced)
+    _BUILDS[state] = kept
     built = [record for record in kept if record[1]]
     # Every build honours the tag `INIT_NO_BATCHING`: the inner ones replicated it.
-    if built and state._replicated != INIT_NO_BATCHING:
+    if built and replication(state) != INIT_NO_BATCHING:
         _, _, replicated = max(built, key=lambda record: record[0].serial)
-        object.__setattr__(state, "_replicated", replicated)
+        mark_replicated(state, replicated)
 
 
 def clone(tree: _T) -> _T:
@@ -166,7 +168,7 @@ def _outermost_builds(states: tuple[State, ...]) -> "set[Build]":
     one, nested in its constructor, is not what the ensemble's axis comes from)."""
     outermost = set()
     for state in states:
-        builds = [b for b, built, _ in state._builds if built]
+        builds = [b for b, built, _ in _builds(state) if built]
         if builds:
             outermost.add(max(builds, key=lambda b: b.serial))
     return outermost
@@ -208,16 +210,60 @@ def _member_axis_size(stacked: list[tuple[str, PyTree]]) -> int:
     return next(iter(sizes.values()))
 
 
+# What `vmap_new_states` records about the states it builds, read by `member` (which
+# states it copies whole), `vmap` and `shard_map` (which states the members share).
+# Kept here rather than on the handles, which carry their identity only.
+_REPLICATED: "weakref.WeakKeyDictionary[State, bool | str]" = (
+    weakref.WeakKeyDictionary()
+)
+_BUILDS: "weakref.WeakKeyDictionary[State, frozenset]" = weakref.WeakKeyDictionary()
+
+
 def mark_replicated(state: State, replicated: bool | str) -> None:
-    """Records on the handle whether `vmap_new_states` replicated `state` rather than
-    stacked it (its outermost call decides; `"INIT_NO_BATCHING"`: replicated for that
-    tag, which builds around it honour too, whatever tag it gets): `member` copies
-    such states whole, whatever `shared` says and whatever their tag became. The
-    handles a jitted build returns, and clones, are copies that keep the record."""
-    object.__setattr__(state, "_replicated", replicated)
+    """Records that `vmap_new_states` replicated `state` rather than stacked it (its
+    outermost call decides; `"INIT_NO_BATCHING"`: replicated for that tag, which
+    builds around it honour too, whatever tag it gets): `member` copies such states
+    whole, whatever `shared` says and whatever their tag became. The handles a
+    jitted build returns, and clones, are copies that keep the record (see
+    `copy_provenance`)."""
+    if replicated:
+        _REPLICATED[state] = replicated
+    else:
+        _REPLICATED.pop(state, None)
 
 
-_BUILDS = itertools.count()
+def replication(state: State) -> bool | str:
+    """What `mark_replicated` last recorded for `state` (`False` if nothing)."""
+    return _REPLICATED.get(state, False)
+
+
+def shared_by_members(state: State) -> bool:
+    """Whether every member of an ensemble shares `state`'s one value: a
+    `NonBatchState`, or a state `vmap_new_states` replicated rather than stacked
+    (tagged `INIT_NO_BATCHING`, or selected by its `state_to_exclude`)."""
+    return isinstance(state, NonBatchState) or state in _REPLICATED
+
+
+def why_shared(state: State) -> str:
+    """What makes `state` shared (see `shared_by_members`), for error messages."""
+    if isinstance(state, NonBatchState):
+        return "a NonBatchState is shared whole by every lane"
+    return (
+        "`vmap_new_states` replicated it (tagged `INIT_NO_BATCHING`, or selected by "
+        "`state_to_exclude`): every member shares its one value"
+    )
+
+
+def copy_provenance(state: State, copy: State) -> None:
+    """Gives `copy`, a fresh handle standing for `state` (a clone, a member, the
+    handle a jitted build returns), the records of `state`."""
+    if state in _REPLICATED:
+        _REPLICATED[copy] = _REPLICATED[state]
+    if state in _BUILDS:
+        _BUILDS[copy] = _BUILDS[state]
+
+
+_BUILD_SERIALS = itertools.count()
 
 
 class Build:
@@ -231,27 +277,32 @@ class Build:
         self.size = size
         self.arrays_leading = arrays_leading
         # A build nested in another's constructor ends, and is recorded, first.
-        self.serial = next(_BUILDS)
+        self.serial = next(_BUILD_SERIALS)
 
 
 def mark_build(
     state: State, build: Build, *, built: bool, replicated: bool = False
 ) -> None:
-    """Records on the handle that the `vmap_new_states` call `build` built `state`
-    (`built=True`), replicating it (`replicated=True`) or stacking it, or returned
-    it without building it (a table tied into every member): `member` copies the
-    latter whole in a tree that holds a state `build` built."""
-    record = (build, built, replicated)
-    object.__setattr__(state, "_builds", state._builds | {record})
+    """Records that the `vmap_new_states` call `build` built `state` (`built=True`),
+    replicating it (`replicated=True`) or stacking it, or returned it without
+    building it (a table tied into every member): `member` copies the latter whole
+    in a tree that holds a state `build` built."""
+    _BUILDS[state] = _builds(state) | {(build, built, replicated)}
+
+
+def _builds(state: State) -> frozenset:
+    """The `(build, built, replicated)` records of `state` (see `mark_build`)."""
+    return _BUILDS.get(state, frozenset())
 
 
 def stacked_by_its_last_build(state: State) -> bool:
     """Whether the last `vmap_new_states` call that returned `state` built it,
     stacking one value per member (not replicated, and not tied whole into the
     members of a later build)."""
-    if not state._builds or state._replicated:
+    builds = _builds(state)
+    if not builds or state in _REPLICATED:
         return False
-    _, built, _ = max(state._builds, key=lambda record: record[0].serial)
+    _, built, _ = max(builds, key=lambda record: record[0].serial)
     return built
 
 
@@ -336,12 +387,7 @@ def member(ensemble: _T, index: int, *, shared: Filter = NonBatchState) -> _T:
         assert (ensemble["w"].value[2] != 0).all()
         ```
     """
-    if isinstance(index, bool):  # (NumPy's and JAX's booleans have no `__index__`)
-        raise TypeError(
-            f"`eqstate.member` takes an integer index, got the boolean {index!r} "
-            "(which NumPy indexing reads as a mask, not as member 0 or 1)."
-        )
-    index = operator.index(index)
+    index = integer(index, "index", at_least=None, owner="`eqstate.member`'s ")
     states = states_of(ensemble)
     values = _context.current_frame().read_many(states) if states else []
     # Selected as `states_of` selects: by any of the paths a state is found at.
@@ -382,7 +428,7 @@ def _map_stacked(
             return state_dict_of(
                 {
                     s: keep(v) if s in whole else _map_stacked(v, whole, f, keep)
-                    for s, v in x._values.items()
+                    for s, v in x.items()
                 }
             )
         return f(x) if eqx.is_array(x) else x
@@ -413,9 +459,9 @@ def _copied_whole(states: tuple[State, ...], shared: set[State]) -> set[State]:
     build that built another state of the ensemble (see `mark_build`), and those of
     `shared`."""
     # A state one build stacked may be tied by another into every member of its own.
-    builds = {b for s in states for b, built, _ in s._builds if built}
+    builds = {b for s in states for b, built, _ in _builds(s) if built}
 
     def tied(state: State) -> bool:
-        return any(b in builds for b, built, _ in state._builds if not built)
+        return any(b in builds for b, built, _ in _builds(state) if not built)
 
-    return {s for s in states if s._replicated or tied(s) or s in shared}
+    return {s for s in states if s in _REPLICATED or tied(s) or s in shared}

@@ -1,5 +1,7 @@
 """Every exception eqstate raises, and the message text they share."""
 
+import dataclasses
+
 
 class StateNotFoundError(KeyError):
     """A state was read or written where no context holds its value."""
@@ -13,7 +15,13 @@ class TraceContextError(RuntimeError):
     """A state was used across a JAX trace boundary that eqstate cannot see: inside a raw
     JAX transform, or after the trace that created it ended. Also raised for a use
     through an `eqstate.scope` that has ended, from a task or thread that inherited
-    its context."""
+    its context, and for a handle given to JAX where it takes an array (an argument
+    of `jax.jit` or `jax.grad`)."""
+
+
+class HandleGivenToJax(TraceContextError):
+    """A state handle given to JAX where it takes an array. Not a `TypeError`, which
+    `jax.jit` would replace with its own advice (to mark the argument static)."""
 
 
 class StateValueError(ValueError):
@@ -84,6 +92,21 @@ EXPIRED_STATE = (
     "then gives the caller fresh states holding their values."
 )
 
+FORGOTTEN_VALUE = (
+    "{label} is a state handle, not an array: {use} needs its value. Read it with "
+    "`.value`, as in `{eg}`."
+)
+
+HANDLE_GIVEN_TO_JAX = (
+    "{label} was given to JAX where it takes an array: as an argument of a JAX "
+    "transform (`jax.jit`, `jax.grad`, `jax.vmap`, `jax.lax.scan`, ...) or of a "
+    "`jax.numpy` function. A state handle is not an array, and marking it static "
+    "would bake its current value into the compiled function. To transform a function "
+    "of a model holding handles, use eqstate's transform, which carries the states: "
+    "`eqstate.transform.jit`, `eqstate.transform.grad`, ... To compute with the "
+    "state's value, read it: `state.value`."
+)
+
 SHAPES_ONLY_STATE = (
     "{label} comes from `eqstate.transform.eval_shape` of `{where}`, which traces the "
     "function abstractly: the handle carries the state's shape and dtype only, and its "
@@ -96,3 +119,20 @@ class UnknownCacheKeyError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+FROZEN_MODULE = (
+    "eqstate: an `eqx.Module` is frozen once `__init__` returns, so a method cannot set "
+    "its fields (`self.loss = eqstate.State(loss)` in `__call__`, as a brainstate "
+    "module may). Create the state in `__init__`, with a value of its shape, and write "
+    "it in `__call__`: `self.loss.value = loss`. Or return the value."
+)
+
+
+def note_frozen_module(error: BaseException) -> None:
+    """Adds `FROZEN_MODULE` to a `dataclasses.FrozenInstanceError` (once): Equinox's
+    own message names only the field."""
+    if isinstance(error, dataclasses.FrozenInstanceError) and FROZEN_MODULE not in (
+        getattr(error, "__notes__", ())
+    ):
+        error.add_note(FROZEN_MODULE)

@@ -22,6 +22,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, cast
 
+from ._arguments import given, text
 from ._state import State
 
 
@@ -84,6 +85,9 @@ class WithTag(StateFilter):
 
     tag: str
 
+    def __post_init__(self):
+        text(self.tag, "tag", owner="`WithTag`'s ", none=False)
+
     def __call__(self, path, state):
         return state.tag == self.tag
 
@@ -94,6 +98,9 @@ class WithName(StateFilter):
 
     name: str
 
+    def __post_init__(self):
+        text(self.name, "name", owner="`WithName`'s ", none=False)
+
     def __call__(self, path, state):
         return state.name == self.name
 
@@ -103,6 +110,14 @@ class Is(StateFilter):
     """Exactly the state `state`."""
 
     state: State
+
+    def __post_init__(self):
+        if not isinstance(self.state, State):
+            raise TypeError(
+                f"`Is` takes a state handle, {given(self.state)}. To select states "
+                "by name, use `WithName`; by kind, the class, such as "
+                "`eqstate.ParamState`."
+            )
 
     def __call__(self, path, state):
         return state is self.state

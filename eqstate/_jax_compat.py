@@ -32,6 +32,11 @@ makes eqstate slower or its errors less precise, never wrong:
   so that `jit(donate_states=True)` donates such functions. Without it every effect
   counts as one that can fail, and they run without donation.
 
+- a state handle given to JAX where it takes an array (an argument of `jax.jit` or
+  `jax.grad`, of a `jax.numpy` function) gets eqstate's error (`refuse_as_array`),
+  through JAX's table of the types it abstracts. Without it, JAX's own error, whose
+  advice (mark the argument static) does not fit a handle.
+
 - the client of `jax.distributed`'s coordination service (`distributed_client`), whose
   key-value store and barriers with a timeout let the processes of a program agree on
   what a checkpoint save holds before Orbax's collectives, so that processes saving
@@ -105,6 +110,15 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX r
 
 
 _single_pass = contextvars.ContextVar("eqstate_single_pass", default=_HAS_NEW_ARG)
+
+
+def refuse_as_array(cls: type, refuse: "Callable[[Any], Any]") -> None:
+    """Makes JAX call `refuse(x)` for an `x` of type `cls` (or a subclass) where it
+    takes an array, before its own error. `refuse` raises an error that is not a
+    `TypeError`, which `jax.jit` would replace with its own."""
+    mappings = getattr(_core, "pytype_aval_mappings", None)
+    if isinstance(mappings, dict):
+        mappings[cls] = refuse
 
 
 def hide_from_tracebacks(path: str) -> None:

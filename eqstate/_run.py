@@ -12,8 +12,10 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _context, _jax_compat as compat
+from ._arguments import flag
 from ._custom_types import Filter, MISSING
 from ._errors import (
+    note_frozen_module,
     RAW_TRANSFORM_READ,
     StateNotFoundError,
     StateValueError,
@@ -21,9 +23,16 @@ from ._errors import (
 )
 from ._filters import to_predicate
 from ._pretty_print import first_and_more, state_label, value_summary
-from ._state import is_state, ParamState, State
+from ._shapes import is_key
+from ._state import is_state, ParamState, RandomState, State
 from ._state_dict import state_dict_of, StateDict
 from ._static_fields import refuse_static_handles
+from ._write_checks import (
+    check_write,
+    refuse_leaked_tracers,
+    to_new_value,
+    to_value,
+)
 
 
 _P = ParamSpec("_P")
@@ -184,7 +193,7 @@ def _scope_value(state: State, value: Any) -> Any:
             "scope or `eqstate.run` needs values to compute with. Pass arrays, e.g. "
             "`jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)`."
         )
-    return _context.to_value(value)
+    return to_value(value)
 
 
 class scope:
@@ -260,6 +269,8 @@ class scope:
         assert self._frame is not None
         if exc_type is None:
             self._states = state_dict_of(dict(self._frame.values))
+        else:
+            note_frozen_module(exc_value)
         # A task or thread that copied the context inside the block still holds the
         # frame: ending it makes its later uses raise instead of changing the result.
         self._frame.end()
@@ -480,6 +491,7 @@ def states_of(
             "states are its keys. Pass the model, or use the StateDict's `states` or "
             "`filter(...)`."
         )
+    flag(with_paths, "with_paths", owner="`states_of`'s ")
     refuse_static_handles(pytree)
     predicates = [to_predicate(f) for f in filters]
     found: dict[State, tuple] = {}
@@ -533,6 +545,10 @@ def _read_to_write(frame: _context.Frame, states: list[State]) -> list[Any]:
     raise refused
 
 
+_ASSIGN_LOAD = (
+    " (`eqstate.load(path, model)` now writes the states itself and returns the model, "
+    "its arrays loaded too: `model = eqstate.load(path, model)`.)"
+)
 _ASSIGN_PAIR = (
     " A pair `(StateDict, arrays)` is shaped like `eqstate.trainable(model)`: apply "
     "such updates to the model with `model = eqstate.apply_updates(model, updates)`."
@@ -563,19 +579,8 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
         assert (w.value == 1).all()
         ```
     """
-    if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
-        pair = (
-            isinstance(values, tuple)
-            and len(values) == 2
-            and isinstance(values[0], StateDict)
-        )
-        raise TypeError(
-            "`eqstate.assign` takes a StateDict or a mapping from state handles to new "
-            f"values, got {type(values).__name__} {values!r:.60}. E.g. "
-            "`eqstate.assign({w: new_w})`. (`eqstate.load(path, model)` now writes "
-            "the states itself and returns the model, its arrays loaded too: "
-            "`model = eqstate.load(path, model)`.)" + (_ASSIGN_PAIR if pair else "")
-        )
+    pair = _ASSIGN_PAIR if _is_update_pair(values) else ""
+    _check_mapping(values, "assign", _ASSIGN_LOAD + pair)
     states = list(values)
     if not states:
         return
@@ -584,6 +589,120 @@ def assign(values: Mapping[State, PyTree] | PyTree) -> None:
     current = _read_to_write(frame, states)
     checked = {}
     for state, old in zip(states, current):
-        _context.refuse_leaked_tracers(state, values[state], eager)
-        checked[state] = _context.check_write(state, old, values[state])
+        refuse_leaked_tracers(state, values[state], eager)
+        checked[state] = check_write(state, old, values[state])
     frame.commit(checked)
+
+
+def _is_update_pair(values: Any) -> bool:
+    """Whether `values` is shaped like `eqstate.trainable(model)`."""
+    return (
+        isinstance(values, tuple)
+        and len(values) == 2
+        and isinstance(values[0], StateDict)
+    )
+
+
+def _check_mapping(values: Any, name: str, hint: str = "") -> None:
+    if not isinstance(values, Mapping) or not all(is_state(s) for s in values):
+        raise TypeError(
+            f"`eqstate.{name}` takes a StateDict or a mapping from state handles to "
+            f"new values, got {type(values).__name__} {values!r:.60}. E.g. "
+            f"`eqstate.{name}({{w: new_w}})`.{hint}"
+        )
+
+
+_NEW_SHAPE_IN_TRANSFORM = (
+    "Cannot give {label} the value {new} inside an eqstate transform: a traced "
+    "function keeps the structure and shape of every state it uses, which its trace "
+    "takes as inputs. Call `eqstate.init_states` before calling the transformed "
+    "function (which traces again for the new shapes): in eager code, or inside "
+    "`eqstate.scope` or `eqstate.run`."
+)
+
+
+def init_states(values: Mapping[State, PyTree] | PyTree) -> None:
+    """Gives states new values of any structure, shape or dtype, all at once, as
+    when they were created: what brainstate's `init_state(batch_size)` and
+    `reset_state` do, such as giving a hidden state the batch size of the next
+    sequence. A write (`state.value = ...`, [`eqstate.assign`][]) must keep the
+    structure, shape and dtype of the current value; this is the separate, explicit
+    way to change them.
+
+    A state keeps its structure and shape within a traced function, so this changes
+    them only outside eqstate's transforms: in eager code, and inside
+    [`eqstate.scope`][] and [`eqstate.run`][] (also under `jax.jit`). Inside a
+    transform, values that keep the structure and shape are written as by
+    [`eqstate.assign`][], and any other raises [`eqstate.StateValueError`][] with
+    nothing written, so that a layer's `init_state` may be called everywhere with
+    the batch size it already has.
+
+    **Arguments:**
+
+    - `values`: a [`eqstate.StateDict`][] or mapping from handles to their new
+        values (PyTrees of arrays). Each state must have a value in the innermost
+        context already; a [`eqstate.RandomState`][] takes typed keys.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+        import equinox as eqx
+        import jax.numpy as jnp
+
+        class Integrator(eqx.Module):
+            h: es.ShortTermState
+
+            def __init__(self, size):
+                self.h = es.ShortTermState(jnp.zeros(size))
+
+            def init_state(self, batch_size):
+                es.init_states({self.h: jnp.zeros((batch_size, *self.h.value.shape[-1:]))})
+
+            def __call__(self, x):
+                self.h.value = self.h.value + x
+                return self.h.value
+
+        layer = Integrator(3)
+        layer.init_state(8)
+        step = es.transform.jit(layer)
+        assert step(jnp.ones((8, 3))).shape == (8, 3)
+        layer.init_state(2)  # a new batch size: `step` traces again
+        assert step(jnp.ones((2, 3))).shape == (2, 3)
+        ```
+    """
+    _check_mapping(values, "init_states")
+    states = list(values)
+    frame = _context.current_frame()
+    if not isinstance(frame, _context.World | _context.DictFrame):
+        current = _read_to_write(frame, states)
+        for state, old in zip(states, current):
+            new = to_new_value(state, values[state])
+            if not _same_structure_and_shapes(old, new):
+                label, shown = state_label(state, old), value_summary(new)
+                raise StateValueError(
+                    _NEW_SHAPE_IN_TRANSFORM.format(label=label, new=shown)
+                )
+        assign(values)
+        return
+    new = {}
+    for state in states:
+        frame.fetch(state)  # Raises for a state that has no value here.
+        value = to_new_value(state, values[state])
+        refuse_leaked_tracers(state, value, compat.is_top_level())
+        if isinstance(state, RandomState) and not all(
+            map(is_key, jtu.tree_leaves(value))
+        ):
+            raise StateValueError(
+                f"Cannot give {state_label(state)} the value {value_summary(value)}: a "
+                "RandomState holds typed PRNG keys (`jax.random.key`)."
+            )
+        new[state] = value
+    frame.commit(new)
+
+
+def _same_structure_and_shapes(old: PyTree, new: PyTree) -> bool:
+    old_leaves, old_def = jtu.tree_flatten(old)
+    new_leaves, new_def = jtu.tree_flatten(new)
+    shapes = [(o.shape, n.shape) for o, n in zip(old_leaves, new_leaves)]
+    return old_def == new_def and all(o == n for o, n in shapes)

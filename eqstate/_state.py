@@ -13,17 +13,21 @@ import numpy as np
 import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
-from . import _context
-from ._context import current_frame, label_here, to_checked_value
+from . import _context, _jax_compat as compat
+from ._arguments import text
+from ._context import current_frame, label_here
 from ._errors import (
     BatchAxisError,
-    EXPIRED_STATE,
+    FORGOTTEN_VALUE,
+    HANDLE_GIVEN_TO_JAX,
+    HandleGivenToJax,
     PARAMETER_IN_RAW_GRAD,
     StateValueError,
 )
 from ._jax_compat import is_top_level
 from ._pretty_print import state_doc, state_label
 from ._serialisation_guard import not_an_array, refuse_if_serialised
+from ._write_checks import to_checked_value
 
 
 _Value = TypeVar("_Value")
@@ -37,8 +41,11 @@ class State(Generic[_Value]):
     """A handle that names a piece of state.
 
     A handle is immutable, equal only to itself and hashed by identity, and it is a
-    PyTree *leaf*: it never holds a value. It has no truth value either: `if state:`
-    raises `TypeError` (test `state.value`). Its value lives in the innermost context
+    PyTree *leaf*: it never holds a value. It has no truth value either (`if state:`
+    raises `TypeError`), and it is no array: operators, indexing and `len` raise
+    `TypeError`, and JAX refuses it where it takes an array (an argument of
+    `jax.jit`) with [`eqstate.TraceContextError`][]. Read `state.value` for all of
+    these. Its value lives in the innermost context
     (the world, a [`eqstate.scope`][], or the trace of an eqstate transform), which
     [`eqstate.State.value`][] reads and writes.
 
@@ -58,23 +65,9 @@ class State(Generic[_Value]):
         ```
     """
 
-    # `_replicated`: whether `vmap_new_states` gave every member this state's one value
-    # (True, or "INIT_NO_BATCHING" for that tag, which outer builds honour too even
-    # once `state_tag` replaced it) or stacked a value per member (False); None for a
-    # state it never built.
-    # `_builds`: `(build, built, replicated)` records, one per `vmap_new_states` call
-    # that built the state (`built` True; `replicated` if that call gave every member
-    # one value) or returned it without building it (False; see `eqstate.member`).
-    # Copies of the handle keep both.
-    __slots__ = (
-        "__weakref__",
-        "_builds",
-        "_expired_in",
-        "_name",
-        "_order",
-        "_replicated",
-        "_tag",
-    )
+    # Its identity only: what other modules know about a handle (the records of the
+    # ensembles built of it, the trace it expired with) they keep by handle.
+    __slots__ = ("__weakref__", "_name", "_order", "_tag")
 
     def __init__(
         self,
@@ -93,18 +86,11 @@ class State(Generic[_Value]):
             argument.)
         - `name`: a name shown in messages and printing. (Keyword only argument.)
         """
-        for label, text in (("tag", tag), ("name", name)):
-            if text is not None and not isinstance(text, str):
-                raise TypeError(
-                    f"A state's `{label}` must be a string or None, got {text!r} (a "
-                    f"{type(text).__name__}). E.g. `{label}={str(text)!r}`."
-                )
+        text(tag, "tag", owner="A state's ")
+        text(name, "name", owner="A state's ")
         object.__setattr__(self, "_tag", tag)
         object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_expired_in", None)
         object.__setattr__(self, "_order", (next(_CREATION_ORDER),))
-        object.__setattr__(self, "_replicated", None)
-        object.__setattr__(self, "_builds", frozenset())
         try:
             converted = to_checked_value(self, value)
         except TypeError as error:
@@ -164,13 +150,17 @@ class State(Generic[_Value]):
     # handles (`es.assign({w: ..., b: ...})`) is a PyTree: JAX sorts dict keys.
     def __lt__(self, other: object) -> bool:
         if not isinstance(other, State):
-            return NotImplemented
+            _refuse_as_array(self, "`<`", "state.value < x")
         return self._order < other._order
 
     def __gt__(self, other: object) -> bool:
         if not isinstance(other, State):
-            return NotImplemented
+            _refuse_as_array(self, "`>`", "state.value > x")
         return self._order > other._order
+
+    # NumPy arrays defer to the handle's operators (below) rather than map them over
+    # their elements.
+    __array_ufunc__ = None
 
     def __bool__(self) -> NoReturn:
         # Else `if done:`, with `.value` forgotten, would always be taken.
@@ -218,6 +208,53 @@ class State(Generic[_Value]):
 
     def __repr__(self) -> str:
         return wl.pformat(self)
+
+
+def _refuse_as_array(state: State, use: str, example: str) -> NoReturn:
+    raise TypeError(
+        FORGOTTEN_VALUE.format(label=label_here(state), use=use, eg=example)
+    )
+
+
+def _refusal(use: str, example: str) -> Any:
+    def refuse(self: State, *args: Any) -> NoReturn:
+        _refuse_as_array(self, use, example)
+
+    return refuse
+
+
+# Forgetting `.value` (`self.w @ x`, `-state`, `state[0]`) would get Python's bare
+# "unsupported operand type(s)": every operator on a handle names it instead. They are
+# set here, out of type checkers' sight, so that these still flag such a use.
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "matmul": "@", "truediv": "/"}
+_BINARY |= {"floordiv": "//", "mod": "%", "pow": "**", "lshift": "<<"}
+_BINARY |= {"rshift": ">>", "and": "&", "xor": "^", "or": "|"}
+for _name, _op in _BINARY.items():
+    setattr(State, f"__{_name}__", _refusal(f"`{_op}`", f"state.value {_op} x"))
+    setattr(State, f"__r{_name}__", _refusal(f"`{_op}`", f"x {_op} state.value"))
+for _name, _op in {"le": "<=", "ge": ">="}.items():
+    setattr(State, f"__{_name}__", _refusal(f"`{_op}`", f"state.value {_op} x"))
+for _name, _use, _example in (
+    ("neg", "`-`", "-state.value"),
+    ("pos", "`+`", "+state.value"),
+    ("invert", "`~`", "~state.value"),
+    ("abs", "`abs`", "abs(state.value)"),
+    ("divmod", "`divmod`", "divmod(state.value, x)"),
+    ("rdivmod", "`divmod`", "divmod(x, state.value)"),
+    ("getitem", "indexing", "state.value[i]"),
+    ("len", "`len`", "len(state.value)"),
+    ("float", "`float`", "float(state.value)"),
+    ("int", "`int`", "int(state.value)"),
+    ("complex", "`complex`", "complex(state.value)"),
+):
+    setattr(State, f"__{_name}__", _refusal(_use, _example))
+
+
+def _given_to_jax(state: State) -> NoReturn:
+    raise HandleGivenToJax(HANDLE_GIVEN_TO_JAX.format(label=label_here(state)))
+
+
+compat.refuse_as_array(State, _given_to_jax)
 
 
 class ShortTermState(State[_Value]):
@@ -326,23 +363,6 @@ def _check_single_key(state: RandomState, key: Any) -> None:
         )
 
 
-def shared_by_members(state: State) -> bool:
-    """Whether every member of an ensemble shares `state`'s one value: a
-    `NonBatchState`, or a state `vmap_new_states` replicated rather than stacked
-    (tagged `INIT_NO_BATCHING`, or selected by its `state_to_exclude`)."""
-    return isinstance(state, NonBatchState) or bool(state._replicated)
-
-
-def why_shared(state: State) -> str:
-    """What makes `state` shared (see `shared_by_members`), for error messages."""
-    if isinstance(state, NonBatchState):
-        return "a NonBatchState is shared whole by every lane"
-    return (
-        "`vmap_new_states` replicated it (tagged `INIT_NO_BATCHING`, or selected by "
-        "`state_to_exclude`): every member shares its one value"
-    )
-
-
 # Held while a key is read, split and advanced in eager code, so that threads drawing
 # from one random state (the default one in the world) never get the same key.
 KEY_LOCK = threading.RLock()
@@ -362,13 +382,6 @@ def retag(state: State, tag: str) -> None:
     object.__setattr__(state, "_tag", tag)
 
 
-def expire(state: State, where: str, message: str = EXPIRED_STATE) -> None:
-    """Marks `state` as created inside the trace of `where`, which has ended: a read of
-    it outside that trace raises `TraceContextError` with `message`, a template with
-    `{label}` and `{where}` (by default: it escaped through a side effect)."""
-    object.__setattr__(state, "_expired_in", (message, where))
-
-
 def fresh_copy(state: State, *, in_place: bool = True) -> State:
     """A new, unregistered handle of the same kind, tag and name as `state`, placed
     right after it in creation order (`in_place`), or as created now."""
@@ -380,7 +393,6 @@ def fresh_copy(state: State, *, in_place: bool = True) -> State:
                 object.__setattr__(fresh, slot, getattr(state, slot))
     if hasattr(state, "__dict__"):
         fresh.__dict__.update(state.__dict__)
-    object.__setattr__(fresh, "_expired_in", None)
     # Right after the handle it copies (and its earlier copies), so that a `StateDict`
     # holding the copy in its place flattens like one holding the original.
     order = state._order if in_place else ()
@@ -395,6 +407,8 @@ def made_as_copy(state: State) -> bool:
 
 def _key_count(n: Any) -> int:
     try:
+        if isinstance(n, bool):
+            raise TypeError
         n = operator.index(n)
     except TypeError:
         raise TypeError(
@@ -409,7 +423,7 @@ def _key_count(n: Any) -> int:
 def _as_key(seed_or_key: Any, impl: Any = None) -> Any:
     """A typed key from `seed_or_key`, an integer seed (making a key of `impl`, by
     default JAX's default implementation) or a typed key."""
-    if isinstance(seed_or_key, (str, bytes)) or not (
+    if isinstance(seed_or_key, (str, bytes, bool)) or not (
         isinstance(seed_or_key, (int, np.integer)) or hasattr(seed_or_key, "dtype")
     ):
         raise TypeError(
@@ -444,10 +458,7 @@ def lazy_world_state(
     state = object.__new__(cls)
     object.__setattr__(state, "_tag", None)
     object.__setattr__(state, "_name", name)
-    object.__setattr__(state, "_expired_in", None)
     object.__setattr__(state, "_order", (next(_CREATION_ORDER),))
-    object.__setattr__(state, "_replicated", None)
-    object.__setattr__(state, "_builds", frozenset())
     _context.WORLD.add_lazy(state, make_value)
     return state
 

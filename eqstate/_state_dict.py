@@ -11,7 +11,6 @@ import jax.tree_util as jtu
 import wadler_lindig as wl
 from jaxtyping import ArrayLike, PyTree
 
-from ._context import check_write, is_weak, to_dict_value
 from ._custom_types import Filter, MISSING
 from ._errors import StateNotFoundError, StateValueError
 from ._filters import to_predicate
@@ -28,6 +27,7 @@ from ._pretty_print import (
 from ._shapes import is_key
 from ._state import creation_order, RandomState, State
 from ._state_rule import per_state_rule
+from ._write_checks import check_write, is_weak, to_dict_value
 
 
 # A leaf of a value: an array, or its type alone in an abstract dictionary.

@@ -10,13 +10,14 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._context import current_frame, STRUCTURE_HINTS
+from ._context import current_frame
 from ._custom_types import Filter
 from ._errors import StateValueError
 from ._pretty_print import first_and_more, state_label
 from ._run import assign, states_of, values_of
 from ._state import ParamState, State
 from ._state_dict import state_dict_of, StateDict
+from ._write_checks import STRUCTURE_HINTS
 
 
 _Model = TypeVar("_Model")

@@ -93,6 +93,7 @@ def main(argv=None):
     data = NamedSharding(mesh, P("data"))
     say(f"{jax.process_count()} processes, {jax.device_count()} devices")
 
+    # --8<-- [start:program]
     optimizer = optax.adam(3e-3)
     model = Model(jr.key(0))
     training = Training(
@@ -153,6 +154,7 @@ def main(argv=None):
         manager.wait_until_finished()
         if pending is not None:
             say(f"checkpoint {pending} saved", flush=True)
+    # --8<-- [end:program]
 
     x, y = batch(10**9, 4 * args.batch_size)  # held out: no step uses it
     final = float(evaluate(global_array(x), global_array(y)))

@@ -1468,14 +1468,24 @@ def cell_batch_mismatch():
 
 @case(
     "changing the batch of an RNN cell inside a transform",
-    ValueError,
-    r"Cannot change the batch shape of the hidden state of LSTMCell.*\(\) to \(8,\)",
+    es.StateValueError,
+    r"Cannot give ShortTermState 'hidden' \(f32\[3\]\) the value f32\[8,3\] inside",
 )
 def cell_reset_batch_in_transform():
     cell = enn.LSTMCell(2, 3)
     return lambda: es.transform.jit(lambda: cell.reset(batch_size=8))(), es.states_of(
         cell
     )
+
+
+@case(
+    "`init_states` changing a shape inside a transform",
+    es.StateValueError,
+    r"Cannot give ShortTermState 'h' \(f32\[3\]\) the value f32\[4\] inside an eqstate",
+)
+def init_states_in_transform():
+    h = es.ShortTermState(jnp.zeros(3), name="h")
+    return es.transform.jit(lambda: es.init_states({h: jnp.zeros(4)})), [h]
 
 
 @case(
@@ -1606,7 +1616,11 @@ def validate_states_changed():
     return trigger, [h]
 
 
-@case("`debug_call` with the wrong number of values", ValueError, "touches 1 state")
+@case(
+    "`debug_call` with the wrong number of values",
+    ValueError,
+    r"touches 1 state\(s\), but `debug_call` got 2 value",
+)
 def debug_call_count():
     n = es.State(jnp.array(0), name="n")
     sf = es.transform.StatefulFunction(lambda: n.value + 1)
@@ -1629,6 +1643,215 @@ def vector_grad_aux_not_pair():
     w = _w()
     f = es.transform.vector_grad(lambda: w.value * 2, grad_states=[w], has_aux=True)
     return f, [w]
+
+
+# Numbers, sizes and flags of the wrong type: each named, with what to pass.
+
+
+@case(
+    "a dropout rate given as text",
+    TypeError,
+    r"Dropout's `p` must be a probability in \[0, 1\), got '0.5' \(a str\)",
+)
+def dropout_text_rate():
+    return lambda: unchecked_new(enn.Dropout, "0.5"), []
+
+
+@case(
+    "a layer's flag given as text",
+    TypeError,
+    "BatchNorm's `inference` must be True or False, got 'no'",
+)
+def layer_text_flag():
+    return lambda: unchecked_new(enn.BatchNorm, 3, inference="no"), []
+
+
+@case(
+    "`inference` given as text to a layer's call",
+    TypeError,
+    "Dropout's `inference` must be True or False, or None, got 'yes'",
+)
+def layer_call_text_flag():
+    dropout = enn.Dropout(0.5)
+    return lambda: unchecked(dropout.__call__)(jnp.ones(3), inference="yes"), []
+
+
+@case(
+    "a `bool` as a layer's size",
+    TypeError,
+    r"BatchNorm's `num_features` must be a positive integer, got True \(a bool\)",
+)
+def layer_bool_size():
+    return lambda: enn.BatchNorm(True), []
+
+
+@case(
+    "a fractional size for an RNN cell",
+    TypeError,
+    "GRUCell's `hidden_size` must be a positive integer, got 3.5",
+)
+def cell_fractional_size():
+    return lambda: unchecked_new(enn.GRUCell, 2, 3.5), []
+
+
+@case(
+    "a `bool` as an RNN cell's `batch_size`",
+    TypeError,
+    "LSTMCell's `batch_size` must be a positive integer or a tuple of them, got True",
+)
+def cell_bool_batch_size():
+    cell = enn.LSTMCell(2, 3)
+    return lambda: cell.reset(batch_size=True), es.states_of(cell)
+
+
+@case(
+    "a BatchNorm `momentum` given as text",
+    TypeError,
+    r"BatchNorm's `momentum` must be a real number in \[0, 1\], got '0.9'",
+)
+def batch_norm_text_momentum():
+    return lambda: unchecked_new(enn.BatchNorm, 3, momentum="0.9"), []
+
+
+@case("a NaN BatchNorm `eps`", ValueError, "BatchNorm's `eps` must be non-negative")
+def batch_norm_nan_eps():
+    return lambda: enn.BatchNorm(3, eps=float("nan")), []
+
+
+@case("`True` as a random seed", TypeError, "pass an integer seed .*got True")
+def seed_bool():
+    return lambda: es.random.seed(True), [es.random.DEFAULT]
+
+
+@case("`split_key` of `True`", TypeError, "takes a non-negative integer `n`.*got True")
+def split_key_bool():
+    return lambda: es.random.split_key(True), [es.random.DEFAULT]
+
+
+@case(
+    "`es.member` with an index that is not an integer",
+    TypeError,
+    "`eqstate.member`'s `index` must be an integer, got '0'",
+)
+def member_text_index():
+    w = es.ParamState(jnp.zeros((2, 3)), name="w")
+    return lambda: unchecked(es.member)([w], "0"), [w]
+
+
+@case(
+    "`states_of` with `with_paths` given as text",
+    TypeError,
+    "`states_of`'s `with_paths` must be True or False, got 'yes'",
+)
+def states_of_text_flag():
+    w = _w()
+    return lambda: unchecked(es.states_of)([w], with_paths="yes"), [w]
+
+
+@case(
+    "`WithTag` of a value that is not a string",
+    TypeError,
+    "`WithTag`'s `tag` must be a string, got 3",
+)
+def filter_tag_not_text():
+    return lambda: unchecked_new(es.filters.WithTag, 3), []
+
+
+@case(
+    "`Is` of a value that is not a handle",
+    TypeError,
+    "`Is` takes a state handle, got 'w'",
+)
+def filter_is_not_handle():
+    return lambda: unchecked_new(es.filters.Is, "w"), []
+
+
+@case(
+    "`in_states` with a `bool` as an axis",
+    TypeError,
+    r"must map integer axes to filters.*got keys \[True\]",
+)
+def vmap_bool_state_axis():
+    w = es.State(jnp.zeros(2), name="w")
+    return lambda: es.transform.vmap(lambda: w.value, in_states={True: w}), [w]
+
+
+@case(
+    "`static_argnums` of `True`",
+    TypeError,
+    "`static_argnums` must be an integer or a sequence of them, got True",
+)
+def static_argnums_bool():
+    return lambda: es.transform.StatefulFunction(lambda x: x, static_argnums=True), []
+
+
+@case(
+    "`scan` with a `bool` as its `length`",
+    TypeError,
+    "`length` must be a non-negative integer, got True",
+)
+def scan_bool_length():
+    return lambda: es.transform.scan(lambda c, x: (c, x), 0, None, length=True), []
+
+
+@case(
+    "`bounded_while_loop` with a `bool` as its `max_steps`",
+    TypeError,
+    "`max_steps` must be a non-negative integer, got True",
+)
+def bounded_while_bool_steps():
+    loop = es.transform.bounded_while_loop
+    return lambda: loop(lambda c: c < 3, lambda c: c + 1, 0, max_steps=True), []
+
+
+@case(
+    "`scan` with an `unroll` given as text",
+    TypeError,
+    "`unroll` must be a non-negative integer or a bool, got '2'",
+)
+def scan_text_unroll():
+    scan = unchecked(es.transform.scan)
+    return lambda: scan(lambda c, x: (c, x), 0, jnp.ones(3), unroll="2"), []
+
+
+@case(
+    "`scan` with a `reverse` given as text",
+    TypeError,
+    "`reverse` must be True or False, got 'yes'",
+)
+def scan_text_reverse():
+    scan = unchecked(es.transform.scan)
+    return lambda: scan(lambda c, x: (c, x), 0, jnp.ones(3), reverse="yes"), []
+
+
+@case(
+    "a `ProgressBar` with a `width` given as text",
+    TypeError,
+    "`width` must be a non-negative integer, got '30'",
+)
+def progress_bar_text_width():
+    return lambda: unchecked_new(es.transform.ProgressBar, width="30"), []
+
+
+@case(
+    "`vmap_new_states` with a `state_tag` that is not a string",
+    TypeError,
+    "`state_tag` must be a string or None, got 3",
+)
+def new_states_tag_not_text():
+    build = unchecked(es.transform.vmap_new_states)
+    return lambda: build(lambda: es.State(1.0), axis_size=2, state_tag=3), []
+
+
+@case(
+    "`jaxpr_call` with a number for its state values",
+    TypeError,
+    "`jaxpr_call` takes a StateDict or a sequence of values, got 3",
+)
+def jaxpr_call_not_values():
+    n = es.State(jnp.array(0), name="n")
+    sf = es.transform.StatefulFunction(lambda: n.value + 1)
+    return lambda: unchecked(sf.jaxpr_call)(3), [n]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -336,7 +336,9 @@ def test_batch_norm_refuses_one_value_per_feature_in_training_only():
 
 
 def test_batch_norm_refuses_bad_options():
-    with pytest.raises(ValueError, match="positive `num_features`, got 0"):
+    with pytest.raises(
+        ValueError, match="`num_features` must be a positive integer, got 0"
+    ):
         enn.BatchNorm(0)
     with pytest.raises(ValueError, match=r"must be in \[0, 1\], got 1.5"):
         enn.BatchNorm(3, momentum=1.5)
@@ -875,11 +877,11 @@ def test_batch_size_may_be_any_integer(cls, batch_size, shape):
 
 
 def test_cells_refuse_non_positive_sizes():
-    with pytest.raises(ValueError, match="GRUCell needs a positive `hidden_size`"):
+    with pytest.raises(ValueError, match="GRUCell's `hidden_size` must be a positive"):
         enn.GRUCell(3, 0)
-    with pytest.raises(ValueError, match="RNNCell needs a positive `batch_size`"):
+    with pytest.raises(ValueError, match="RNNCell's `batch_size` must be a positive"):
         enn.RNNCell(3, 2, batch_size=0)
-    with pytest.raises(ValueError, match="LSTMCell needs a positive `batch_size`"):
+    with pytest.raises(ValueError, match="LSTMCell's `batch_size` must be a positive"):
         enn.LSTMCell(3, 2).reset(batch_size=(2, 0))
 
 

@@ -317,6 +317,90 @@ def test_assign_inside_a_raw_jit_says_it_cannot_write(where):
     assert (w.value == 0).all()
 
 
+def test_init_states_gives_states_values_of_new_shapes_and_dtypes():
+    h = es.ShortTermState(jnp.zeros((512, 100)), name="h")
+    c = es.State({"a": jnp.zeros(2)}, name="c")
+    with pytest.raises(es.StateValueError, match=r"`eqstate\.init_states\(\{state: "):
+        h.value = jnp.zeros((1, 100))
+    with pytest.raises(es.StateValueError, match=r"structure.*`eqstate\.init_states"):
+        c.value = [jnp.zeros(3)]
+    es.init_states({h: jnp.ones((1, 100), jnp.int32), c: [jnp.zeros(3)]})
+    assert h.value.shape == (1, 100) and h.value.dtype == jnp.int32
+    assert jax.tree.structure(c.value) == jax.tree.structure([0])
+    h.value = h.value + 1  # writes check against the new value
+    assert (h.value == 2).all()
+
+
+def test_init_states_is_all_or_nothing():
+    h = es.ShortTermState(jnp.zeros(3), name="h")
+    rng = es.RandomState(0, name="rng")
+    with pytest.raises(es.StateValueError, match=r"RandomState 'rng'.*typed PRNG keys"):
+        es.init_states({h: jnp.zeros(5), rng: jnp.zeros(2)})
+    with pytest.raises(es.StateValueError, match=r"'abc'.*ShortTermState 'h'"):
+        es.init_states({h: "abc"})
+    assert h.value.shape == (3,)
+
+
+def test_init_states_changes_a_scope_and_not_the_world():
+    h = es.ShortTermState(jnp.zeros(3), name="h")
+    step = jax.jit(lambda sd: es.run(lambda: es.init_states({h: jnp.ones(4)}), sd)[0])
+    assert (step(es.values_of(h))[h] == jnp.ones(4)).all()
+    with es.scope(es.values_of(h)) as scope:
+        es.init_states({h: jnp.ones(2)})
+    assert scope.states[h].shape == (2,) and h.value.shape == (3,)
+    other = es.State(jnp.zeros(()), name="other")
+    with pytest.raises(es.StateNotFoundError, match="State 'other'"):
+        with es.scope(es.values_of(h)):
+            es.init_states({other: jnp.ones(2)})
+
+
+def test_init_states_inside_a_transform_writes_the_same_shape_and_refuses_another():
+    h = es.ShortTermState(jnp.zeros(3), name="h")
+    es.transform.jit(lambda: es.init_states({h: jnp.ones(3)}))()
+    assert (h.value == 1).all()
+    with pytest.raises(
+        es.StateValueError,
+        match=r"Cannot give ShortTermState 'h' \(f32\[3\]\) the value f32\[4\] "
+        "inside an eqstate transform.*before calling the transformed function",
+    ):
+        es.transform.jit(lambda: es.init_states({h: jnp.ones(4)}))()
+    with pytest.raises(es.TraceContextError, match="Cannot write ShortTermState 'h'"):
+        jax.jit(lambda: es.init_states({h: jnp.ones(4)}))()
+    assert (h.value == 1).all()
+
+
+def test_a_jitted_function_traces_again_after_init_states():
+    h = es.ShortTermState(jnp.zeros((2, 3)), name="h")
+
+    @es.transform.jit
+    def step(x):
+        h.value = h.value + x
+        return h.value.sum()
+
+    assert step(jnp.ones((2, 3))) == 6
+    es.init_states({h: jnp.zeros((5, 3))})
+    assert step(jnp.ones((5, 3))) == 15 and h.value.shape == (5, 3)
+
+
+def test_a_state_set_in_a_module_call_gets_a_note_under_eqstate():
+    class VAE(eqx.Module):
+        scale: es.ParamState
+
+        def __call__(self, x):
+            self.kl_loss = es.State(x.sum())  # pyright: ignore[reportAttributeAccessIssue]
+            return x * self.scale.value
+
+    model = VAE(es.ParamState(jnp.ones(2)))
+    for call in (
+        es.transform.jit(model),
+        es.transform.grad(lambda x: model(x).sum()),
+        lambda x: es.run(model, es.values_of(model), x),
+    ):
+        with pytest.raises(AttributeError, match="kl_loss") as info:
+            call(jnp.ones(2))
+        assert "Create the state in `__init__`" in "".join(info.value.__notes__)
+
+
 def test_world_read_inside_an_eqstate_transform_is_a_state_read():
     s = es.State(jnp.array(1.0), name="s")
     f = es.transform.jit(lambda x: es.world()[s] * x)

@@ -1,6 +1,7 @@
 import copy
 import gc
 import pickle
+import re
 import typing
 import warnings
 import weakref
@@ -370,6 +371,65 @@ def test_a_handle_has_no_truth_value():
         if done:
             pass
     assert done is not None and not done.value
+
+
+_FORGOTTEN_VALUE = [
+    ("`@`", lambda w, x: w @ x, "state.value @ x"),
+    ("`@`", lambda w, x: x @ w, "x @ state.value"),
+    ("`*`", lambda w, x: w * 2, "state.value * x"),
+    ("`*`", lambda w, x: 2.0 * w, "x * state.value"),
+    ("`+`", lambda w, x: x + w, "x + state.value"),
+    ("`+`", lambda w, x: np.ones(3) + w, "x + state.value"),
+    ("`-`", lambda w, x: w - x, "state.value - x"),
+    ("`/`", lambda w, x: 1 / w, "x / state.value"),
+    ("`**`", lambda w, x: w**2, "state.value ** x"),
+    ("`-`", lambda w, x: -w, "-state.value"),
+    ("`abs`", lambda w, x: abs(w), "abs(state.value)"),
+    ("`<`", lambda w, x: w < x, "state.value < x"),
+    ("indexing", lambda w, x: w[0], "state.value[i]"),
+    ("indexing", lambda w, x: list(w), "state.value[i]"),
+    ("`len`", lambda w, x: len(w), "len(state.value)"),
+    ("`float`", lambda w, x: float(w), "float(state.value)"),
+]
+
+
+@pytest.mark.parametrize("operation, use, example", _FORGOTTEN_VALUE)
+def test_using_a_handle_as_an_array_names_the_state_and_value(operation, use, example):
+    w = es.ParamState(jnp.ones((3, 3)), name="w")
+    with pytest.raises(
+        TypeError,
+        match=r"ParamState 'w' \(f32\[3,3\]\) is a state handle, not an array: "
+        rf"{re.escape(operation)} needs its value.*`{re.escape(example)}`",
+    ):
+        use(w, jnp.ones(3))
+
+
+def test_a_handle_stays_hashable_and_equal_by_identity_beside_arrays():
+    w = es.ParamState(jnp.ones(3), name="w")
+    x = jnp.ones(3)
+    assert (w == x) is False and (x == w) is False and (w != x) is True
+    assert {w: 1}[w] == 1 and w in [x, w]
+
+
+def test_a_model_holding_handles_given_to_a_raw_jax_transform_gets_eqstates_error():
+    class Linear(eqx.Module):
+        w: es.ParamState
+
+        def __call__(self, x):
+            return self.w.value @ x
+
+    model, x = Linear(es.ParamState(jnp.ones((2, 3)), name="w")), jnp.ones(3)
+    for transform in (jax.jit, jax.grad, eqx.Partial(jax.vmap, in_axes=(0, None))):
+        with pytest.raises(
+            es.TraceContextError,
+            match=r"ParamState 'w' \(f32\[2,3\]\) was given to JAX where it takes "
+            r"an array.*`eqstate.transform.jit`, `eqstate.transform.grad`",
+        ):
+            transform(lambda m, x: m(x).sum())(model, x)
+    with pytest.raises(es.TraceContextError, match=r"read it: `state\.value`"):
+        jnp.dot(model.w, x)
+    # eqstate's transforms carry it.
+    assert es.transform.jit(lambda m, x: m(x))(model, x).shape == (2,)
 
 
 def test_a_write_committed_under_a_raw_vmap_names_the_state():

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Inexact, Num, PRNGKeyArray
 
 from .. import _jax_compat as compat
+from .._arguments import flag, integer, real
 from .._pretty_print import state_label
 from .._state import LongTermState, ParamState
 from ._ensemble import refuse_stacked_call
@@ -122,18 +123,20 @@ class BatchNorm(eqx.Module):
             has the matching real dtype (float32 for `jnp.complex64`). A complex input
             needs a complex `dtype`. (Keyword only argument.)
         """
-        if num_features < 1:
-            raise ValueError(
-                f"BatchNorm needs a positive `num_features`, got {num_features}."
-            )
+        owner = "BatchNorm's "
+        num_features = integer(num_features, "num_features", at_least=1, owner=owner)
+        real(momentum, "momentum", owner=owner, what="a real number in [0, 1]")
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(
                 f"BatchNorm's `momentum` is the weight of the old running statistics "
                 f"and must be in [0, 1], got {momentum}. (A PyTorch `momentum=m` is "
                 f"`momentum=1 - m` here.)"
             )
-        if eps < 0:
+        real(eps, "eps", owner=owner, what="a non-negative real number")
+        if not eps >= 0:
             raise ValueError(f"BatchNorm's `eps` must be non-negative, got {eps}.")
+        flag(affine, "affine", owner=owner)
+        flag(inference, "inference", owner=owner)
         if not jnp.issubdtype(dtype, jnp.inexact):
             raise ValueError(
                 "BatchNorm needs a floating or complex `dtype` for its running "
@@ -258,6 +261,7 @@ class BatchNorm(eqx.Module):
         Call the layer on the whole batch.
         """
         x = jnp.asarray(x)
+        flag(inference, "inference", owner="BatchNorm's ", none=True)
         if inference is None:
             inference = self.inference
         self._check_input(x, inference)

@@ -7,6 +7,7 @@ from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .. import random
+from .._arguments import flag, real
 
 
 class Dropout(eqx.Module):
@@ -56,13 +57,14 @@ class Dropout(eqx.Module):
             set on a whole model with `eqx.nn.inference_mode`. (Keyword only
             argument.)
         """
+        real(p, "p", owner="Dropout's ", what="a probability in [0, 1)")
         if not isinstance(p, Tracer) and not 0.0 <= float(p) < 1.0:  # pyright: ignore[reportArgumentType]
             raise ValueError(
                 f"Dropout's `p` is the probability of zeroing an entry and must be in "
                 f"[0, 1), got {p}. (`p=1` would zero everything and scale by 1/0.)"
             )
         self.p = p
-        self.inference = inference
+        self.inference = flag(inference, "inference", owner="Dropout's ")
 
     def __call__(
         self,
@@ -84,6 +86,7 @@ class Dropout(eqx.Module):
         An array of the shape of `x`.
         """
         x = jnp.asarray(x)
+        flag(inference, "inference", owner="Dropout's ", none=True)
         if inference is None:
             inference = self.inference
         if inference or (isinstance(self.p, (int, float)) and self.p == 0):

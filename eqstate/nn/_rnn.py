@@ -6,7 +6,6 @@ shape of a call follows the input and the hidden state, never a static field.
 """
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NoReturn, SupportsIndex
 
@@ -14,10 +13,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact, PRNGKeyArray
 
-from .. import _context, random
+from .. import random
+from .._arguments import flag, integer
 from .._pretty_print import state_label
+from .._run import init_states
 from .._state import ParamState, ShortTermState
 from ._ensemble import refuse_stacked_call
 
@@ -31,33 +33,20 @@ _Params = tuple[Array | None, ...]
 _BatchSize = SupportsIndex | Sequence[SupportsIndex] | None
 
 
-def _batch_shape(layer: str, batch_size: _BatchSize) -> tuple[int, ...]:
+def _batch_shape(layer: str, batch_size: Any) -> tuple[int, ...]:
+    """`batch_size` as a tuple of positive Python ints (`()` for None)."""
     if batch_size is None:
         return ()
-    try:
-        return (operator.index(batch_size),)  # pyright: ignore[reportArgumentType]
-    except TypeError:
-        pass
-    try:
-        return tuple(operator.index(size) for size in batch_size)  # pyright: ignore
-    except TypeError:
-        raise TypeError(
-            f"{layer} takes `batch_size` as an integer or a tuple of integers, got "
-            f"{batch_size!r}."
-        ) from None
+    sizes = (batch_size,) if np.ndim(batch_size) == 0 else batch_size
+    owner, what = f"{layer}'s ", "a positive integer or a tuple of them"
+    return tuple(
+        integer(n, "batch_size", at_least=1, owner=owner, what=what) for n in sizes
+    )
 
 
-def _check_sizes(
-    layer: str, input_size: int, hidden_size: int, batch_shape: tuple[int, ...]
-) -> None:
+def _check_sizes(layer: str, input_size: Any, hidden_size: Any) -> None:
     for name, size in (("input_size", input_size), ("hidden_size", hidden_size)):
-        if size < 1:
-            raise ValueError(f"{layer} needs a positive `{name}`, got {size}.")
-    if any(size < 1 for size in batch_shape):
-        raise ValueError(
-            f"{layer} needs a positive `batch_size` (or a tuple of them), got "
-            f"{batch_shape if len(batch_shape) != 1 else batch_shape[0]}."
-        )
+        integer(size, name, at_least=1, owner=f"{layer}'s ")
 
 
 def _map_over_batch(
@@ -168,40 +157,22 @@ class _RecurrentCell(eqx.Module):
             for one batch axis, a Python int or a NumPy or JAX integer scalar; a
             tuple of them for several; `()` for none), so that the next
             calls take inputs of shape `(*batch, input_size)`. Changing the batch
-            shape gives the state a value of a new shape, which only a context
-            holding values can do: call it in eager code, or inside
-            [`eqstate.scope`][] or [`eqstate.run`][] (also under `jax.jit`), not
-            inside an eqstate transform. By default the batch shape stays as it is,
-            and the reset is an ordinary write that works everywhere. The hidden
+            shape gives the state a value of a new shape with
+            [`eqstate.init_states`][], so only outside eqstate's transforms: in
+            eager code, or inside [`eqstate.scope`][] or [`eqstate.run`][] (also
+            under `jax.jit`). By default the batch shape stays as it is, and the
+            reset is an ordinary write that works everywhere. The hidden
             state of an ensemble built by [`eqstate.transform.vmap_new_states`][]
             has the members axis first: give it too,
             `reset(batch_size=(members, batch))`.
         """
         states = self._carry_states()
         current = [state.value for state in states]
-        if batch_size is None:
-            for state, value in zip(states, current):
-                state.value = jnp.zeros_like(value)
-            return
-        shape = (*_batch_shape(type(self).__name__, batch_size), self.hidden_size)
-        _check_sizes(type(self).__name__, self.input_size, self.hidden_size, shape[:-1])
-        zeros = {s: jnp.zeros(shape, v.dtype) for s, v in zip(states, current)}
-        if all(v.shape == shape for v in current):
-            for state, value in zeros.items():
-                state.value = value
-            return
-        frame = _context.current_frame()
-        if not isinstance(frame, (_context.World, _context.DictFrame)):
-            raise ValueError(
-                f"Cannot change the batch shape of the hidden state of {self._name()} "
-                f"from {current[0].shape[:-1]} to {shape[:-1]} inside an eqstate "
-                "transform: a state keeps its shape within a traced function. Call "
-                "`cell.reset(batch_size=...)` before calling the transformed function "
-                "(it retraces for the new shape), or map over the batch with "
-                "`eqstate.transform.vmap` and a hidden state that has the batch axis."
-            )
-        # A new value of another shape, as when the state was created: not a write.
-        frame.commit(zeros)
+        batch = current[0].shape[:-1]
+        if batch_size is not None:
+            batch = _batch_shape(type(self).__name__, batch_size)
+        shape = (*batch, self.hidden_size)
+        init_states({s: jnp.zeros(shape, v.dtype) for s, v in zip(states, current)})
 
     def _check_dtype(self, x: Array) -> None:
         """`ValueError` for a complex input to a real cell, whose update would drop its
@@ -281,17 +252,20 @@ def _check_param_dtype(cls: type[_RecurrentCell], dtype: Any) -> None:
 
 def _batch_and_key(
     cls: type[_RecurrentCell],
-    input_size: int,
-    hidden_size: int,
-    batch_size: _BatchSize,
+    input_size: Any,
+    hidden_size: Any,
+    use_bias: Any,
+    batch_size: Any,
     dtype: Any,
     key: PRNGKeyArray | None,
 ) -> tuple[tuple[int, ...], PRNGKeyArray]:
     """The checked batch shape of a new cell, and the key to initialise it from (split
-    from the default random state if `key` is None), after checking `dtype`."""
+    from the default random state if `key` is None), after checking the sizes,
+    `use_bias` and `dtype`."""
     layer = cls.__name__
+    _check_sizes(layer, input_size, hidden_size)
     batch = _batch_shape(layer, batch_size)
-    _check_sizes(layer, input_size, hidden_size, batch)
+    flag(use_bias, "use_bias", owner=f"{layer}'s ")
     _check_param_dtype(cls, dtype)
     return batch, random.split_key() if key is None else key
 
@@ -390,7 +364,7 @@ class GRUCell(_RecurrentCell):
             argument.)
         """
         batch, key = _batch_and_key(
-            GRUCell, input_size, hidden_size, batch_size, dtype, key
+            GRUCell, input_size, hidden_size, use_bias, batch_size, dtype, key
         )
         ref = eqx.nn.GRUCell(input_size, hidden_size, use_bias, dtype, key=key)
         self.weight_ih = ParamState(ref.weight_ih, name="weight_ih")
@@ -468,7 +442,7 @@ class LSTMCell(_RecurrentCell):
         As for [`eqstate.nn.GRUCell.__init__`][]; `use_bias` adds one bias, `bias`.
         """
         batch, key = _batch_and_key(
-            LSTMCell, input_size, hidden_size, batch_size, dtype, key
+            LSTMCell, input_size, hidden_size, use_bias, batch_size, dtype, key
         )
         ref = eqx.nn.LSTMCell(input_size, hidden_size, use_bias, dtype, key=key)
         self.weight_ih = ParamState(ref.weight_ih, name="weight_ih")
@@ -544,7 +518,7 @@ class RNNCell(_RecurrentCell):
         the real and imaginary parts side by side.
         """
         batch, key = _batch_and_key(
-            RNNCell, input_size, hidden_size, batch_size, dtype, key
+            RNNCell, input_size, hidden_size, use_bias, batch_size, dtype, key
         )
         ihkey, hhkey, bkey = jax.random.split(key, 3)
         lim = math.sqrt(1 / hidden_size)

@@ -671,8 +671,10 @@ def grad(
         (e.g. `eqstate.ParamState`), which selects the floating-point states the
         function uses and those the arguments in `argnums` hold.
     - `argnums`: the positional arguments to differentiate with respect to. Defaults
-        to `0` without `grad_states`, to none with them. As in `eqx.filter_grad`,
-        their leaves that are not floating-point arrays get `None`.
+        to `0` without `grad_states`, to none with them. Their floating-point
+        leaves are differentiated, Python floats included, as by `jax.grad`
+        (`grad(lambda x: x**2)(3.0)` is `6.0`; `eqx.filter_grad` gives `None`);
+        their other leaves get `None`, as in `eqx.filter_grad`.
     - `has_aux`: `fun` returns `(value, aux)`.
     - `return_value`: also return the function's value.
     - `holomorphic`, `allow_int`: as in `jax.grad`. (Keyword only arguments.)

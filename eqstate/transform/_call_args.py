@@ -2,11 +2,12 @@
 traced, and what it takes to put the call back together."""
 
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
 
+from .._arguments import given
 from .._jax_compat import trace_context
 from ._leaves import in_module, is_traced, jax_jit_sees_as_eqstate, signature
 from ._split_args import typed_static
@@ -251,10 +252,16 @@ def _mapped_leaves(axis: Any, arg: Any) -> list[bool]:
 
 
 def _as_tuple(x: Any, kind: type, what: str) -> tuple:
-    items = (x,) if isinstance(x, kind) else tuple(x)
+    """`x`, one `kind` or an iterable of them (a `bool` is no `int` here), as a
+    tuple; else `TypeError`."""
+    single = isinstance(x, (kind, bool, str)) or not isinstance(x, Iterable)
+    items = (x,) if single else tuple(x)
+    noun = "an integer" if kind is int else "a string"
     for item in items:
-        if not isinstance(item, kind):
-            raise TypeError(f"`{what}` must hold {kind.__name__}s, got {item!r}.")
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise TypeError(
+                f"`{what}` must be {noun} or a sequence of them, {given(item)}."
+            )
     return items
 
 

@@ -19,7 +19,7 @@ import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
 from ._common import merge_leading_axes
-from ._loops import _check_pbar, _lax_scan, _scan
+from ._loops import _check_options, _lax_scan, _scan
 from ._progress_bar import ProgressBar
 
 
@@ -222,7 +222,7 @@ def checkpointed_scan(
         assert steps.value == 2000
         ```
     """
-    _check_pbar(pbar)
+    _check_options(False, 1, pbar)
     base = _check_base(base)
     return _scan(f, init, xs, length, False, 1, pbar, _CHECKPOINTED_SCAN, _loop(base))
 
@@ -268,7 +268,7 @@ def checkpointed_for_loop(
     def body(carry, xs):
         return carry, f(*xs)
 
-    _check_pbar(pbar)
+    _check_options(False, 1, pbar)
     base = _check_base(base)
     _, ys = _scan(
         body, None, operands, None, False, 1, pbar, _CHECKPOINTED_FOR_LOOP, _loop(base)

@@ -1,7 +1,6 @@
 """Helpers the transforms share: static leaves through JAX transforms, the states a
 spec names, and PyTrees split into arrays and the rest."""
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,11 +11,11 @@ import numpy as np
 from jax.core import Tracer
 
 from .. import _jax_compat as compat
-from .._context import is_weak, to_array
 from .._filters import to_predicate
 from .._shapes import shape_dtype
 from .._state import is_state, State
 from .._state_dict import StateDict
+from .._write_checks import is_weak, to_array
 from ._leaves import dynamic_mask, in_module, is_dynamic
 from ._split_args import same_static, Static
 
@@ -235,24 +234,6 @@ def partition(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
         return jtu.tree_unflatten(treedef, full)
 
     return dynamic, rebuild
-
-
-def positive_int(value: Any, name: str, example: str = "") -> int:
-    """`value` as a Python int: any integer `operator.index` takes, not a `bool`
-    (which it would take as 0 or 1). Raises `TypeError` naming `name` (followed by
-    `example`, a usage) for anything else, and `ValueError` if it is not positive."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        size = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"`{name}` must be a positive integer or None, got {value!r} (a "
-            f"{type(value).__name__}){example}."
-        ) from None
-    if size <= 0:
-        raise ValueError(f"`{name}` must be a positive integer, got {size}.")
-    return size
 
 
 def predicate_axes(predicate: Any) -> frozenset:

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import ArrayLike, Bool, Integer, Real
 
-from .. import _context, _jax_compat as compat
+from .. import _jax_compat as compat
 from .._pretty_print import array_summary, state_label
 from .._state import State
+from .._write_checks import has_tracer
 from ._common import (
     abstract,
     changed_static,
@@ -95,7 +96,7 @@ def _switch(
     _check_index(index)
     # As `jax.lax.switch`: to int32 first (a large index wraps), then clamp.
     index = jax.lax.convert_element_type(index, jnp.int32)
-    if jit_disabled() and not _context.has_tracer(index):
+    if jit_disabled() and not has_tracer(index):
         chosen = min(max(int(index), 0), len(branches) - 1)
         with guarded(names[chosen]):
             return branches[chosen](*operands)
@@ -407,7 +408,7 @@ def ifelse(
 def _checked(index: Any, failed: Any) -> Any:
     """`index`, checked that `failed` is false: at once if it is known now, else as
     the program runs where the platform can raise there."""
-    if not _context.has_tracer(failed):
+    if not has_tracer(failed):
         if failed:
             raise eqx.EquinoxRuntimeError(_NOT_EXACTLY_ONE)
         return index

@@ -22,14 +22,16 @@ import jax
 import jax.numpy as jnp
 
 from .. import _context, _jax_compat as compat
-from .._context import current_frame as _current_frame, has_tracer, WORLD
+from .._context import current_frame as _current_frame, WORLD
 from .._custom_types import MISSING
+from .._errors import HandleGivenToJax
 from .._jax_compat import is_top_level
 from .._placement import private_copies
 from .._pretty_print import state_label
 from .._shapes import is_key
 from .._state import State
 from .._state_dict import sharding_rule
+from .._write_checks import has_tracer
 from ._call_args import CallArgs
 from ._common import constrained_to
 from ._equinox_errors import EQUINOX_ERRORS, raise_equinox_error
@@ -64,9 +66,10 @@ class _PlanMismatch(Exception):
 # What a call through a plan raises when it must take the unplanned path instead: a
 # mismatch, a state missing from the world (the unplanned path names it), an output
 # that cannot be rebuilt from its key (`OutputMismatch`), or arguments that `jax.jit`
-# refuses (see `JitDispatch._raise_if_planned`): e.g. a Python `int` field of a Module,
-# static for eqstate, too large for `jax.jit`'s int32 (`OverflowError`).
-_JIT_REFUSALS = (TypeError, ValueError, OverflowError)
+# refuses (see `JitDispatch._raise_if_planned`): a handle (`HandleGivenToJax`), or a
+# Python `int` field of a Module, static for eqstate, too large for `jax.jit`'s int32
+# (`OverflowError`).
+_JIT_REFUSALS = (TypeError, ValueError, OverflowError, HandleGivenToJax)
 _REFUSALS = (_PlanMismatch, KeyError, OutputMismatch, *_JIT_REFUSALS)
 
 

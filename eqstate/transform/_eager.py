@@ -12,6 +12,7 @@ from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
 from .._errors import NewStateError
 from .._pretty_print import state_label
+from .._write_checks import check_write, refuse_leaked_tracers
 
 
 compat.hide_from_tracebacks(__file__)
@@ -71,8 +72,8 @@ class _GuardFrame(_context.Frame):
 
     def write(self, state, value):
         self._check_writable(state)
-        _context.refuse_leaked_tracers(state, value, self.eager)
-        self.values[state] = _context.check_write(state, self.fetch(state), value)
+        refuse_leaked_tracers(state, value, self.eager)
+        self.values[state] = check_write(state, self.fetch(state), value)
 
     def commit(self, updates, new=()):
         if new:

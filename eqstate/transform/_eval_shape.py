@@ -6,8 +6,8 @@ from typing import Any
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
+from .._context import expire
 from .._errors import SHAPES_ONLY_STATE
-from .._state import expire
 from .._state_dict import state_dict_of, StateDict
 from ._leaves import aval_signature, struct
 from ._stateful_function import out_shapes, StatefulFunction, trace_of_call

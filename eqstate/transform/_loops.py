@@ -11,7 +11,6 @@ whole loop succeeds.
 """
 
 import functools
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
+from .._arguments import flag, integer
 from .._pretty_print import array_summary, state_label
 from .._shapes import shape_dtype
 from .._state import State
@@ -60,13 +60,7 @@ def _loop_length(xs: Any, length: int | None, what: tuple[str, str, str]) -> int
             )
         sizes[name] = shape[0]
     if length is not None:
-        try:
-            length = operator.index(length)
-        except TypeError:
-            raise TypeError(f"`length` must be an integer, got {length!r}.") from None
-        if length < 0:
-            raise ValueError(f"`length` must be non-negative, got {length}.")
-        sizes["`length`"] = length
+        sizes["`length`"] = length = integer(length, "length")
     if not sizes:
         raise ValueError(what[2])
     if len(set(sizes.values())) > 1:
@@ -93,7 +87,10 @@ _FOR_LOOP = (
 )
 
 
-def _check_pbar(pbar: Any) -> None:
+def _check_options(reverse: Any, unroll: Any, pbar: Any) -> None:
+    flag(reverse, "reverse")
+    if not isinstance(unroll, bool):
+        integer(unroll, "unroll", what="a non-negative integer or a bool")
     if pbar is not None and not isinstance(pbar, ProgressBar):
         raise TypeError(
             "`pbar` must be an `eqstate.transform.ProgressBar` or None, got "
@@ -181,7 +178,7 @@ def scan(
         assert n == 4 and total.value == 6.0 and (running == jnp.array([0, 1, 3, 6.0])).all()
         ```
     """
-    _check_pbar(pbar)
+    _check_options(reverse, unroll, pbar)
     return _scan(f, init, xs, length, reverse, unroll, pbar, _SCAN)
 
 
@@ -400,7 +397,7 @@ def for_loop(
     def body(carry, xs):
         return carry, f(*xs)
 
-    _check_pbar(pbar)
+    _check_options(reverse, unroll, pbar)
     _, ys = _scan(body, None, operands, None, reverse, unroll, pbar, _FOR_LOOP)
     return ys
 
@@ -567,15 +564,8 @@ def bounded_while_loop(
         assert f(1.0) == 16.0 and jax.grad(f)(1.0) == 16.0
         ```
     """
-    try:
-        max_steps = operator.index(max_steps)
-    except TypeError:
-        raise TypeError(
-            f"`max_steps` must be a non-negative integer, got {max_steps!r}. It is "
-            "the length of the compiled loop, so it cannot be traced either."
-        ) from None
-    if max_steps < 0:
-        raise ValueError(f"`max_steps` must be non-negative, got {max_steps}.")
+    hint = ": the length of the compiled loop, so it cannot be traced either"
+    max_steps = integer(max_steps, "max_steps", hint=hint)
 
     @functools.wraps(body_fun)  # Errors name `body_fun`.
     def body(val):

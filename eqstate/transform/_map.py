@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
+from .._arguments import integer
 from .._pretty_print import state_label
 from .._state import RandomState, split_and_advance, State
 from ._common import (
     hide_static,
     merge_leading_axes,
-    positive_int,
     show_static,
     strong,
     WeakCarry,
@@ -288,7 +288,7 @@ def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
 
         _, ys = _scan(body, None, xs, None, False, 1, None, _MAP)
         return ys
-    size = positive_int(batch_size, "batch_size")
+    size = integer(batch_size, "batch_size", at_least=1, none=True)
     # Leaves JAX does not take (the handles of a model in `xs`) ride in the tree
     # structure: every element sees the same ones.
     xs = hide_static(xs)

@@ -11,15 +11,21 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _context, _jax_compat as compat
-from .._clone import Build, INIT_NO_BATCHING, mark_build, mark_replicated
-from .._context import check_write, has_tracer
+from .._arguments import text
+from .._clone import (
+    Build,
+    INIT_NO_BATCHING,
+    mark_build,
+    mark_replicated,
+    replication,
+)
+from .._context import expire
 from .._custom_types import AxisSpec, Filter, MISSING, Missing
 from .._errors import BatchAxisError, TraceContextError
 from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._run import run, states_of
 from .._state import (
-    expire,
     KEY_LOCK,
     NonBatchState,
     RandomState,
@@ -27,6 +33,7 @@ from .._state import (
     State,
 )
 from .._state_dict import StateDict
+from .._write_checks import check_write, has_tracer
 from ..random import DEFAULT
 from ._decorator import decorator_form
 from ._vmap import (
@@ -71,7 +78,7 @@ _NESTED_SHARED_KEY = (
 )
 
 
-class _LaneFrame(_context.Frame):
+class _LaneFrame(_context.Frame, _context.AnswersNested):
     """The frame of one lane of `vmap_new_states` (it sees every lane at once, as the
     function is traced under `jax.vmap`).
 
@@ -248,7 +255,7 @@ def _why_replicated(
         return "a NonBatchState"
     # Also when an inner build replicated it for its tag, then gave it its own
     # `state_tag`: the tag still holds for the builds around.
-    if state.tag == INIT_NO_BATCHING or state._replicated == INIT_NO_BATCHING:
+    if state.tag == INIT_NO_BATCHING or replication(state) == INIT_NO_BATCHING:
         return _TAGGED
     if excluded((), state):
         return "in `state_to_exclude`"
@@ -540,6 +547,7 @@ def vmap_new_states(
             "supported. Use `eqstate.transform.vmap` to map over existing states."
         )
     axis_size = checked_axis_size(axis_size)
+    text(state_tag, "state_tag")
     excluded = to_predicate(state_to_exclude)
     options = dict(
         in_axes=in_axes,

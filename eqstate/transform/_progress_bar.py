@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._common import positive_int
+from .._arguments import integer
 
 
 class ProgressBar:
@@ -47,12 +47,11 @@ class ProgressBar:
         - `file`: where to print; `sys.stderr` by default.
         - `width`: the number of characters of the bar.
         """
-        if freq is not None:
-            freq = positive_int(freq, "freq", ", e.g. `ProgressBar(freq=10)`")
-        self.freq = freq
+        hint = ", e.g. `ProgressBar(freq=10)`"
+        self.freq = integer(freq, "freq", at_least=1, none=True, hint=hint)
         self.desc = desc
         self.file = file
-        self.width = width
+        self.width = integer(width, "width")
         self._lock = threading.Lock()
 
     def _print(self, done: Any, *, total: int) -> None:

@@ -102,20 +102,21 @@ def refuse_ints_too_large(values: Sequence[Any]) -> None:
                 )
 
 
-def check_sequence(name: str, trace: Trace, values: Sequence[Any]) -> bool:
-    """Checks state values passed as a sequence aligned with `trace.states`. Returns
-    whether they fit `trace` as they are; `False` if only weak types differ (a write
-    may change them), so that the caller traces again with these values."""
+def check_sequence(name: str, trace: Trace, values: Sequence[Any], method: str) -> bool:
+    """Checks state values passed to `method` as a sequence aligned with
+    `trace.states`. Returns whether they fit `trace` as they are; `False` if only weak
+    types differ (a write may change them), so that the caller traces again with
+    these values."""
     if len(values) != len(trace.states):
         raise ValueError(
-            f"{name} touches {len(trace.states)} state(s), but `jaxpr_call` got "
+            f"{name} touches {len(trace.states)} state(s), but `{method}` got "
             f"{len(values)} value(s). Pass one value per state of `get_states()`, in "
             "that order."
         )
     for i, (state, value) in enumerate(zip(trace.states, values)):
         if value is None:
             raise StateValueError(
-                f"The value at position {i} of `jaxpr_call`'s state values, for "
+                f"The value at position {i} of `{method}`'s state values, for "
                 f"{state_label(state)}, is None. Pass its current value."
             )
     if trace.stale_state(list(values)) is None:
@@ -126,7 +127,7 @@ def check_sequence(name: str, trace: Trace, values: Sequence[Any]) -> bool:
         if _differs_beyond_weak_types(value, treedef, sigs):
             expected = jtu.tree_unflatten(treedef, [struct(s) for s in sigs])
             raise StateValueError(
-                f"The value at position {i} of `jaxpr_call`'s state values, for "
+                f"The value at position {i} of `{method}`'s state values, for "
                 f"{state_label(state)}, is {value_summary(value)}, but the function "
                 f"was traced with {value_summary(expected)}. Pass a value of that "
                 "structure, shape and dtype (its current value fits)."

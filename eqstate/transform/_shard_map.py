@@ -9,6 +9,7 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _context, _jax_compat as compat
+from .._clone import shared_by_members, why_shared
 from .._custom_types import MISSING
 from .._errors import BatchAxisError, StateNotFoundError, UnstableStatesError
 from .._multi_process import device_put
@@ -16,7 +17,7 @@ from .._pretty_print import state_label
 from .._run import run
 from .._shapes import is_key, shape_dtype
 from .._sharding import check_divisible, spec_rule
-from .._state import shared_by_members, State, why_shared
+from .._state import State
 from .._state_dict import state_dict_of
 from ._common import constrained_to, hide_static, show_static
 from ._decorator import decorator_form

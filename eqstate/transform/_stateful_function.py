@@ -1,6 +1,6 @@
 """StatefulFunction: traces a function that uses states into a pure jaxpr."""
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, overload
 
 import jax
@@ -9,6 +9,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
+from .._arguments import given
 from .._custom_types import PyTreeDef
 from .._errors import StateValueError
 from .._pretty_print import first_and_more, shape_summary, state_label
@@ -53,9 +54,10 @@ class StatefulFunction:
     Arguments are split as `jax.jit` would trace them, plus the leniency of
     `eqx.filter_jit`: array leaves and Python scalars are traced (so `f(1.0)` and
     `f(2.0)` share a trace), other leaves (strings, functions, ...) are static and
-    part of the cache key. Outputs
-    may hold non-array leaves (returned as they were while tracing) and the handles
-    of new states, but not pre-existing handles.
+    part of the cache key. Outputs may hold non-array leaves (returned as they were
+    while tracing), handles that existed before the call (a module holding them,
+    say: the caller gets the same handles back) and the handles of new states
+    (fresh ones at each call).
 
     !!! Example
 
@@ -471,11 +473,7 @@ class StatefulFunction:
             assert new[count] == 42 and out == 2.0 and count.value == 0
             ```
         """
-        if isinstance(state_vals, Mapping) and not isinstance(state_vals, StateDict):
-            raise TypeError(
-                f"`debug_call` takes a StateDict or a sequence of values, got a "
-                f"{type(state_vals).__name__}. Wrap it: `eqstate.StateDict(values)`."
-            )
+        state_vals = _state_values(state_vals, "debug_call")
         if isinstance(state_vals, StateDict):
             if "write" not in self.state_returns:
                 # Found as `jaxpr_call` finds it (not run), so that both refuse alike.
@@ -484,12 +482,11 @@ class StatefulFunction:
                 self._refuse_lost_writes(trace)
             with jax.disable_jit():
                 return run(self.fun, state_vals, *args, **kwargs)
-        values = tuple(state_vals)
         call = self._traces.parse(args, kwargs)
-        trace, aligned, values = self._trace_for_sequence(call, values)
+        trace, aligned, values = self._trace_for_sequence(call, state_vals)
         self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="debug_call"))
-        check_sequence(self.name, trace, values)
+        check_sequence(self.name, trace, values, "debug_call")
         with jax.disable_jit():
             new, out = run(
                 self.fun,
@@ -551,15 +548,11 @@ class StatefulFunction:
         [`eqstate.NewStateError`][] (a `ValueError`) if the function creates states
         (use a `StateDict` to receive them).
         """
+        state_vals = _state_values(state_vals, "jaxpr_call")
         call = self._traces.parse(args, kwargs)
         if isinstance(state_vals, StateDict):
             return self._call_with_dict(state_vals, call)
-        if isinstance(state_vals, Mapping):
-            raise TypeError(
-                f"`jaxpr_call` takes a StateDict or a sequence of values, got a "
-                f"{type(state_vals).__name__}. Wrap it: `eqstate.StateDict(values)`."
-            )
-        return self._call_with_sequence(tuple(state_vals), call)
+        return self._call_with_sequence(state_vals, call)
 
     def _call_with_dict(self, sd: StateDict, call: CallArgs) -> tuple[StateDict, Any]:
         try:
@@ -609,7 +602,7 @@ class StatefulFunction:
         trace, aligned, values = self._trace_for_sequence(call, values)
         self._refuse_lost_writes(trace)
         refuse_new_states(trace, self.name, _NO_PLACE.format(method="jaxpr_call"))
-        if not check_sequence(self.name, trace, values):
+        if not check_sequence(self.name, trace, values, "jaxpr_call"):
             trace = self._retrace_for_weak_types(call, trace, values)
         out, updated, _ = self._traces.evaluate(
             trace, call.leaves, list(values), self._jit_options()
@@ -751,6 +744,23 @@ def _shapes_text(signatures: list[tuple]) -> str:
     """Leaf `(shape, dtype)` pairs as `f32[4,2]`, joined."""
     texts = [shape_summary(shape, dtype) for shape, dtype in signatures]
     return ", ".join(texts) if texts else "no array"
+
+
+def _state_values(state_vals: Any, method: str) -> StateDict | tuple:
+    """`state_vals` as `jaxpr_call` and `debug_call` take them: a StateDict, or a
+    sequence of values made a tuple. `TypeError` for anything else."""
+    if isinstance(state_vals, StateDict):
+        return state_vals
+    if isinstance(state_vals, Mapping):
+        fix = "Wrap it: `eqstate.StateDict(values)`."
+    elif isinstance(state_vals, Iterable) and not isinstance(state_vals, str):
+        return tuple(state_vals)
+    else:
+        fix = "Pass `[value, ...]`, one per state of `get_states()`, in that order."
+    raise TypeError(
+        f"`{method}` takes a StateDict or a sequence of values, "
+        f"{given(state_vals)}. {fix}"
+    )
 
 
 def _against_dict(sd: StateDict) -> tuple[Callable, Callable]:

@@ -15,8 +15,11 @@ from jax.core import Tracer
 from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
+from .._clone import copy_provenance
+from .._context import expire
 from .._custom_types import PyTreeDef
-from .._state import expire, fresh_copy, is_state, made_as_copy, State
+from .._errors import note_frozen_module
+from .._state import fresh_copy, is_state, made_as_copy, State
 from .._state_dict import rekeyed
 from ._call_args import CallArgs
 from ._leaves import (
@@ -138,7 +141,7 @@ class Trace:
         for k in self.given:
             x = needed[k]
             if not isinstance(x, jax.Array):
-                needed[k] = jnp.array(x)  # a copy, as in `_context.to_value`
+                needed[k] = jnp.array(x)  # a copy, as in `_write_checks.to_value`
         return needed
 
     def read_only(self, values: Sequence[Any]) -> dict[State, Any]:
@@ -193,6 +196,8 @@ class Trace:
         # A state the function created is created by this call, as it would be
         # eagerly; one it copied (a clone) keeps its place after its original.
         fresh = [fresh_copy(s, in_place=made_as_copy(s)) for s in self.new_states]
+        for state, copy in zip(self.new_states, fresh):
+            copy_provenance(state, copy)  # The records of the ensembles it is in.
         out = self.build_output(out_leaves, fresh, python_scalars)
         if fresh:
             handles = dict(zip(self.new_states, fresh))
@@ -247,12 +252,14 @@ def trace_function(
         assert isinstance(result, Trace)
         return result
     known: list[State] = []
+    lane = _context.answering_nested(parent)
     while True:
-        mark = parent.nested_mark()
+        mark = None if lane is None else lane.nested_mark()
         result = _trace_once(fun, call, parent, known, name, state_returns, axis_env)
         if isinstance(result, Trace):
             return result
-        parent.rewind_nested(mark)
+        if lane is not None:
+            lane.rewind_nested(mark)
         known.extend(result)
 
 
@@ -292,6 +299,9 @@ def _trace_once(
         token = _context.enter(frame)
         try:
             return recorder.outputs(frame, fun(*args, **kwargs))
+        except BaseException as error:
+            note_frozen_module(error)
+            raise
         finally:
             _context.leave(token)
             # JAX checks for leaked tracers as soon as this trace ends.

@@ -31,12 +31,13 @@ class View(_context.Frame):
         raise NotImplementedError(_READ_ONLY)
 
 
-class Overlay(_context.ParentAnswersNested, View):
+class Overlay(View):
     """The parent of a trace, showing it `values` for some states and the values of
     `parent` for the others: a `jit` plan's body traces the function against the
     states moved to their `state_shardings`, whose types may differ from the values
     in `parent` (explicit mesh axes put the sharding in the type)."""
 
+    passes_nested_on = True  # See `eqstate._context.AnswersNested`.
     __slots__ = ("values",)
 
     def __init__(self, parent: _context.Frame, values: dict):

@@ -13,19 +13,13 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
 from .. import _context, _jax_compat as compat
-from .._clone import stacked_by_its_last_build
+from .._clone import shared_by_members, stacked_by_its_last_build, why_shared
 from .._custom_types import AxisSpec, Filter, MISSING
 from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
 from .._shapes import is_key, key_impl_of, shape_dtype
-from .._state import (
-    RandomState,
-    shared_by_members,
-    split_and_advance,
-    State,
-    why_shared,
-)
+from .._state import RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
@@ -221,7 +215,7 @@ def parse_state_axes(spec: Any, what: str) -> list[tuple[int, Callable]]:
         return []
     if isinstance(spec, StateDict):
         spec = spec.states
-    if isinstance(spec, dict) and all(isinstance(k, int) for k in spec):
+    if isinstance(spec, dict) and all(_is_axis(k) for k in spec):
         pairs = []
         for axis, filter in spec.items():
             if isinstance(filter, StateDict):
@@ -234,6 +228,10 @@ def parse_state_axes(spec: Any, what: str) -> list[tuple[int, Callable]]:
             f"got keys {list(spec)!r}."
         )
     return [(0, to_predicate(spec))]
+
+
+def _is_axis(key: Any) -> bool:
+    return isinstance(key, int) and not isinstance(key, bool)
 
 
 def _refuse_named_shared(in_states: Any) -> None:
