@@ -9,7 +9,7 @@ import pytest
 from eqstate import _jax_compat as compat
 from jax.sharding import PartitionSpec as P
 
-from .helpers import leak_a_tracer
+from .helpers import leak_a_tracer, traces_per_key
 
 
 def test_top_level_is_detected_outside_and_inside_transforms():
@@ -409,10 +409,9 @@ def test_without_a_trace_context_no_trace_is_reused_and_results_stay_right(
     monkeypatch,
 ):
     import eqstate as es
-    from eqstate.transform import _call_args
 
     assert compat._never_equal() != compat._never_equal([("i", 2)])
-    monkeypatch.setattr(_call_args, "trace_context", compat._never_equal)
+    monkeypatch.setattr(compat, "trace_context", compat._never_equal)
     runs, total = [], es.State(jnp.zeros(2), name="total")
 
     @es.transform.jit
@@ -424,6 +423,7 @@ def test_without_a_trace_context_no_trace_is_reused_and_results_stay_right(
     for _ in range(3):
         add(jnp.ones(2))
     assert (total.value == 3).all()
+    assert len(runs) > traces_per_key()  # a later call traced again
     scaled = es.transform.jit(lambda x: x * total.value / jax.lax.axis_size("i"))
     for n in (2, 4):
         got = es.transform.vmap(scaled, axis_name="i")(jnp.ones((n, 2)))

@@ -928,28 +928,6 @@ def test_a_module_int_too_large_for_jax_after_array_only_calls_stays_static():
     assert count.value == 2
 
 
-def test_a_call_whose_split_forgets_its_own_part_is_still_right(monkeypatch):
-    # The splitter remembers a bounded number of argument structures; numbering a
-    # new one can forget the oldest, even one the same call reuses.
-    from eqstate.transform import _split_args
-
-    monkeypatch.setattr(_split_args, "KEYS_KEPT", 4)
-
-    class Tagged(eqx.Module):
-        w: es.ParamState
-
-    model = Tagged(es.ParamState(jnp.ones(3)))
-
-    def f(a, tag=None):
-        return a.w.value.sum() + len(tag) if isinstance(a, Tagged) else a.sum()
-
-    jitted = es.transform.jit(f)
-    for i in range(12):
-        assert jitted(model, "t" * i) == f(model, "t" * i)
-        if i % 3 == 2:
-            assert jitted(jnp.ones(2)) == 2.0  # an array-only plan becomes current
-
-
 def test_apply_updates_that_do_not_fit_the_model_change_nothing(getkey):
     class Model(eqx.Module):
         linear: eqx.nn.Linear
