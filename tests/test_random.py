@@ -12,6 +12,8 @@ from .helpers import tree_bitwise_equal, unchecked, unchecked_new
 
 SAMPLERS = {
     "normal": lambda: es.random.normal((3,)),
+    "randn": lambda: es.random.randn(2, 3),
+    "rand": lambda: es.random.rand(3),
     "uniform": lambda: es.random.uniform((3,), minval=-1.0, maxval=2.0),
     "randint": lambda: es.random.randint((3,), 0, 10),
     "bernoulli": lambda: es.random.bernoulli(0.3, (3,)),
@@ -28,6 +30,8 @@ SAMPLERS = {
 
 _REFERENCE = {
     "normal": lambda k: jax.random.normal(k, (3,)),
+    "randn": lambda k: jax.random.normal(k, (2, 3)),
+    "rand": lambda k: jax.random.uniform(k, (3,)),
     "uniform": lambda k: jax.random.uniform(k, (3,), minval=-1.0, maxval=2.0),
     "randint": lambda k: jax.random.randint(k, (3,), 0, 10),
     "bernoulli": lambda k: jax.random.bernoulli(k, 0.3, (3,)),
@@ -347,3 +351,30 @@ def test_a_state_dict_gives_a_random_state_only_typed_keys():
     one = es.StateDict({rng: jax.random.key(1)})
     _, draw = es.run(lambda: jax.random.normal(rng.split_key()), one)
     assert draw.shape == ()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "got"),
+    [
+        ((-1.0, 1.0, (3,)), "shape=-1.0, dtype=1.0"),
+        ((0, 1, (3,)), "shape=0, dtype=1"),
+    ],
+)
+def test_uniform_called_as_numpy_s_names_the_eqstate_call(arguments, got):
+    # `uniform(low, high, size)`, as NumPy and brainstate take it.
+    with pytest.raises(
+        TypeError,
+        match=rf"got {got}\. Write `eqstate\.random\.uniform\(size, minval=low, maxval=high\)`",
+    ):
+        unchecked(es.random.uniform)(*arguments)
+
+
+def test_randn_and_rand_with_a_key_are_jax_random_s(getkey):
+    key = getkey()
+    assert tree_bitwise_equal(
+        es.random.randn(4, 2, key=key), jax.random.normal(key, (4, 2))
+    )
+    assert tree_bitwise_equal(
+        es.random.rand(5, dtype=jnp.bfloat16, key=key),
+        jax.random.uniform(key, (5,), jnp.bfloat16),
+    )
