@@ -1,11 +1,13 @@
 """State handles and their kinds."""
 
+import contextvars
 import functools as ft
 import itertools
 import operator
 import threading
 import warnings
-from typing import Any, Generic, NoReturn, TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, NoReturn, ParamSpec, TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,8 @@ from ._write_checks import to_checked_value
 
 
 _Value = TypeVar("_Value")
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 # Handles are numbered as they are created: StateDicts flatten in this order, so two
 # dictionaries of the same states have the same tree structure whatever their order.
@@ -301,6 +305,44 @@ class NonBatchState(State[_Value]):
     __slots__ = ()
 
 
+# No two calls, in any thread, read the same key of a random state in the world: every
+# call that advances one holds this lock from its read of the key until it has written
+# the successor back, or failed. A `jit` call of a plan that advances one takes it
+# around its read, dispatch and write; the other calls (eager draws, the other
+# transforms) from their read to their end (`draws_atomically`, `lock_keys`).
+# Re-entrant: such a call may draw eagerly inside (under `jax.disable_jit()`). Never
+# taken inside a trace, which may wait for another thread's trace of the same function
+# (`FunctionTraces.lookup`) that holds it.
+KEY_LOCK = threading.RLock()
+
+# Whether the current top-level call holds `KEY_LOCK` (see `draws_atomically`); `None`
+# outside such a call.
+_KEYS_HELD: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "eqstate_keys_held", default=None
+)
+
+
+def draws_atomically(call: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Decorates a call of eqstate (a transform's, an eager draw) that may advance
+    random states of the world: the key lock it takes to read them (`lock_keys`) is
+    held until it returns or raises. A call made inside such a call belongs to it."""
+
+    @ft.wraps(call)
+    def atomically(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        if _KEYS_HELD.get() is not None:
+            return call(*args, **kwargs)
+        held = [False]
+        token = _KEYS_HELD.set(held)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _KEYS_HELD.reset(token)
+            if held[0]:
+                KEY_LOCK.release()
+
+    return atomically
+
+
 class RandomState(State[Any]):
     """State holding a typed PRNG key (`jax.random.key`). Each sampler of
     `eqstate.random` reads the key and writes back its successor, so random numbers
@@ -338,15 +380,17 @@ class RandomState(State[Any]):
         implementation the state holds) or a typed key."""
         self.value = _as_key(seed_or_key, jax.random.key_impl(self.value))
 
+    @draws_atomically
     def split_key(self, n: int | None = None) -> Any:
         """Advances the key and returns a fresh one (or `n` fresh ones, stacked).
         Threads splitting one key get different keys."""
         if n is not None:
             n = _key_count(n)
-        with KEY_LOCK:
-            key = self.value
-            _check_single_key(self, key)
-            self.value, keys = split_and_advance(key, n)
+        frame = current_frame()
+        lock_keys(frame, (self,))
+        key = frame.read(self)
+        _check_single_key(self, key)
+        self.value, keys = split_and_advance(key, n)
         return keys
 
 
@@ -363,9 +407,20 @@ def _check_single_key(state: RandomState, key: Any) -> None:
         )
 
 
-# Held while a key is read, split and advanced in eager code, so that threads drawing
-# from one random state (the default one in the world) never get the same key.
-KEY_LOCK = threading.RLock()
+def lock_keys(frame: _context.Frame, states: Iterable[State]) -> None:
+    """Called by a call that `draws_atomically` just before it reads `states` from
+    `frame` to write them back: if `frame` is the world (at top level) and one of
+    them is a random state, holds `KEY_LOCK` until the call ends, so that no other
+    call reads the key this one advances."""
+    if frame is not _context.WORLD or not is_top_level():
+        return
+    if not any(isinstance(s, RandomState) for s in states):
+        return
+    held = _KEYS_HELD.get()
+    assert held is not None, "a call that advances world keys must draw atomically"
+    if not held[0]:
+        KEY_LOCK.acquire()
+        held[0] = True
 
 
 @ft.partial(jax.jit, static_argnums=1)

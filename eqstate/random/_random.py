@@ -14,7 +14,14 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray
 
-from .._state import KEY_LOCK, lazy_world_state, RandomState, split_and_advance
+from .._context import current_frame
+from .._state import (
+    draws_atomically,
+    lazy_world_state,
+    lock_keys,
+    RandomState,
+    split_and_advance,
+)
 
 
 # Its key is made on first use: making it at import would start JAX's backend, and
@@ -60,15 +67,17 @@ def split_key(n: int | None = None) -> Key[Array, "..."]:
     return DEFAULT.split_key(n)
 
 
+@draws_atomically
 def _draw(key: PRNGKeyArray | None, sample: Callable[[Any], Any]) -> Any:
     """`sample(key)`; without a key, with one split from the default random state,
     which advances only once `sample` has succeeded."""
     if key is not None:
         return sample(key)
-    with KEY_LOCK:  # Threads drawing at once draw different numbers.
-        successor, drawn = split_and_advance(DEFAULT.value, None)
-        out = sample(drawn)
-        DEFAULT.value = successor
+    frame = current_frame()
+    lock_keys(frame, (DEFAULT,))  # Threads drawing at once draw different numbers.
+    successor, drawn = split_and_advance(frame.read(DEFAULT), None)
+    out = sample(drawn)
+    DEFAULT.value = successor
     return out
 
 

@@ -26,10 +26,12 @@ from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._run import run, states_of
 from .._state import (
-    KEY_LOCK,
+    draws_atomically,
+    lock_keys,
     NonBatchState,
     RandomState,
     retag,
+    split_and_advance,
     State,
 )
 from .._state_dict import StateDict
@@ -302,6 +304,7 @@ def _build(
         )
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
+    lock_keys(frame, (DEFAULT,))
     outer_key, lane_keys = _split_for_lanes(frame.read(DEFAULT), size)
     lane_keys = split_like_mapped(lane_keys, axes, args)
     made: dict[str, list] = {"new": []}
@@ -559,6 +562,7 @@ def vmap_new_states(
     )
 
     @ft.wraps(fun)
+    @draws_atomically
     def mapped(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise NotImplementedError(
@@ -620,20 +624,14 @@ def vmap2_new_states(
     )
 
     @ft.wraps(ctor)
+    @draws_atomically
     def make(*args: Any) -> tuple[_T, StateDict]:
-        with KEY_LOCK:  # Threads building at once get different keys.
-            before = DEFAULT.value
-            key = DEFAULT.split_key()
-            successor = DEFAULT.value
-        try:
-            states, module = run(build, StateDict({DEFAULT: key}), *args)
-        except BaseException:
-            # A failed build changes nothing, as in `vmap_new_states`: the key goes
-            # back, unless another draw has advanced it since.
-            with KEY_LOCK:
-                if DEFAULT.value is successor:
-                    DEFAULT.value = before
-            raise
+        frame = _context.current_frame()
+        lock_keys(frame, (DEFAULT,))
+        successor, key = split_and_advance(frame.read(DEFAULT), None)
+        states, module = run(build, StateDict({DEFAULT: key}), *args)
+        # Only now: a failed build changes nothing, as in `vmap_new_states`.
+        DEFAULT.value = successor
         return module, states.split(DEFAULT)[1]
 
     return make
