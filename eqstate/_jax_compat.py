@@ -43,6 +43,11 @@ makes eqstate slower or its errors less precise, never wrong:
   different things refuse in bounded time. Without it the agreement is skipped, and
   such saves wait in those collectives, or crash there, as plain Orbax does.
 
+- whether the computation of a typed PRNG key has ended (`key_ready`) is asked of
+  the array of its data, without waiting, so that a call can replace a random state's
+  key whose computation failed without waiting for the calls before it. Without it,
+  such a call waits for the key.
+
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
 """
@@ -415,6 +420,14 @@ def can_fail_at_run_time(effect: Any) -> bool:
     `axis_index` inside `shard_map`) records the axis it uses as its effect, and
     cannot."""
     return _NamedAxisEffect is None or not isinstance(effect, _NamedAxisEffect)
+
+
+def key_ready(key: Any) -> bool:
+    """Whether the computation of `key`, a concrete array of typed PRNG keys, has
+    ended, without waiting for it: the `is_ready()` of the array of its data (its
+    `_base_array`; a key array has no `is_ready`). `True` without them."""
+    is_ready = getattr(getattr(key, "_base_array", None), "is_ready", None)
+    return True if is_ready is None else is_ready()
 
 
 def in_manual_axes() -> bool:

@@ -37,7 +37,7 @@ from .._custom_types import MISSING
 from .._jax_compat import is_top_level
 from .._placement import private_copies
 from .._pretty_print import state_label
-from .._state import KEY_LOCK, RandomState, State
+from .._state import check_keys, KEY_LOCK, RandomState, State
 from .._state_dict import sharding_rule
 from .._write_checks import has_tracer
 from ._common import constrained_to
@@ -144,9 +144,10 @@ class _Plan:
         updated = set(trace.updated_states)
         self.read_states = tuple(s for s in trace.states if s not in updated)
         self.donates = donates  # its written states (`donate_states`)
-        # Whether it advances a random state: its calls in the world then hold the
-        # key lock from their read to their write (see `JitDispatch._call`).
-        self.draws = any(isinstance(s, RandomState) for s in trace.updated_states)
+        # The random states it advances: its calls in the world hold the key lock
+        # from their read to their write, and check the keys first (see
+        # `JitDispatch.__call__`).
+        self.keys = tuple(s for s in trace.updated_states if isinstance(s, RandomState))
         self.undonated = self.out = None
         # The plan holds the handles, so their ids stay valid world keys. The jitted
         # function takes the values of the written and of the read states packed
@@ -160,8 +161,11 @@ class _Plan:
 
     def read(self, frame: _context.Frame) -> tuple[Any, Any]:
         """The values of the written and of the read states in `frame`, packed (in
-        the world at top level, `JitDispatch.__call__` reads them itself, but for a
-        plan that advances a random state)."""
+        the world at top level, `JitDispatch.__call__` reads them itself), the
+        failed keys of the random states it advances replaced first (see
+        `check_keys`)."""
+        if self.keys and frame is WORLD and is_top_level():
+            check_keys(self.keys)
         written = frame.read_many(self.updated_states)
         return _packed(written), _packed(frame.read_many(self.read_states))
 
@@ -591,10 +595,11 @@ class JitDispatch:
             or (plan.donates and compat.nan_checks_enabled())
         ):
             return self._call(plan, leaves, args, kwargs)
-        draws = plan.draws
-        if draws:  # from the read of its keys to the write of their successors
-            KEY_LOCK.acquire()
+        keys = plan.keys
         try:
+            if keys:  # from the read of the keys to the write of their successors
+                KEY_LOCK.acquire()
+                check_keys(keys)
             get = plan.get_written
             written = None if get is None else get(_WORLD_VALUES)
             get = plan.get_read
@@ -608,7 +613,7 @@ class JitDispatch:
             else:
                 plan.write(WORLD, updated)
         finally:
-            if draws:
+            if keys:
                 KEY_LOCK.release()
         next(self._reused)
         return out if plan.out is None else output(plan.out, out)
@@ -628,7 +633,7 @@ class JitDispatch:
         slow path; called from the slow path (`slow`), it raises `_Retrace`."""
         frame = _current_frame()
         jitted = self._jitted(plan, frame) if plan.donates else plan.jitted
-        world = plan.draws and frame is WORLD and is_top_level()
+        world = plan.keys and frame is WORLD and is_top_level()
         with KEY_LOCK if world else _NO_LOCK:
             try:
                 written, read = plan.read(frame)

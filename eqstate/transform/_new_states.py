@@ -264,18 +264,24 @@ def _why_replicated(
     return None
 
 
-@ft.partial(jax.jit, static_argnums=1)
 def _split_for_lanes(key: Any, size: int) -> tuple[Any, tuple[Any, Any]]:
     """`(outer successor of key, (default_keys, others_keys))`, one pair per lane.
 
     The key's children are `0`, the successor the caller keeps, and `1`, split into
     one key per lane; each lane key's child `0` starts the lane's default random
-    state, and its child `1` roots the keys of the lane's other random states.
+    state, and its child `1` roots the keys of the lane's other random states. The
+    successor is split apart from the lanes' keys: too many lanes for memory fail
+    after the call returns, and must not take the successor with them.
     """
-    # Jitted, so that an eager build pays one dispatch for all its keys.
-    outer, lanes = jax.random.split(key)
+    outer, lanes = split_and_advance(key, None)
+    return outer, _per_lane(lanes, size)
+
+
+@ft.partial(jax.jit, static_argnums=1)
+def _per_lane(lanes: Any, size: int) -> tuple[Any, Any]:
+    # Jitted, so that an eager build pays one dispatch for all its lanes' keys.
     per_lane = jax.vmap(jax.random.split)(jax.random.split(lanes, size))
-    return outer, (per_lane[:, 0], per_lane[:, 1])
+    return per_lane[:, 0], per_lane[:, 1]
 
 
 def _batched(value: Any) -> bool:
