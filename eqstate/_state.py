@@ -467,10 +467,13 @@ def checked_key(state: RandomState, key: Any, *, wait: bool = False) -> Any:
     only once its computation has ended, unless `wait` or no key of `state` has been
     seen good yet: a call never waits for the one before it."""
     good = _context.WORLD.good_keys
-    if not wait and id(state) in good and not compat.key_ready(key):
+    if good.get(id(state)) is key:
+        return key
+    data = compat.key_buffer(key)
+    if not wait and id(state) in good and not data.is_ready():
         return key
     try:
-        key.block_until_ready()
+        data.block_until_ready()
     except Exception as error:
         return _replace_failed_key(state, key, error)
     good[id(state)] = key

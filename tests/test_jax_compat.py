@@ -478,3 +478,11 @@ def test_without_trace_eras_a_read_from_a_nested_staging_transform_raises(
 def test_distributed_client_is_none_until_jax_distributed_is_initialised():
     # `tests/test_multi_process_checkpoints.py` uses it in processes that did.
     assert compat.distributed_client() is None
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_key_buffer_is_the_data_of_a_key(impl):
+    key = jax.random.split(jax.random.key(3, impl=impl), 4)
+    data = compat.key_buffer(key)
+    assert data.is_ready()
+    assert (data == jax.random.key_data(key)).all()
