@@ -22,7 +22,7 @@ from .. import _jax_compat as compat
 from .._arguments import flag, integer
 from .._pretty_print import array_summary, state_label
 from .._shapes import shape_dtype
-from .._state import State
+from .._state import draws_atomically, State
 from ._common import (
     abstract,
     changed_static,
@@ -307,6 +307,7 @@ def _lax_scan(
     return jax.lax.scan(body, init, scanned, length=n, reverse=reverse, unroll=unroll)
 
 
+@draws_atomically
 def _scan(
     f: Callable,
     init: Any,
@@ -402,6 +403,7 @@ def for_loop(
     return ys
 
 
+@draws_atomically
 def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     """Like `jax.lax.while_loop`, for functions that read states; `body_fun` may also
     write them. (Not reverse-mode differentiable, like `jax.lax.while_loop`; see
