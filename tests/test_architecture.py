@@ -164,3 +164,18 @@ def test_the_private_import_check_finds_every_form():
         "eqstate._i",
         "eqstate._j",
     }
+
+
+def test_the_architecture_page_names_every_module_and_no_other():
+    page = (_ROOT.parent / "docs" / "architecture.md").read_text()
+    table = page.split("## Every module", 1)[1]
+    named = set()
+    for row in table.splitlines():
+        if row.startswith("| `"):
+            first_cell = row.split("|")[1]
+            named.update(re.findall(r"`([\w/]+\.py)`", first_cell))
+    files = {str(path.relative_to(_ROOT)) for path in _ROOT.rglob("*.py")}
+    assert named == files, (
+        f"modules missing from docs/architecture.md: {sorted(files - named)}; "
+        f"named there but absent: {sorted(named - files)}"
+    )
