@@ -150,23 +150,28 @@ def local_processes(
             relay.join(timeout=5)
 
 
-def wait_all(procs: Sequence[subprocess.Popen], timeout: float | None = None) -> int:
-    """Waits for every process. When one fails (non-zero exit), gives the others a
-    moment (`_FAILURE_GRACE`, ending at `timeout` at the latest) to end, then kills
-    those still running; at `timeout` seconds, kills them all. Returns the exit code
-    of the first process seen to fail (124 on a timeout), else 0."""
-    return _wait(procs, timeout)[0]
-
-
 # After a process fails, how long the others get to end on their own before they are
-# killed. A process waiting for the failed one in a collective often fails in turn,
-# within milliseconds, and may be seen to exit first (the failed one is still being
-# torn down): both are reported, so the report names the process that failed first.
+# killed (`--grace`). A process waiting for the failed one in a collective often fails
+# in turn, within milliseconds, and may be seen to exit first (the failed one is still
+# being torn down): both are reported, so the report names the process that failed
+# first.
 _FAILURE_GRACE = 1.0
 
 
+def wait_all(
+    procs: Sequence[subprocess.Popen],
+    timeout: float | None = None,
+    grace: float = _FAILURE_GRACE,
+) -> int:
+    """Waits for every process. When one fails (non-zero exit), gives the others
+    `grace` seconds (ending at `timeout` at the latest) to end, then kills those
+    still running; at `timeout` seconds, kills them all. Returns the exit code of the
+    first process seen to fail (124 on a timeout), else 0."""
+    return _wait(procs, timeout, grace)[0]
+
+
 def _wait(
-    procs: Sequence[subprocess.Popen], timeout: float | None
+    procs: Sequence[subprocess.Popen], timeout: float | None, grace: float
 ) -> tuple[int, dict[int, int], bool]:
     """`wait_all`, which also gives the return code of each process that failed, by
     rank, in the order they were seen to fail (none on success or on a timeout), and
@@ -180,7 +185,7 @@ def _wait(
             if code not in (None, 0) and rank not in failed:
                 failed[rank] = code
         if failed and grace_end == math.inf:
-            grace_end = time.monotonic() + _FAILURE_GRACE
+            grace_end = time.monotonic() + grace
             if deadline is not None:
                 grace_end = min(grace_end, deadline)  # The grace ends at `timeout`.
         running = None in codes
@@ -223,6 +228,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout", type=float, default=None, help="kill all after this many seconds"
     )
     parser.add_argument(
+        "--grace",
+        type=float,
+        default=_FAILURE_GRACE,
+        metavar="SECONDS",
+        help="after a process fails, how long the others get to end on their own "
+        f"before they are killed (default {_FAILURE_GRACE:g})",
+    )
+    parser.add_argument(
         "-m",
         dest="module",
         default=None,
@@ -239,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--cpu-devices must be at least 1")
     if args.timeout is not None and not args.timeout > 0:
         parser.error("--timeout must be a positive number of seconds")
+    if not args.grace >= 0:
+        parser.error("--grace must be a number of seconds, 0 or more")
     if module is not None:
         command = [sys.executable, "-c", _CHILD, "-m", module, *module_args]
     elif args.program:
@@ -252,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 command, args.num_processes, cpu_devices=args.cpu_devices
             ) as procs,
         ):
-            code, failed, killed = _wait(procs, args.timeout)
+            code, failed, killed = _wait(procs, args.timeout, args.grace)
     except KeyboardInterrupt:
         return 130
     return _exit_status(code, failed, args.timeout, killed)
@@ -340,7 +355,9 @@ def _exit_on_termination() -> Iterator[None]:
 
 
 # The launcher's options that take a value in the next word.
-_TAKES_VALUE = frozenset({"-n", "--num-processes", "--cpu-devices", "--timeout"})
+_TAKES_VALUE = frozenset(
+    {"-n", "--num-processes", "--cpu-devices", "--timeout", "--grace"}
+)
 
 
 def _split_at_module(argv: list[str]) -> tuple[list[str], str | None, list[str]]:

@@ -168,11 +168,12 @@ def apply_updates(model: _Model, updates: PyTree) -> _Model:
     returns `model` with its arrays updated (as `eqx.apply_updates`).
 
     Each sum is cast to the state's dtype, as `optax.apply_updates` casts it (a
-    float32 update to a bfloat16 parameter gives bfloat16). An update that the
-    state's dtype cannot hold, complex for a real state or inexact for an integer
-    one, is refused rather than truncated, as is an integer update of a wider dtype
-    than its integer state's (the sum could wrap around), one of another shape, and
-    an update to a state that `model` does not hold.
+    float32 update to a bfloat16 parameter gives bfloat16), also under strict dtype
+    promotion. An update that the state's dtype cannot hold, complex for a real
+    state or inexact for an integer one, is refused rather than truncated, as is an
+    integer update of a wider dtype than its integer state's (the sum could wrap
+    around), one of another shape, and an update to a state that `model` does not
+    hold.
 
     **Arguments:**
 
@@ -286,7 +287,10 @@ def _add(state: Any, value: Any, update: Any) -> Any:
             "shape of the value it updates: pass what `optimizer.update` returned "
             "for `eqstate.trainable(model)`."
         )
-    summed = jnp.result_type(value, update)
+    # JAX's standard promotion whatever the user's setting: the sum is cast back to
+    # the state's dtype (as optax does), and refused where that would drop something.
+    with jax.numpy_dtype_promotion("standard"):
+        summed = jnp.result_type(value, update)
     if _kind(summed) != _kind(value.dtype):
         raise StateValueError(
             f"Cannot apply an update of dtype {jnp.result_type(update)} to "
@@ -307,7 +311,7 @@ def _add(state: Any, value: Any, update: Any) -> Any:
             "wrap around where it does not fit (250 + 10 as uint8 is 4). Compute "
             f"the updates in {value.dtype}."
         )
-    return (value + update).astype(value.dtype)
+    return (value.astype(summed) + jnp.asarray(update, summed)).astype(value.dtype)
 
 
 def _kind(dtype: Any) -> str:

@@ -8,13 +8,11 @@ import jax
 # Multi-device tests need 8 CPU devices, which must be set before any array exists.
 jax.config.update("jax_num_cpu_devices", 8)
 
-# `EQSTATE_TEST_STRICT=1` runs the tests under Equinox's strict test settings: no
-# implicit dtype or rank promotion, in the library or in the tests (but see the
-# `numpy_promotion` marker).
-_STRICT = bool(os.environ.get("EQSTATE_TEST_STRICT"))
-if _STRICT:
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.config.update("jax_numpy_rank_promotion", "raise")
+# Equinox's test settings: no implicit dtype or rank promotion, in the library or in
+# the tests (but see the `numpy_promotion` marker), so that eqstate works for users
+# who run strict.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import jax.random as jr  # noqa: E402
 import pytest  # noqa: E402
@@ -108,18 +106,15 @@ def _cpu_or_gpu_only(request):
         pytest.skip(f"not on a TPU: {marker.args[0]}")
 
 
-if _STRICT:
-
-    @pytest.fixture(autouse=True)
-    def _numpy_promotion(request):
-        """Tests marked `numpy_promotion` run with JAX's default promotion even in the
-        strict run: they run code that is not eqstate's and relies on it (the marker
-        says which)."""
-        if not request.node.get_closest_marker("numpy_promotion"):
-            yield
-            return
-        with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-            yield
+@pytest.fixture(autouse=True)
+def _numpy_promotion(request):
+    """Tests marked `numpy_promotion` run with JAX's default promotion: they run code
+    that is not eqstate's and relies on it (the marker says which)."""
+    if not request.node.get_closest_marker("numpy_promotion"):
+        yield
+        return
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):
@@ -150,5 +145,5 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "numpy_promotion(reason): relies on implicit promotion outside eqstate, so "
-        "the strict run (EQSTATE_TEST_STRICT=1) runs it with JAX's default promotion",
+        "it runs with JAX's default promotion (the others run strict)",
     )

@@ -1,5 +1,7 @@
 import functools
 import inspect
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 
@@ -114,3 +116,25 @@ def compilations(fn: Callable[[], object]) -> int:
     before = _compiles[0]
     jax.block_until_ready(fn())
     return _compiles[0] - before
+
+
+def launcher(num_processes: int, timeout: float) -> list[str]:
+    """The command line of `python -m eqstate.launch` for `num_processes` processes
+    of two CPU devices each, killed at `timeout` seconds; the program follows it."""
+    n, seconds = str(num_processes), f"{timeout:g}"
+    command = [sys.executable, "-m", "eqstate.launch", "-n", n, "--timeout", seconds]
+    return [*command, "--cpu-devices", "2"]
+
+
+def launch(program: list[str], num_processes: int, timeout: float) -> tuple[int, str]:
+    """Runs `program` (a script and its arguments) under `launcher`: its exit status,
+    and its output (each process's lines, then the launcher's report)."""
+    result = subprocess.run(
+        [*launcher(num_processes, timeout), *program],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout + 60,
+        start_new_session=True,
+    )
+    return result.returncode, result.stdout + result.stderr

@@ -1,8 +1,10 @@
 """The module structure `docs/architecture.md` describes: no import cycles, and the
-tracing layer does not depend on the transforms built on it."""
+tracing layer does not depend on the transforms built on it; and tests that reach
+private modules only where those modules are unit-tested."""
 
 import ast
 import pathlib
+import re
 
 import eqstate
 
@@ -81,3 +83,84 @@ def test_tracing_does_not_depend_on_the_transforms_built_on_it():
 
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+# The test files that may import private modules, and which: the unit tests of those
+# modules, and the fixture that runs tests in both tracing modes. The others test
+# through the public API.
+_PRIVATE_IMPORTS_ALLOWED = {
+    "conftest.py": {"eqstate._jax_compat"},  # the tracing-mode fixture
+    "helpers.py": {"eqstate._jax_compat"},  # traces per key in each tracing mode
+    # The sizes of a jitted function's caches, shrunk so that a test fills them.
+    "test_bounded_caches.py": {
+        "eqstate.transform._dispatch",
+        "eqstate.transform._function_traces",
+        "eqstate.transform._split_args",
+    },
+    "test_jax_compat.py": {"eqstate._jax_compat"},
+    "test_launch.py": {"eqstate._launch"},
+    # The Orbax format's pinned checksums, and what runs at the program's end.
+    "test_multi_process_checkpoints.py": {
+        "eqstate._checkpoint_manager",
+        "eqstate._multi_process",
+        "eqstate._orbax",
+    },
+    # A guard that the public API cannot reach (see the file's docstring).
+    "test_unstable_states.py": {
+        "eqstate._context",
+        "eqstate.transform._discovery",
+        "eqstate.transform._function_traces",
+    },
+}
+_FROM_IMPORT = re.compile(
+    r"^[ \t]*[\"']?from[ \t]+(eqstate[\w.]*)[ \t]+import[ \t]+(?:\(([^)]*)\)|(.*))",
+    re.MULTILINE,
+)
+_IMPORT = re.compile(r"^[ \t]*[\"']?import[ \t]+(eqstate\.[\w.]+)", re.MULTILINE)
+
+
+def _private_imports(source: str) -> set[str]:
+    """The private modules of eqstate that `source` imports, also in the programs it
+    holds as strings."""
+    source = source.replace("\\n", "\n")  # the lines of a program in a string
+    modules = set(_IMPORT.findall(source))
+    for module, *names in _FROM_IMPORT.findall(source):
+        if _is_private(module):
+            modules.add(module)
+            continue
+        for name in "".join(names).split(","):
+            if word := re.match(r"\s*(\w+)", name):
+                modules.add(f"{module}.{word[1]}")
+    return set(filter(_is_private, modules))
+
+
+def _is_private(module: str) -> bool:
+    return any(part.startswith("_") for part in module.split("."))
+
+
+def test_tests_import_private_modules_only_where_they_are_unit_tested():
+    tests = pathlib.Path(__file__).parent
+    unexpected = {}
+    for path in sorted(set(tests.glob("*.py")) - {pathlib.Path(__file__)}):
+        allowed = _PRIVATE_IMPORTS_ALLOWED.get(path.name, set())
+        if extra := _private_imports(path.read_text()) - allowed:
+            unexpected[path.name] = sorted(extra)
+    assert unexpected == {}
+
+
+def test_the_private_import_check_finds_every_form():
+    source = (
+        "from eqstate import _a, b as c\n"
+        "from eqstate.transform._d import e\n"
+        "from eqstate.transform import (\n    f,\n    _g as h,\n)\n"
+        "import eqstate._i\n"
+        'script = "import os\\nfrom eqstate import _j\\n"\n'
+        "from eqstate import nn\n"
+    )
+    assert _private_imports(source) == {
+        "eqstate._a",
+        "eqstate.transform._d",
+        "eqstate.transform._g",
+        "eqstate._i",
+        "eqstate._j",
+    }

@@ -52,7 +52,7 @@ def f(model, x):
         elif isinstance(leaf, str):
             acc = acc + len(leaf)
         else:
-            acc = acc + jnp.sum(jnp.asarray(leaf)) * 0.25
+            acc = acc + jnp.sum(jnp.asarray(leaf, jnp.float32)) * 0.25
     return acc
 
 

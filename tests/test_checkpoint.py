@@ -8,7 +8,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import tracemalloc
 import zlib
 
@@ -23,8 +22,6 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from eqstate import _checkpoint
-from eqstate._checkpoint import load, save
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .helpers import leak_a_tracer, tree_bitwise_equal, unchecked
@@ -132,7 +129,7 @@ def checkpoint(tmp_path):
     w = es.ParamState(jnp.array([1.0, 2.0, 3.0]), name="w")
     n = es.ShortTermState(jnp.array(7), name="n")
     path = tmp_path / "small.eqstate"
-    save(path, es.values_of([w, n]))
+    es.save(path, es.values_of([w, n]))
     return path, w, n
 
 
@@ -140,10 +137,10 @@ def checkpoint(tmp_path):
 def test_round_trip_is_bit_exact(dtype, getkey, tmp_path):
     value = _random(getkey(), (4, 5), dtype)
     x = es.State(value, name="x")
-    save(tmp_path / "x", es.values_of(x))
+    es.save(tmp_path / "x", es.values_of(x))
 
     fresh = es.State(jnp.zeros((4, 5), dtype), name="x")
-    loaded = load(tmp_path / "x", es.values_of(fresh))
+    loaded = es.load(tmp_path / "x", es.values_of(fresh))
     assert loaded.states == (fresh,)
     assert _same_bits(loaded[fresh], value)
 
@@ -154,8 +151,8 @@ def test_round_trip_keeps_special_float_bits(tmp_path):
     for dtype in (np.float16, ml_dtypes.bfloat16):
         value = jnp.asarray(bits.view(dtype))
         x = es.State(value, name="x")
-        save(tmp_path / "x", es.values_of(x))
-        loaded = load(tmp_path / "x", es.values_of(x))
+        es.save(tmp_path / "x", es.values_of(x))
+        loaded = es.load(tmp_path / "x", es.values_of(x))
         assert np.asarray(loaded[x]).view(np.uint16).tolist() == bits.tolist()
 
 
@@ -164,13 +161,13 @@ def test_round_trip_of_prng_keys(impl, getkey, tmp_path):
     seed1, seed2 = (int(jr.randint(getkey(), (), 0, 2**30)) for _ in range(2))
     rng = es.RandomState(jr.key(seed1, impl=impl), name="rng")
     keys = es.State(jr.split(jr.key(seed2, impl=impl), (2, 3)), name="keys")
-    save(tmp_path / "k", es.values_of([rng, keys]))
+    es.save(tmp_path / "k", es.values_of([rng, keys]))
 
     fresh = [
         es.RandomState(jr.key(0, impl=impl), name="rng"),
         es.State(jr.split(jr.key(0, impl=impl), (2, 3)), name="keys"),
     ]
-    loaded = load(tmp_path / "k", es.values_of(fresh))
+    loaded = es.load(tmp_path / "k", es.values_of(fresh))
     assert jax.random.key_impl(loaded[fresh[0]]) == impl
     assert _same_bits(loaded[fresh[0]], rng.value)
     assert _same_bits(loaded[fresh[1]], keys.value)
@@ -180,13 +177,13 @@ def test_round_trip_into_freshly_built_model(getkey, tmp_path):
     key = getkey()
     model = _Model(key)
     original = es.values_of(model)
-    save(tmp_path / "model.eqstate", model)
+    es.save(tmp_path / "model.eqstate", model)
 
     fresh = _Model(getkey())
     assert not set(es.states_of(fresh)) & set(es.states_of(model))
     assert not tree_bitwise_equal(es.values_of(fresh), original)
 
-    restored = load(tmp_path / "model.eqstate", fresh)
+    restored = es.load(tmp_path / "model.eqstate", fresh)
     assert es.states_of(restored) == es.states_of(fresh)
     for state, old in zip(es.states_of(fresh), original.states):
         assert jax.tree.structure(state.value) == jax.tree.structure(original[old])
@@ -198,7 +195,7 @@ def test_round_trip_into_freshly_built_model(getkey, tmp_path):
 
 def test_paths_are_human_readable(getkey, tmp_path):
     model = _Model(getkey())
-    save(tmp_path / "model.eqstate", es.values_of(model), model=model)
+    es.save(tmp_path / "model.eqstate", es.values_of(model), model=model)
     entries = {e["path"]: e for e in _header(tmp_path / "model.eqstate")["entries"]}
     layer0 = [
         "layers.0.weight",
@@ -222,7 +219,7 @@ def test_file_follows_the_written_spec(getkey, tmp_path):
     # Decodes the file with nothing but the spec, and gets the saved values back.
     w = es.ParamState(jnp.array([[1.5, -2.0]], jnp.bfloat16), name="w")
     rng = es.RandomState(getkey(), name="rng")
-    save(tmp_path / "c", es.values_of([w, rng]))
+    es.save(tmp_path / "c", es.values_of([w, rng]))
     raw = (tmp_path / "c").read_bytes()
     header = _header(tmp_path / "c")
     (size,) = struct.unpack_from("<Q", raw, 12)
@@ -245,7 +242,7 @@ def test_file_follows_the_written_spec(getkey, tmp_path):
 def test_save_without_model_uses_names(tmp_path):
     opt = es.State({"mu": (jnp.ones(2), jnp.zeros(2))}, name="opt")
     w = es.ParamState(jnp.ones(3), name="encoder.w")
-    save(tmp_path / "c", {w: w.value, opt: opt.value})
+    es.save(tmp_path / "c", {w: w.value, opt: opt.value})
     paths = [e["path"] for e in _header(tmp_path / "c")["entries"]]
     assert paths == ["encoder.w", "opt.mu.0", "opt.mu.1"]
 
@@ -256,7 +253,7 @@ def test_save_without_model_needs_names(tmp_path):
         es.CheckpointError,
         match=r"Cannot save unnamed ParamState .* without a model.*unique",
     ):
-        save(tmp_path / "c", es.values_of(w))
+        es.save(tmp_path / "c", es.values_of(w))
     assert not (tmp_path / "c").exists()
 
 
@@ -264,7 +261,7 @@ def test_save_without_model_refuses_duplicate_names(tmp_path):
     a = es.ParamState(jnp.ones(3), name="w")
     b = es.ParamState(jnp.ones(3), name="w")
     with pytest.raises(es.CheckpointError, match="two states named 'w'"):
-        save(tmp_path / "c", es.values_of([a, b]))
+        es.save(tmp_path / "c", es.values_of([a, b]))
 
 
 def test_save_refuses_states_missing_from_model(tmp_path):
@@ -274,7 +271,7 @@ def test_save_refuses_states_missing_from_model(tmp_path):
         es.CheckpointError,
         match="Cannot save ShortTermState 'stray': it is not in `model`",
     ):
-        save(tmp_path / "c", es.values_of([model, stray]), model=model)
+        es.save(tmp_path / "c", es.values_of([model, stray]), model=model)
 
 
 def test_load_into_state_dict_needs_names(checkpoint):
@@ -284,28 +281,28 @@ def test_load_into_state_dict_needs_names(checkpoint):
         es.CheckpointError,
         match=r"(?s)Cannot load unnamed .*eqstate.load\(path, model\)",
     ):
-        load(path, es.values_of(fresh))
+        es.load(path, es.values_of(fresh))
 
 
 def test_load_state_missing_from_model(checkpoint):
     path, w, n = checkpoint
     with pytest.raises(es.CheckpointError, match="Cannot load ParamState 'w': it is"):
-        load(path, es.values_of([w, n]), model=[n])
+        es.load(path, es.values_of([w, n]), model=[n])
 
 
 def test_save_refuses_colliding_paths(tmp_path):
     model = {"a.b": es.State(jnp.ones(1)), "a": {"b": es.State(jnp.ones(1))}}
     with pytest.raises(es.CheckpointError, match=r"same path `a\.b`"):
-        save(tmp_path / "c", es.values_of(model), model=model)
+        es.save(tmp_path / "c", es.values_of(model), model=model)
 
 
 def test_state_at_several_paths_is_stored_under_the_first(tmp_path):
     shared = es.ParamState(jnp.ones(2))
     model = {"decoder": shared, "encoder": shared}
-    save(tmp_path / "c", model)
+    es.save(tmp_path / "c", model)
     assert [e["path"] for e in _header(tmp_path / "c")["entries"]] == ["decoder"]
     fresh = es.ParamState(jnp.zeros(2))
-    load(tmp_path / "c", {"decoder": fresh, "encoder": fresh})
+    es.load(tmp_path / "c", {"decoder": fresh, "encoder": fresh})
     assert (fresh.value == 1).all()
 
 
@@ -313,7 +310,7 @@ def test_state_at_several_paths_is_stored_under_the_first(tmp_path):
 def test_save_refuses_leaked_tracers(tmp_path, backend):
     w = es.ParamState(jnp.ones(2), name="w")
     with pytest.raises(es.CheckpointError, match=r"`w`.*tracer"):
-        save(tmp_path / "c", {w: leak_a_tracer((2,))}, backend=backend)
+        es.save(tmp_path / "c", {w: leak_a_tracer((2,))}, backend=backend)
     assert os.listdir(tmp_path) == []
 
 
@@ -359,7 +356,7 @@ def test_load_inside_a_transform_is_refused(checkpoint, transform):
     path, w, n = checkpoint
 
     def body():
-        load(path, {"w": w, "n": n})
+        es.load(path, {"w": w, "n": n})
 
     with pytest.raises(
         es.CheckpointError,
@@ -382,7 +379,7 @@ def test_save_inside_a_transform_is_refused(checkpoint, transform):
         match=r"(?s)Cannot save .* inside a JAX transform.*written once.*"
         r"after calling the compiled step",
     ):
-        transform(lambda: save(path, values))
+        transform(lambda: es.save(path, values))
     assert path.read_bytes() == before
     assert os.listdir(path.parent) == [path.name]
 
@@ -406,14 +403,14 @@ def test_checkpoint_manager_refuses_to_load_or_save_inside_a_transform(tmp_path)
 def test_save_into_missing_directory(tmp_path):
     w = es.ParamState(jnp.ones(2), name="w")
     with pytest.raises(es.CheckpointError, match=r"directory .* does not exist"):
-        save(tmp_path / "nope" / "c", es.values_of(w))
+        es.save(tmp_path / "nope" / "c", es.values_of(w))
 
 
 def test_save_overwrites_and_keeps_permissions(checkpoint):
     path, w, n = checkpoint
     w.value = jnp.array([4.0, 5.0, 6.0])
-    save(path, es.values_of([w, n]))
-    assert (load(path, es.values_of([w, n]))[w] == w.value).all()
+    es.save(path, es.values_of([w, n]))
+    assert (es.load(path, es.values_of([w, n]))[w] == w.value).all()
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
@@ -425,9 +422,9 @@ def test_save_keeps_the_permissions_of_the_file_it_replaces(checkpoint, mode):
     path, w, n = checkpoint
     path.chmod(mode)
     w.value = jnp.array([4.0, 5.0, 6.0])
-    save(path, es.values_of([w, n]))
+    es.save(path, es.values_of([w, n]))
     assert os.stat(path).st_mode & 0o777 == mode
-    assert (load(path, es.values_of([w, n]))[w] == w.value).all()
+    assert (es.load(path, es.values_of([w, n]))[w] == w.value).all()
     assert os.listdir(path.parent) == [path.name]
 
 
@@ -435,7 +432,7 @@ def test_load_from_state_dict_matches_names(checkpoint):
     path, w, n = checkpoint
     fresh_w = es.ParamState(jnp.zeros(3), name="w")
     fresh_n = es.ShortTermState(jnp.array(0), name="n")
-    loaded = load(path, es.StateDict({fresh_n: 0, fresh_w: jnp.zeros(3)}))
+    loaded = es.load(path, es.StateDict({fresh_n: 0, fresh_w: jnp.zeros(3)}))
     assert loaded.states == (fresh_n, fresh_w)
     assert _same_bits(loaded[fresh_w], w.value) and _same_bits(loaded[fresh_n], n.value)
 
@@ -446,12 +443,12 @@ def test_load_part_of_a_model_with_model_keyword(tmp_path):
 
     model = build()
     model["w"].value = jnp.array([3.0, 4.0])
-    save(tmp_path / "c", es.values_of(model, es.ParamState), model=model)
+    es.save(tmp_path / "c", es.values_of(model, es.ParamState), model=model)
 
     fresh = build()
     with pytest.raises(es.CheckpointError, match=r"no entry `n`"):
-        load(tmp_path / "c", fresh)
-    loaded = load(tmp_path / "c", es.values_of(fresh, es.ParamState), model=fresh)
+        es.load(tmp_path / "c", fresh)
+    loaded = es.load(tmp_path / "c", es.values_of(fresh, es.ParamState), model=fresh)
     assert loaded.states == (fresh["w"],)
     assert _same_bits(loaded[fresh["w"]], jnp.array([3.0, 4.0]))
 
@@ -459,13 +456,13 @@ def test_load_part_of_a_model_with_model_keyword(tmp_path):
 def test_load_model_keyword_needs_a_state_dict(checkpoint):
     path, w, n = checkpoint
     with pytest.raises(TypeError, match="`model=` only when its target is a StateDict"):
-        load(path, [w, n], model=[w, n])
+        es.load(path, [w, n], model=[w, n])
 
 
 def test_load_does_not_write_states(checkpoint):
     path, w, n = checkpoint
     w.value = jnp.zeros(3)
-    loaded = load(path, es.values_of([w, n]))
+    loaded = es.load(path, es.values_of([w, n]))
     assert (w.value == 0).all()
     es.assign(loaded)
     assert (w.value == jnp.array([1.0, 2.0, 3.0])).all()
@@ -475,43 +472,43 @@ def test_load_keeps_the_target_sharding(getkey, tmp_path):
     sharding = NamedSharding(jax.make_mesh((8,), ("x",)), PartitionSpec("x"))
     w = es.ParamState(jax.device_put(jnp.arange(16.0), sharding), name="w")
     keys = es.State(jax.device_put(jr.split(getkey(), 8), sharding), name="keys")
-    save(tmp_path / "c", es.values_of([w, keys]))
-    loaded = load(tmp_path / "c", es.values_of([w, keys]))
+    es.save(tmp_path / "c", es.values_of([w, keys]))
+    loaded = es.load(tmp_path / "c", es.values_of([w, keys]))
     assert loaded[w].sharding == sharding and loaded[keys].sharding == sharding
     assert _same_bits(loaded[w], w.value) and _same_bits(loaded[keys], keys.value)
 
 
 def test_load_missing_path(tmp_path):
     old = {"encoder": es.ParamState(jnp.ones(2))}
-    save(tmp_path / "c", es.values_of(old), model=old)
+    es.save(tmp_path / "c", es.values_of(old), model=old)
     new = {"encoder": es.ParamState(jnp.ones(2)), "decoder": es.ParamState(jnp.ones(2))}
     with pytest.raises(
         es.CheckpointError, match=r"(?s)does not match the model.*no entry `decoder`"
     ):
-        load(tmp_path / "c", new)
+        es.load(tmp_path / "c", new)
 
 
 def test_load_extra_path(tmp_path):
     old = {"encoder": es.ParamState(jnp.ones(2)), "decoder": es.ParamState(jnp.ones(2))}
-    save(tmp_path / "c", es.values_of(old), model=old)
+    es.save(tmp_path / "c", es.values_of(old), model=old)
     new = {"encoder": es.ParamState(jnp.ones(2))}
     with pytest.raises(
         es.CheckpointError, match=r"holds `decoder`, which the model does not have"
     ):
-        load(tmp_path / "c", new)
+        es.load(tmp_path / "c", new)
 
 
 def test_load_renamed_path_lists_both_sides(tmp_path):
     old = [es.ParamState(jnp.ones(2))]
-    save(tmp_path / "c", es.values_of(old), model=old)
+    es.save(tmp_path / "c", es.values_of(old), model=old)
     new = {"w": es.ParamState(jnp.ones(2))}
     with pytest.raises(es.CheckpointError, match=r"(?s)no entry `w`.*holds `0`"):
-        load(tmp_path / "c", new)
+        es.load(tmp_path / "c", new)
 
 
 def test_a_long_mismatch_lists_the_first_five_and_counts_the_rest(tmp_path):
     old = [es.ParamState(jnp.ones(2)) for _ in range(8)]
-    save(tmp_path / "c", es.values_of(old), model=old)
+    es.save(tmp_path / "c", es.values_of(old), model=old)
     new = {f"w{i}": es.ParamState(jnp.ones(2), name=f"w{i}") for i in range(7)}
     with pytest.raises(
         es.CheckpointError,
@@ -519,14 +516,14 @@ def test_a_long_mismatch_lists_the_first_five_and_counts_the_rest(tmp_path):
         r"'w4'\) and 2 more\.\nIt holds `0`, `1`, `2`, `3`, `4` and 3 more, which the "
         r"model does not have\.",
     ):
-        load(tmp_path / "c", new)
+        es.load(tmp_path / "c", new)
     wider = [es.ParamState(jnp.ones(3)) for _ in range(8)]
     with pytest.raises(
         es.CheckpointError,
         match=r"(?s)does not match the model:\n(- `\d` holds shape \(2,\) [^\n]*;\n){5}"
         r"- and 3 more;\nBuild the target",
     ):
-        load(tmp_path / "c", wider)
+        es.load(tmp_path / "c", wider)
 
 
 def test_load_wrong_shape(checkpoint):
@@ -537,7 +534,7 @@ def test_load_wrong_shape(checkpoint):
         match=r"`w` holds shape \(3,\) and dtype float32, but ParamState 'w' "
         r"expects shape \(4,\) and dtype float32",
     ):
-        load(path, es.values_of(fresh))
+        es.load(path, es.values_of(fresh))
 
 
 def test_load_wrong_dtype(checkpoint):
@@ -551,16 +548,16 @@ def test_load_wrong_dtype(checkpoint):
         match=r"`w` holds shape \(3,\) and dtype float32, but ParamState 'w' "
         r"expects shape \(3,\) and dtype bfloat16",
     ):
-        load(path, es.values_of(fresh))
+        es.load(path, es.values_of(fresh))
 
 
 def test_load_key_into_array_is_a_dtype_mismatch(tmp_path):
-    save(tmp_path / "c", es.values_of(es.RandomState(0, name="rng")))
+    es.save(tmp_path / "c", es.values_of(es.RandomState(0, name="rng")))
     fresh = es.State(jnp.zeros(2, jnp.uint32), name="rng")
     with pytest.raises(
         es.CheckpointError, match=r"`rng` holds a threefry2x32 PRNG key .* but State"
     ):
-        load(tmp_path / "c", es.values_of(fresh))
+        es.load(tmp_path / "c", es.values_of(fresh))
 
 
 @pytest.mark.parametrize("keep", (0, 4, 15, 30, -9, -1))
@@ -569,14 +566,14 @@ def test_truncated_file(checkpoint, keep):
     raw = path.read_bytes()
     path.write_bytes(raw[:keep])
     with pytest.raises(es.CheckpointError, match="is truncated: it has"):
-        load(path, es.values_of([w, n]))
+        es.load(path, es.values_of([w, n]))
 
 
 def test_trailing_bytes_are_corruption(checkpoint):
     path, w, n = checkpoint
     path.write_bytes(path.read_bytes() + b"\x00")
     with pytest.raises(es.CheckpointError, match="corrupted: it has 1 bytes after"):
-        load(path, es.values_of([w, n]))
+        es.load(path, es.values_of([w, n]))
 
 
 def test_flipped_byte_in_data(checkpoint):
@@ -586,7 +583,7 @@ def test_flipped_byte_in_data(checkpoint):
         es.CheckpointError,
         match=r"corrupted: the bytes of entry `w` \(shape \(3,\), dtype float32\)",
     ):
-        load(path, es.values_of([w, n]))
+        es.load(path, es.values_of([w, n]))
 
 
 def test_flipped_byte_in_header(checkpoint):
@@ -595,7 +592,7 @@ def test_flipped_byte_in_header(checkpoint):
     with pytest.raises(
         es.CheckpointError, match="corrupted: the checksum of its header"
     ):
-        load(path, es.values_of([w, n]))
+        es.load(path, es.values_of([w, n]))
 
 
 def test_every_flipped_byte_is_detected(checkpoint):
@@ -606,16 +603,16 @@ def test_every_flipped_byte_is_detected(checkpoint):
         path.write_bytes(original)
         _flip(path, position)
         with pytest.raises(es.CheckpointError):
-            load(path, target)
+            es.load(path, target)
     path.write_bytes(original)
-    assert (load(path, target)[w] == w.value).all()
+    assert (es.load(path, target)[w] == w.value).all()
 
 
 def test_not_a_checkpoint(tmp_path):
     w = es.ParamState(jnp.ones(3), name="w")
     np.save(tmp_path / "w.npy", np.ones(3, np.float32))
     with pytest.raises(es.CheckpointError, match="is not an eqstate checkpoint"):
-        load(tmp_path / "w.npy", es.values_of(w))
+        es.load(tmp_path / "w.npy", es.values_of(w))
 
 
 def test_unknown_version(checkpoint):
@@ -624,7 +621,7 @@ def test_unknown_version(checkpoint):
     raw[8:12] = struct.pack("<I", 2)
     path.write_bytes(bytes(raw))
     with pytest.raises(es.CheckpointError, match=r"format version 2.*only version 1"):
-        load(path, es.values_of([w, n]))
+        es.load(path, es.values_of([w, n]))
 
 
 def test_malformed_header_with_valid_checksum(checkpoint):
@@ -633,15 +630,15 @@ def test_malformed_header_with_valid_checksum(checkpoint):
     head = struct.pack("<8sIQ", b"\x93EQSTATE", 1, len(header)) + header
     path.write_bytes(head + struct.pack("<I", zlib.crc32(head)))
     with pytest.raises(es.CheckpointError, match="malformed header: entry 0 has no"):
-        load(path, es.values_of([w, n]))
+        es.load(path, es.values_of([w, n]))
 
 
 def test_missing_file(tmp_path):
     w = es.ParamState(jnp.ones(3), name="w")
     with pytest.raises(es.CheckpointError, match="does not exist"):
-        load(tmp_path / "nope.eqstate", es.values_of(w))
+        es.load(tmp_path / "nope.eqstate", es.values_of(w))
     with pytest.raises(es.CheckpointError, match=r"is a directory.*CheckpointManager"):
-        load(tmp_path, es.values_of(w))  # e.g. a manager's directory of checkpoints
+        es.load(tmp_path, es.values_of(w))  # e.g. a manager's directory of checkpoints
 
 
 def test_load_returns_nothing_partial_on_error(checkpoint):
@@ -651,7 +648,7 @@ def test_load_returns_nothing_partial_on_error(checkpoint):
     # The last entry is corrupted; the first one is intact.
     _flip(path, path.stat().st_size - 1)
     with pytest.raises(es.CheckpointError, match="bytes of entry `n`"):
-        es.assign(load(path, es.values_of([w, n])))
+        es.assign(es.load(path, es.values_of([w, n])))
     assert (w.value == 0).all() and n.value == 0
 
 
@@ -682,7 +679,7 @@ class _FailingFile:
 def _fail_in_write(monkeypatch, error):
     real_fdopen = os.fdopen
     monkeypatch.setattr(
-        _checkpoint.os,
+        os,
         "fdopen",
         lambda *a, **k: _FailingFile(real_fdopen(*a, **k), error),
     )
@@ -692,14 +689,14 @@ def _fail_in_fsync(monkeypatch, error):
     def fsync(fd):
         raise error
 
-    monkeypatch.setattr(_checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(os, "fsync", fsync)
 
 
 def _fail_in_replace(monkeypatch, error):
     def replace(src, dst):
         raise error
 
-    monkeypatch.setattr(_checkpoint.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
 
 
 @pytest.mark.parametrize("fail", (_fail_in_write, _fail_in_fsync, _fail_in_replace))
@@ -715,13 +712,13 @@ def test_crash_mid_save_keeps_previous_checkpoint(checkpoint, monkeypatch, fail,
     else:
         expected = pytest.raises(KeyboardInterrupt, match=r"^$")
     with expected as raised:
-        save(path, es.values_of([w, n]))
+        es.save(path, es.values_of([w, n]))
     if isinstance(error, OSError):
         assert raised.value.__cause__ is error
     monkeypatch.undo()
     assert os.listdir(path.parent) == [path.name]
     assert path.read_bytes() == previous
-    loaded = load(path, es.values_of([w, n]))
+    loaded = es.load(path, es.values_of([w, n]))
     assert (loaded[w] == jnp.array([1.0, 2.0, 3.0])).all() and loaded[n] == 7
 
 
@@ -729,7 +726,7 @@ def test_crash_mid_first_save_leaves_nothing(tmp_path, monkeypatch):
     w = es.ParamState(jnp.ones(3), name="w")
     _fail_in_write(monkeypatch, OSError("disk full"))
     with pytest.raises(es.CheckpointError, match="disk full"):
-        save(tmp_path / "c", es.values_of(w))
+        es.save(tmp_path / "c", es.values_of(w))
     assert os.listdir(tmp_path) == []
 
 
@@ -784,7 +781,7 @@ def test_deeply_nested_header_is_malformed_not_a_recursion_error(checkpoint):
     path, w, n = checkpoint
     path.write_bytes(_raw_checkpoint(b"[" * 100_000 + b"]" * 100_000))
     with pytest.raises(es.CheckpointError, match="malformed header: it nests"):
-        load(path, es.values_of([w, n]))
+        es.load(path, es.values_of([w, n]))
 
 
 _JSON = hypothesis.strategies.recursive(
@@ -823,7 +820,7 @@ def test_any_header_loads_or_raises_checkpoint_error(tmp_path_factory, header, d
     path = tmp_path_factory.mktemp("fuzz") / "c.eqstate"
     path.write_bytes(_raw_checkpoint(json.dumps(header).encode(), data))
     try:
-        load(path, es.values_of(w))
+        es.load(path, es.values_of(w))
     except es.CheckpointError:
         pass
 
@@ -836,12 +833,12 @@ def test_any_header_loads_or_raises_checkpoint_error(tmp_path_factory, header, d
 def test_any_cut_or_extended_file_raises_checkpoint_error(tmp_path_factory, cut, junk):
     w = es.ParamState(jnp.arange(3.0), name="w")
     path = tmp_path_factory.mktemp("cut") / "c.eqstate"
-    save(path, es.values_of(w))
+    es.save(path, es.values_of(w))
     raw = path.read_bytes()
     hypothesis.assume(cut < len(raw) or junk)
     path.write_bytes(raw[:cut] + junk)
     with pytest.raises(es.CheckpointError, match=r"checkpoint|malformed|truncated"):
-        load(path, es.values_of(w))
+        es.load(path, es.values_of(w))
 
 
 def _peak_bytes_of_refused_load(path, states) -> int:
@@ -849,17 +846,20 @@ def _peak_bytes_of_refused_load(path, states) -> int:
     tracemalloc.start()
     try:
         with pytest.raises(es.CheckpointError, match="checkpoint"):
-            load(path, states)
+            es.load(path, states)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     return peak
 
 
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/io"), reason="counts bytes read in /proc (Linux)"
+)
 @pytest.mark.parametrize("claim", ("none", "header", "entries"))
 def test_a_huge_file_costs_only_the_bytes_its_header_vouches_for(tmp_path, claim):
     # A 1 GiB sparse file: not a checkpoint, or one whose header claims more than
-    # it holds. Reading it whole would take 1 GiB and seconds.
+    # it holds. Reading it whole would take 1 GiB (of memory, or of reads).
     w = es.ParamState(jnp.zeros(2), name="w")
     path = tmp_path / "big.eqstate"
     if claim == "none":
@@ -874,18 +874,26 @@ def test_a_huge_file_costs_only_the_bytes_its_header_vouches_for(tmp_path, claim
         f.write(start)
         f.truncate(2**30)
     match = {"none": "not an eqstate checkpoint", "header": "truncated"}
-    clock = time.perf_counter()
+    before = _bytes_read()
     with pytest.raises(es.CheckpointError, match=match.get(claim, "truncated")):
-        load(path, es.values_of(w))
-    assert time.perf_counter() - clock < 1.0
+        es.load(path, es.values_of(w))
+    assert _bytes_read() - before < 2**20
     assert _peak_bytes_of_refused_load(path, es.values_of(w)) < 2**20
+
+
+def _bytes_read() -> int:
+    """How many bytes this process has read from files, pipes and sockets."""
+    for line in pathlib.Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("/proc/self/io has no rchar")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
 def test_dev_zero_is_not_a_checkpoint_and_is_cheap():
     w = es.ParamState(jnp.zeros(2), name="w")
     with pytest.raises(es.CheckpointError, match="not an eqstate checkpoint"):
-        load("/dev/zero", es.values_of(w))
+        es.load("/dev/zero", es.values_of(w))
     assert _peak_bytes_of_refused_load("/dev/zero", es.values_of(w)) < 2**20
 
 
@@ -902,9 +910,9 @@ def test_a_checkpoint_streamed_through_a_pipe(checkpoint, tmp_path, extra):
     try:
         if extra:
             with pytest.raises(es.CheckpointError, match="bytes after its last entry"):
-                load(fifo, es.values_of([w, n]))
+                es.load(fifo, es.values_of([w, n]))
         else:
-            loaded = load(fifo, es.values_of([w, n]))
+            loaded = es.load(fifo, es.values_of([w, n]))
             assert (loaded[w] == jnp.array([1.0, 2.0, 3.0])).all() and loaded[n] == 7
     finally:
         writer.join()
@@ -917,12 +925,12 @@ def test_save_onto_a_symlink_keeps_the_link_and_replaces_its_target(tmp_path, re
     (tmp_path / "store").mkdir()
     target = tmp_path / "store" / "real.eqstate"
     link = tmp_path / "latest.eqstate"
-    save(target, es.values_of(w))
+    es.save(target, es.values_of(w))
     link.symlink_to(os.path.relpath(target, tmp_path) if relative else target)
     es.assign({w: jnp.full(3, 5.0)})
-    save(link, es.values_of(w))
+    es.save(link, es.values_of(w))
     assert link.is_symlink() and link.resolve() == target.resolve()
-    assert (load(target, es.values_of(w))[w] == 5.0).all()
+    assert (es.load(target, es.values_of(w))[w] == 5.0).all()
     assert sorted(os.listdir(tmp_path / "store")) == ["real.eqstate"]
     assert sorted(os.listdir(tmp_path)) == ["latest.eqstate", "store"]
 
@@ -932,9 +940,9 @@ def test_save_onto_a_dangling_symlink_creates_its_target(tmp_path):
     w = es.ParamState(jnp.ones(3), name="w")
     link = tmp_path / "latest.eqstate"
     link.symlink_to(tmp_path / "new.eqstate")
-    save(link, es.values_of(w))
+    es.save(link, es.values_of(w))
     assert link.is_symlink() and (tmp_path / "new.eqstate").is_file()
-    assert (load(link, es.values_of(w))[w] == 1.0).all()
+    assert (es.load(link, es.values_of(w))[w] == 1.0).all()
 
 
 def _dead_pid() -> int:
@@ -958,7 +966,7 @@ def test_next_save_removes_the_temporaries_of_killed_saves(checkpoint):
     ]
     for name in stale + kept:
         (directory / name).write_bytes(b"partial")
-    save(path, es.values_of([w, n]))
+    es.save(path, es.values_of([w, n]))
     assert sorted(os.listdir(directory)) == sorted([path.name, *kept])
 
 
@@ -966,12 +974,11 @@ _KILLED_SAVE = """
 import os, signal, sys
 import jax.numpy as jnp
 import eqstate as es
-from eqstate import _checkpoint
 
 def killed(fd):
     os.kill(os.getpid(), signal.SIGKILL)
 
-_checkpoint.os.fsync = killed
+os.fsync = killed
 w = es.ParamState(jnp.zeros(1000), name="w")
 es.save(sys.argv[1], es.values_of(w))
 """
@@ -985,7 +992,7 @@ def test_a_save_killed_with_sigkill_is_cleaned_up_by_the_next(checkpoint):
     assert killed.returncode == -signal.SIGKILL
     assert path.read_bytes() == previous  # the kill left the old checkpoint...
     assert len(os.listdir(path.parent)) == 2  # ...and its temporary file
-    save(path, es.values_of([w, n]))
+    es.save(path, es.values_of([w, n]))
     assert os.listdir(path.parent) == [path.name]
 
 
@@ -1012,11 +1019,11 @@ def test_unwritable_target_gives_checkpoint_error_and_keeps_the_old_file(
                 raise error
             return real_open(name, *args, **kwargs)
 
-        monkeypatch.setattr(_checkpoint.os, "open", refuse)
+        monkeypatch.setattr(os, "open", refuse)
     else:
         fail(monkeypatch, error)
     with pytest.raises(es.CheckpointError, match=f"{path.name}'.*{error.strerror}"):
-        save(path, es.values_of([w, n]))
+        es.save(path, es.values_of([w, n]))
     monkeypatch.undo()
     assert path.read_bytes() == previous and os.listdir(path.parent) == [path.name]
 
@@ -1031,7 +1038,7 @@ def test_save_into_a_read_only_directory(checkpoint):
     path.parent.chmod(0o500)
     try:
         with pytest.raises(es.CheckpointError, match="Permission denied") as raised:
-            save(path, es.values_of([w, n]))
+            es.save(path, es.values_of([w, n]))
     finally:
         path.parent.chmod(0o700)
     assert isinstance(raised.value.__cause__, PermissionError)
@@ -1046,13 +1053,13 @@ def test_unreadable_file_gives_checkpoint_error(checkpoint, monkeypatch):
 
     monkeypatch.setattr("builtins.open", refuse)
     with pytest.raises(es.CheckpointError, match=r"Cannot read .*Permission denied"):
-        load(path, es.values_of([w, n]))
+        es.load(path, es.values_of([w, n]))
 
 
 @pytest.mark.parametrize("bad", (None, [1, 2], {"w": "text"}))
 def test_save_refuses_what_holds_neither_arrays_nor_states(tmp_path, bad):
     with pytest.raises(TypeError, match=r"saves the arrays .* holds neither"):
-        unchecked(save)(tmp_path / "c", bad)
+        unchecked(es.save)(tmp_path / "c", bad)
     assert os.listdir(tmp_path) == []
 
 
@@ -1201,7 +1208,8 @@ def test_weak_types_come_back_as_saved_whatever_the_target(backend, tmp_path):
     loaded = es.load(path, es.values_of(target), backend=backend)
     for old, new in zip(saved, target):
         assert loaded[new].weak_type == old.value.weak_type != new.value.weak_type
-        assert (loaded[new] * x).dtype == (old.value * x).dtype
+        with jax.numpy_dtype_promotion("standard"):  # where weak types matter
+            assert (loaded[new] * x).dtype == (old.value * x).dtype
 
 
 def test_a_checkpoint_without_weak_types_takes_the_targets(tmp_path):
@@ -1227,16 +1235,7 @@ def test_a_weak_type_that_is_not_a_boolean_is_malformed(checkpoint):
     with pytest.raises(
         es.CheckpointError, match="entry `w` has an invalid 'weak_type'"
     ):
-        load(path, es.values_of([w, n]))
-
-
-def test_weakly_typed_keeps_value_dtype_and_device():
-    from eqstate._jax_compat import weakly_typed
-
-    x = jnp.arange(3.0)
-    weak = weakly_typed(x)
-    assert weak.weak_type and weak.dtype == x.dtype and weak.sharding == x.sharding
-    assert (weak == x).all()
+        es.load(path, es.values_of([w, n]))
 
 
 def test_orbax_refuses_an_empty_array_before_touching_the_old_checkpoint(tmp_path):
@@ -1790,17 +1789,9 @@ def test_save_refuses_a_64_bit_value_that_narrowing_would_change(
 def test_save_to_a_long_file_name(tmp_path, monkeypatch):
     # Temporary names add ~30 bytes to the target's: for a long name, they use its
     # first bytes and a hash of it, and stay within the file system's limit.
-    from eqstate._checkpoint_file import _temporary_stem
-
     w = es.ParamState(jnp.ones(3), name="w")
     path = tmp_path / ("é" + "m" * 238)  # 240 bytes, within NAME_MAX (255)
     other = tmp_path / ("é" + "m" * 237 + "n")  # the same first 200 bytes
-    stem = _temporary_stem(path.name)
-    assert stem != _temporary_stem(other.name)
-    stale = f".{stem}.{_dead_pid()}.{'a' * 16}.tmp"
-    kept = f".{_temporary_stem(other.name)}.{_dead_pid()}.{'b' * 16}.tmp"
-    for name in (stale, kept):
-        (tmp_path / name).write_bytes(b"partial")
     temporaries = []
     replace = os.replace
 
@@ -1809,15 +1800,24 @@ def test_save_to_a_long_file_name(tmp_path, monkeypatch):
         replace(src, dst)
 
     monkeypatch.setattr(os, "replace", recording_replace)
-    save(path, es.values_of(w))
-    assert len(temporaries) == 1 and temporaries[0].startswith(f".{stem}.")
-    assert len(os.fsencode(temporaries[0])) <= 255
-    assert sorted(os.listdir(tmp_path)) == sorted([path.name, kept])
-    assert (load(path, es.values_of(w))[w] == 1.0).all()
+    es.save(other, es.values_of(w))
+    es.save(path, es.values_of(w))
+    assert all(len(os.fsencode(name)) <= 255 for name in temporaries)
+    # `.{stem}.{pid}.{16 hex digits}.tmp`: a crashed save's, of a process now gone,
+    # is removed by the next save of its own target only.
+    other_stem, stem = (name[1:].rsplit(".", 3)[0] for name in temporaries)
+    assert stem != other_stem and stem.startswith("é")
+    stale = f".{stem}.{_dead_pid()}.{'a' * 16}.tmp"
+    kept = f".{other_stem}.{_dead_pid()}.{'b' * 16}.tmp"
+    for name in (stale, kept):
+        (tmp_path / name).write_bytes(b"partial")
+    es.save(path, es.values_of(w))
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, other.name, kept])
+    assert (es.load(path, es.values_of(w))[w] == 1.0).all()
     # A name the file system refuses says so, not that the disk is full.
     with pytest.raises(es.CheckpointError, match=r"too long.*Use a shorter file name"):
-        save(tmp_path / ("m" * 300), es.values_of(w))
-    assert sorted(os.listdir(tmp_path)) == sorted([path.name, kept])
+        es.save(tmp_path / ("m" * 300), es.values_of(w))
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, other.name, kept])
 
 
 _SAVED_WITH_X64 = """
@@ -1913,7 +1913,7 @@ class _Mixed(eqx.Module):
     def __call__(self, x):
         self.steps.value = self.steps.value + 1
         h = self.bn(jax.vmap(self.linear)(x))
-        return jax.vmap(self.head[0])(h) * self.head[1].value
+        return jax.vmap(self.head[0])(h) * self.head[1].value[None]
 
 
 def _trained_mixed(getkey) -> _Mixed:

@@ -338,6 +338,7 @@ def _ensemble_of_two():
     ],
     ids=["clone", "member", "jitted-build", "member-of-jitted-ensemble"],
 )
+@pytest.mark.numpy_promotion("optax.adam: a Python float to an int32 power")
 def test_state_dicts_inside_values_follow_their_states_to_new_handles(make):
     eager = _WithOptimiser()
     model = make()

@@ -61,11 +61,14 @@ _DOCSTRINGS = _public_objects()
 
 
 # Pages whose code, written for readers, broadcasts as NumPy does or uses optax.adam
-# (a Python float to an int32 power): the strict run gives them JAX's default promotion.
+# (a Python float to an int32 power) run with JAX's default promotion; the others, and
+# the docstrings, run strict, as a user's may.
 _NUMPY_PROMOTION = {
     "docs/how-to/brainstate-ports.md",
     "docs/how-to/ensembles.md",
+    "docs/how-to/equinox.md",
     "docs/how-to/stateful-layers.md",
+    "docs/index.md",
 }
 
 

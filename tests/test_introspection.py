@@ -7,7 +7,6 @@ import eqstate as es
 import jax
 import jax.numpy as jnp
 import pytest
-from eqstate.transform import _function_traces
 
 from .helpers import tree_allclose, unchecked
 
@@ -24,7 +23,7 @@ def test_cache_stats_count_hits_misses_and_traces():
     assert (stats["keys"], stats["entries"], stats["evictions"]) == (2, 2, 0)
     assert stats["compilation_cache"] == {
         "size": 2,
-        "maxsize": _function_traces.CACHE_SIZE,
+        "maxsize": stats["maxsize"],
         "hits": 2,
         "misses": 2,
         "hit_rate": 50.0,
@@ -33,13 +32,17 @@ def test_cache_stats_count_hits_misses_and_traces():
     assert sf.get_cache_stats()["hits"] == sf.get_cache_stats()["keys"] == 0
 
 
-def test_cache_stats_count_evictions(monkeypatch):
-    monkeypatch.setattr(_function_traces, "CACHE_SIZE", 2)
+def test_cache_stats_count_evictions_of_the_oldest_keys():
     sf = es.transform.StatefulFunction(lambda x: x + 1)
-    for n in range(1, 6):
-        sf(jnp.ones(n))
+    maxsize = sf.get_cache_stats()["maxsize"]
+    for n in range(1, maxsize + 4):  # traced only: compiling them would take a minute
+        sf.make_jaxpr(jax.ShapeDtypeStruct((n,), jnp.float32))
     stats = sf.get_cache_stats()
-    assert (stats["keys"], stats["evictions"], stats["traces"]) == (2, 3, 5)
+    assert (stats["keys"], stats["evictions"]) == (maxsize, 3)
+    assert stats["traces"] == maxsize + 3
+    with pytest.raises(KeyError):
+        sf.get_jaxpr(sf.get_arg_cache_key(jnp.ones(3)))
+    sf.get_jaxpr(sf.get_arg_cache_key(jnp.ones(4)))
 
 
 def test_cache_stats_count_variants_for_states_of_other_shapes():

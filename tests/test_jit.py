@@ -501,13 +501,14 @@ def test_equal_static_values_of_other_types_trace_apart(how):
     def f(x, scale):
         scale = _unwrapped(scale)
         flag = 10 if scale is True else 0
-        return x * scale + bias.value + flag
+        return x + bias.value + flag, jnp.asarray(scale)  # int32, float32 or bool
 
     _, call = _jit_with_a_static_scale(f, how)
     x = jnp.arange(3)
     for scale in (1, 1.0, True, 1):
-        got, want = call(x, scale), f(x, scale)
-        assert got.dtype == want.dtype and (got == want).all(), (scale, got, want)
+        (got, got_scale), (want, want_scale) = call(x, scale), f(x, scale)
+        assert got_scale.dtype == want_scale.dtype and got_scale == want_scale, scale
+        assert (got == want).all(), (scale, got, want)
 
 
 @pytest.mark.parametrize(
@@ -568,7 +569,7 @@ def test_a_jitted_function_follows_jax_configuration_changed_between_calls():
 
     def add(x):
         total.value = total.value + jnp.sum(x)
-        return jnp.arange(2.0) + x
+        return jnp.arange(2.0) + x.astype(float)  # float64 with 64-bit types on
 
     jitted = es.transform.jit(add)
     function = es.transform.StatefulFunction(add)
@@ -580,18 +581,21 @@ def test_a_jitted_function_follows_jax_configuration_changed_between_calls():
     assert jitted(x).dtype == jnp.float32
     assert "f64" not in jaxpr(x)
     with jax.enable_x64(True):
-        assert jitted(x).dtype == jax.jit(lambda x: jnp.arange(2.0) + x)(x).dtype
+        assert jitted(x).dtype == jax.jit(lambda x: x.astype(float))(x).dtype
         assert jitted(x).dtype == jnp.float64
         assert "f64" in jaxpr(x)
     assert jitted(x).dtype == jnp.float32
     assert "f64" not in jaxpr(x)
     assert total.value == 8.0
-    with jax.numpy_rank_promotion("raise"):
-        with pytest.raises(ValueError, match="could not be broadcast"):
-            jitted(jnp.ones((3, 1)))
-    with jax.numpy_dtype_promotion("strict"):
-        with pytest.raises(ValueError, match="promotion"):  # TypePromotionError
-            jitted(jnp.ones(2, jnp.bfloat16))
+    column, half = jnp.ones((3, 1)), jnp.ones(2, jnp.bfloat16)
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        jitted(column)  # (3, 1) broadcast against (2,)
+        jitted(half)  # bfloat16 promoted with the float32 total
+    # The tests run with rank promotion "raise" and dtype promotion "strict".
+    with pytest.raises(ValueError, match="could not be broadcast"):
+        jitted(column)
+    with pytest.raises(ValueError, match="promotion"):  # TypePromotionError
+        jitted(half)
 
 
 def test_a_state_dict_returned_by_a_jitted_build_is_keyed_by_the_returned_handles():

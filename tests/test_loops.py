@@ -325,7 +325,7 @@ def test_a_carry_of_another_type_is_named_at_its_place_in_the_users_carry():
 
     def step(c, x):
         s.value = s.value + 1
-        return (c[0], c[1] * 1.5), None  # int32 times a float: float32
+        return (c[0], c[1].astype(jnp.float32)), None  # int32 made float32
 
     with pytest.raises(
         TypeError,

@@ -277,7 +277,7 @@ def test_an_overwrite_inside_a_nested_loop_is_refused_in_chunks_saying_why():
     s = es.State(jnp.array(0.0), name="s")
 
     def f(x):
-        es.transform.for_loop(lambda i: setattr(s, "value", x * i), jnp.arange(3))
+        es.transform.for_loop(lambda i: setattr(s, "value", x * i), jnp.arange(3.0))
         return x
 
     with pytest.raises(ValueError, match="cannot tell that it does not"):

@@ -1,7 +1,6 @@
 """The Orbax backend of `eqstate.save` / `eqstate.load` and `eqstate.CheckpointManager`,
 in one process; `test_multi_process.py` runs them across processes."""
 
-import io
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from eqstate import _checkpoint_manager, _orbax
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from .helpers import tree_bitwise_equal, unchecked_new
+from .helpers import launch, tree_bitwise_equal, unchecked_new
 
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint32, jnp.bool_)
@@ -700,20 +699,17 @@ jax.distributed.shutdown()
 def disagreeing(tmp_path_factory):
     """The report of each process of one launch of `_DISAGREEING_SAVES`, which must
     end within the launch's timeout: no save waits for a process that never comes."""
-    from eqstate._launch import local_processes, wait_all
-
     workdir = tmp_path_factory.mktemp("disagreeing")
-    out = io.StringIO()
-    command = [sys.executable, "-c", _DISAGREEING_SAVES, str(workdir)]
-    with local_processes(command, 2, cpu_devices=2, out=out) as procs:
-        code = wait_all(procs, timeout=180.0)
+    script = tmp_path_factory.mktemp("script") / "disagreeing_saves.py"
+    script.write_text(_DISAGREEING_SAVES)
+    code, output = launch([str(script), str(workdir)], 2, timeout=180.0)
     reports = [
         json.loads(line.split("RESULT ", 1)[1])
-        for line in out.getvalue().splitlines()
+        for line in output.splitlines()
         if "RESULT " in line
     ]
     if code != 0 or len(reports) != 2:
-        pytest.fail(f"the launch exited with {code}:\n{out.getvalue()[-6000:]}")
+        pytest.fail(f"the launch exited with {code}:\n{output[-6000:]}")
     return sorted(reports, key=lambda r: r["process"])
 
 

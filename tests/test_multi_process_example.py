@@ -2,34 +2,18 @@
 ends where an uninterrupted run ends, and where a single process with the same
 global batches ends."""
 
-import io
 import pathlib
 import re
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
-from eqstate._launch import local_processes, wait_all
+
+from .helpers import launch, launcher
 
 
 _EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "multi_process_train.py"
 _TIMEOUT = 240.0
-
-
-class _Watch(io.StringIO):
-    """An output stream that flags when a line matching `pattern` arrives."""
-
-    def __init__(self, pattern: str):
-        super().__init__()
-        self.pattern = re.compile(pattern)
-        self.seen = threading.Event()
-
-    def write(self, text: str) -> int:
-        if self.pattern.search(text):
-            self.seen.set()
-        return super().write(text)
 
 
 def _final_loss(output: str) -> float:
@@ -38,29 +22,50 @@ def _final_loss(output: str) -> float:
     return float(match.group(1))
 
 
+def _program(directory: pathlib.Path) -> list[str]:
+    return [str(_EXAMPLE), "--quick", "--checkpoint-dir", str(directory)]
+
+
 def _train(directory: pathlib.Path) -> str:
-    out = io.StringIO()
-    command = [sys.executable, str(_EXAMPLE), "--quick", "--checkpoint-dir"]
-    with local_processes([*command, str(directory)], 2, cpu_devices=2, out=out) as ps:
-        code = wait_all(ps, _TIMEOUT)
-    assert code == 0, out.getvalue()[-4000:]
-    return out.getvalue()
+    code, output = launch(_program(directory), 2, _TIMEOUT)
+    assert code == 0, output[-4000:]
+    return output
+
+
+def _crash_after_the_first_checkpoint(directory: pathlib.Path) -> str:
+    """Runs the example until process 0 reports its first checkpoint, then stops the
+    launcher, which kills every process (SIGKILL); the output."""
+    running = subprocess.Popen(
+        [*launcher(2, _TIMEOUT), *_program(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    assert running.stdout is not None
+    lines = []
+    try:
+        # Ends at the launcher's timeout at the latest, which closes the output.
+        for line in running.stdout:
+            lines.append(line)
+            if line.startswith("[0] checkpoint 40 saved"):
+                running.terminate()
+                break
+        else:
+            pytest.fail(f"the run ended early:\n{''.join(lines)[-4000:]}")
+        lines.append(running.communicate(timeout=60)[0])
+    finally:
+        running.kill()
+        running.wait()
+    return "".join(lines)
 
 
 def test_resumed_run_ends_like_an_uninterrupted_one_and_one_process(tmp_path):
     uninterrupted = _final_loss(_train(tmp_path / "uninterrupted"))
 
-    # Killed (SIGKILL, every process) as soon as the first checkpoint is on disk.
     crashed = tmp_path / "crashed"
-    watch = _Watch(r"\[0\] checkpoint 40 saved")
-    command = [sys.executable, str(_EXAMPLE), "--quick", "--checkpoint-dir"]
-    with local_processes([*command, str(crashed)], 2, cpu_devices=2, out=watch) as ps:
-        deadline = time.monotonic() + _TIMEOUT
-        while not watch.seen.wait(0.05):
-            assert time.monotonic() < deadline, watch.getvalue()[-4000:]
-            if all(p.poll() is not None for p in ps):
-                pytest.fail(f"the run ended early:\n{watch.getvalue()[-4000:]}")
-    assert "final loss" not in watch.getvalue()  # it was cut short
+    assert "final loss" not in _crash_after_the_first_checkpoint(crashed)
 
     resumed = _train(crashed)
     # The kill lands after checkpoint 40; a later one may be out too (a slow kill).
@@ -69,7 +74,7 @@ def test_resumed_run_ends_like_an_uninterrupted_one_and_one_process(tmp_path):
     assert _final_loss(resumed) == pytest.approx(uninterrupted, rel=1e-6)
 
     single = subprocess.run(
-        [*command, str(tmp_path / "single"), "--single-process"],
+        [sys.executable, *_program(tmp_path / "single"), "--single-process"],
         capture_output=True,
         text=True,
         timeout=_TIMEOUT,

@@ -5,7 +5,6 @@ import eqstate as es
 import jax
 import jax.numpy as jnp
 import pytest
-from eqstate._state import lazy_world_state
 
 from .helpers import tree_bitwise_equal, unchecked, unchecked_new
 
@@ -135,16 +134,33 @@ def test_default_state_is_a_random_state_in_the_world():
 
 
 _FIRST_DRAW_UNDER_JIT = """
-import eqstate as es, jax.numpy as jnp
+import eqstate as es, jax, jax.numpy as jnp
+
+# Making the default key fails once (as under `jax.transfer_guard`): it is made on
+# the next access, here a first draw under `jit`.
+make_key, tries = jax.random.key, []
+
+def fails_once(seed):
+    tries.append(seed)
+    if len(tries) == 1:
+        raise RuntimeError("the first try fails")
+    return make_key(seed)
+
+jax.random.key = fails_once
+try:
+    es.random.DEFAULT.value
+except RuntimeError as error:
+    assert "the first try fails" in str(error), error
 draw = es.transform.jit(lambda x: x + es.random.normal(()))
 a, b = draw(jnp.zeros(())), draw(jnp.zeros(()))
 assert a != b, (a, b)
 es.random.DEFAULT.value  # a concrete key in the world
+assert tries == [0, 0], tries
 """
 
 
-def test_the_default_key_made_on_a_first_draw_under_jit_is_not_a_tracer():
-    # In a fresh interpreter, so that the default key is made on this first use.
+def test_the_default_key_is_made_again_after_a_failure_and_not_as_a_tracer_in_jit():
+    # In a fresh interpreter, so that the default key is made on these first uses.
     result = subprocess.run(
         [sys.executable, "-c", _FIRST_DRAW_UNDER_JIT],
         capture_output=True,
@@ -152,25 +168,6 @@ def test_the_default_key_made_on_a_first_draw_under_jit_is_not_a_tracer():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-
-
-def test_a_lazily_made_key_that_failed_once_is_made_on_the_next_access():
-    # As the default key when its first draw runs under `jax.transfer_guard`.
-    tries = []
-
-    def make():
-        tries.append(None)
-        if len(tries) == 1:
-            raise RuntimeError("the first try fails")
-        return jax.random.key(7)
-
-    key = lazy_world_state(es.RandomState, make, name="lazy_rng")
-    with pytest.raises(RuntimeError, match="the first try fails"):
-        key.value
-    assert tree_bitwise_equal(key.value, jax.random.key(7))
-    key.seed(3)
-    assert tree_bitwise_equal(key.value, jax.random.key(3))
-    assert len(tries) == 2
 
 
 def test_a_key_of_another_implementation_gets_a_fitting_message():

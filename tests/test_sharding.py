@@ -421,7 +421,7 @@ def test_jit_donates_a_state_written_in_a_shard_map_with_collectives():
         mesh=mesh, in_specs=(), out_specs=P(), state_specs={total: P("a")}
     )
     def add_and_sum():
-        total.value = total.value + jax.lax.axis_index("a")
+        total.value = total.value + jax.lax.axis_index("a").astype(jnp.float32)
         return jax.lax.psum(total.value.sum(), "a")
 
     step = es.transform.jit(add_and_sum, donate_states=True)
@@ -511,14 +511,17 @@ def _write_where(how, state, predicate):
             add()
             return i + 1
 
-        es.transform.while_loop(lambda i: i < predicate, body, jnp.array(0))
+        es.transform.while_loop(
+            lambda i: i < predicate.astype(jnp.int32), body, jnp.array(0)
+        )
     else:
 
         def step(i):
             add()
             return i + 1
 
-        es.transform.bounded_while_loop(lambda i: i < predicate, step, jnp.array(0), 3)
+        until = predicate.astype(jnp.int32)
+        es.transform.bounded_while_loop(lambda i: i < until, step, jnp.array(0), 3)
 
 
 @pytest.mark.parametrize("how", ["cond", "switch", "while_loop", "bounded_while_loop"])
@@ -548,7 +551,7 @@ def test_shard_map_refuses_a_replicated_state_written_under_a_predicate_per_devi
 
     _over_data(everywhere, state_specs={t: P("data")})(jnp.arange(float(N)))
     assert s.value == 1
-    assert (t.value == (jnp.arange(N) > N / 2)).all()
+    assert (t.value == (jnp.arange(float(N)) > N / 2).astype(jnp.float32)).all()
 
 
 def test_jit_after_a_written_state_moved_to_other_devices_says_to_clear_its_cache():
@@ -868,7 +871,9 @@ def _vary(x):
 # Each body sums to a replicated scalar, from a value made varying across devices.
 _VARYING = {
     "pcast": lambda x: jax.lax.psum(_vary(jnp.float32(1.0)), "data"),
-    "axis_index": lambda x: jax.lax.psum(x.sum() * jax.lax.axis_index("data"), "data"),
+    "axis_index": lambda x: jax.lax.psum(
+        x.sum() * jax.lax.axis_index("data").astype(x.dtype), "data"
+    ),
     "ppermute": lambda x: jax.lax.psum(
         jax.lax.ppermute(x, "data", [(i, (i + 1) % N) for i in range(N)]).sum(), "data"
     ),
@@ -904,7 +909,7 @@ def _scan_sums(x, total, cast):
         total = _vary(total)
 
     def step(t, row):
-        return t + row, t
+        return t + row.reshape(t.shape), t
 
     total, partial = jax.lax.scan(step, total, x)
     return jax.lax.psum(total, "data"), partial
@@ -927,7 +932,7 @@ def test_state_carried_through_scan_in_shard_map_takes_per_device_values(
 
         def step(_, row):
             seen = total.value
-            total.value = total.value + row
+            total.value = total.value + row.reshape(total.value.shape)
             return None, seen
 
         _, partial = es.transform.scan(step, None, x)
@@ -956,7 +961,7 @@ def test_a_scan_carry_of_a_replicated_state_written_per_device_fails_as_in_jax()
 
     def f(x):
         def step(_, row):
-            total.value = total.value + row
+            total.value = total.value + row.reshape(total.value.shape)
             return None, None
 
         es.transform.scan(step, None, x)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqstate.transform import _function_traces, StatefulFunction
+from eqstate.transform import StatefulFunction
 
 from .helpers import traces_per_key, tree_allclose
 
@@ -812,17 +812,6 @@ def test_clear_cache_forces_a_new_trace():
         sf.get_jaxpr()
     sf(1.0)
     assert len(calls) == 2 * n
-
-
-def test_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(_function_traces, "CACHE_SIZE", 3)
-    sf = StatefulFunction(lambda x: x)
-    for n in range(1, 6):
-        sf.make_jaxpr(jnp.ones(n))
-    stats = sf.get_cache_stats()
-    assert (stats["keys"], stats["evictions"]) == (3, 2)
-    with pytest.raises(KeyError):
-        sf.get_jaxpr(sf.get_arg_cache_key(jnp.ones(1)))
 
 
 @pytest.mark.parametrize("cache_type", [None, "jit"])

@@ -194,25 +194,25 @@ def test_threads_drawing_eagerly_from_the_default_key_get_different_numbers():
 _WORLD_WHILE_THE_DEFAULT_KEY_IS_MADE = """
 import gc, threading, time
 import eqstate as es
+import jax
 import jax.numpy as jnp
-from eqstate import _context
 
 jnp.zeros(1).block_until_ready()
 garbage = [es.State(jnp.zeros(1), name="garbage")]
 garbage.append(garbage)  # only the cycle collector drops the state
 del garbage
-lazy = _context.WORLD._values.lazy
-make_key = lazy[id(es.random.DEFAULT)]
+make_key, making = jax.random.key, threading.Event()
 
-def slow_make():  # as making the key may: slow, and collecting garbage
+def slow_make(seed):  # as making the default key may: slow, and collecting garbage
+    making.set()
     time.sleep(0.3)  # meanwhile the other thread asks for the world
     gc.collect()
-    return make_key()
+    return make_key(seed)
 
-lazy[id(es.random.DEFAULT)] = slow_make
+jax.random.key = slow_make
 first_draw = threading.Thread(target=lambda: es.random.DEFAULT.value, daemon=True)
 first_draw.start()
-time.sleep(0.1)
+making.wait()
 world = es.world()
 first_draw.join()
 assert world[es.random.DEFAULT] is es.random.DEFAULT.value

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from .. import _jax_compat as compat
 from .._arguments import given
-from .._jax_compat import trace_context
 from ._leaves import in_module, is_traced, signature
 from ._split_args import typed_static
 
@@ -135,7 +135,7 @@ class ArgParser:
         # JAX's configuration and mapped axes too, as `jax.jit` keys its traces: a
         # trace made with 64-bit mode off, or under a `vmap` of another size, is
         # not one for this call.
-        key = (typed, typed_kw, treedef, tuple(sigs), trace_context(axis_env))
+        key = (typed, typed_kw, treedef, tuple(sigs), compat.trace_context(axis_env))
         return CallArgs(
             key, dynamic, treedef, template, dynamic_index, static, static_kw
         )
