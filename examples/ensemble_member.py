@@ -10,6 +10,7 @@ Run with `python examples/ensemble_member.py` (add `--quick` for a few steps).
 """
 
 import argparse
+from typing import cast
 
 import eqstate as es
 import eqstate.nn as enn
@@ -90,8 +91,8 @@ def main() -> None:
         ensemble = train_step(ensemble, opt_state, x, jnp.sin(x))
 
     x = jnp.linspace(-3, 3, 50)
-    # In inference mode, BatchNorm normalises with the running statistics.
-    ensemble = eqx.tree_at(lambda e: e.bn.inference, ensemble, True)
+    # BatchNorm: the running statistics. (Equinox returns an untyped PyTree.)
+    ensemble = cast(MLP, eqx.nn.inference_mode(ensemble))
     lanes = es.transform.jit(predict_all)(ensemble, x)
     errors = jnp.mean((lanes - jnp.sin(x)) ** 2, axis=1)
     print("test MSE per member:", " ".join(f"{e:.4f}" for e in errors))

@@ -12,6 +12,7 @@ Run with `python examples/mlp_batchnorm.py` (add `--quick` for a few steps).
 import argparse
 import os
 import tempfile
+from typing import cast
 
 import eqstate as es
 import eqstate.nn as enn
@@ -81,7 +82,9 @@ def main() -> None:
 
     @es.transform.jit
     def evaluate(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
-        return loss_fn(eqx.nn.inference_mode(model), x, y)
+        # (Equinox returns an untyped PyTree.)
+        inference = cast(MLP, eqx.nn.inference_mode(model))
+        return loss_fn(inference, x, y)
 
     print(f"test loss before training: {evaluate(model, x_test, y_test):.4f}")
     for step, key in enumerate(jr.split(jr.key(2), steps)):

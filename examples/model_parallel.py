@@ -7,6 +7,8 @@ Run with `python examples/model_parallel.py`. Where there is no accelerator, it 
 for 8 virtual CPU devices.
 """
 
+from typing import cast
+
 import jax
 
 
@@ -66,7 +68,8 @@ def train(
             state_specs={model.embed: P("model")},
         )
         def hidden(counts: Array) -> Array:
-            return jax.lax.psum(counts @ model.embed.value, "model")
+            # (JAX's `psum` returns an untyped PyTree.)
+            return cast(Array, jax.lax.psum(counts @ model.embed.value, "model"))
 
         return jnp.tanh(hidden(counts)) @ model.out.value
 
