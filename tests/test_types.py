@@ -210,6 +210,34 @@ def test_a_jitted_function_keeps_its_signature_and_has_its_methods():
     decorated.clear_cache()
 
 
+def test_loops_conditions_and_vmap_are_typed_by_their_bodies():
+    w = es.ParamState(jnp.ones(3), name="w")
+
+    def body(total: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        w.value = w.value + x
+        return total + x.sum(), w.value
+
+    total, ys = es.transform.scan(body, jnp.array(0.0), jnp.ones((2, 3)))
+    assert_type((total, ys), tuple[jax.Array, jax.Array])
+    assert total == 6 and ys.shape == (2, 3)
+
+    def double(x: jax.Array) -> jax.Array:
+        return 2 * x
+
+    assert_type(es.transform.for_loop(double, jnp.ones(2)), jax.Array)
+    assert_type(es.transform.cond(True, double, jnp.negative, jnp.ones(2)), jax.Array)
+    mapped = es.transform.vmap(double)
+    assert_type(mapped(jnp.ones((2, 3))), jax.Array)
+    assert mapped(jnp.ones((2, 3))).shape == (2, 3)
+
+
+def test_batch_norm_weight_is_typed_by_affine():
+    assert_type(enn.BatchNorm(3).weight, es.ParamState[jax.Array])
+    plain = enn.BatchNorm(3, affine=False)
+    assert_type(plain.weight, es.ParamState[jax.Array] | None)
+    assert plain.weight is None
+
+
 # Strict pyright over `examples/` and the pages of `docs/` and `README.md`: what is
 # left out, and why. Nothing here hides a type of eqstate's.
 _NOT_OURS = {
