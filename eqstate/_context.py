@@ -236,13 +236,16 @@ _LAZY_LOCK = threading.Lock()
 class World(Frame):
     """The outermost, process-wide frame."""
 
-    __slots__ = ("__weakref__", "_refs", "_values", "lock")
+    __slots__ = ("__weakref__", "_refs", "_values", "good_keys", "lock")
 
     def __init__(self):
         # Values by `id(state)`: the jit fast path reads and writes this dict directly.
         self._values = _Values()
         self._refs: dict[int, weakref.ref] = {}
         self.lock = threading.RLock()
+        # The last key of each random state seen good, by `id(state)` (see
+        # `eqstate._state.checked_key`).
+        self.good_keys: dict[int, Any] = {}
 
     @property
     def by_id(self) -> dict[int, Any]:
@@ -377,6 +380,7 @@ def _drop_entry(world_ref: weakref.ref, key: int, _: weakref.ref) -> None:
             world._values.pop(key, None)
             world._values.lazy.pop(key, None)
             world._refs.pop(key, None)
+            world.good_keys.pop(key, None)
 
 
 WORLD = World()

@@ -43,6 +43,11 @@ makes eqstate slower or its errors less precise, never wrong:
   different things refuse in bounded time. Without it the agreement is skipped, and
   such saves wait in those collectives, or crash there, as plain Orbax does.
 
+- whether the computation of a typed PRNG key has ended is asked of the array of
+  its data (`key_buffer`), without waiting, so that a call can replace a random state's
+  key whose computation failed without waiting for the calls before it. Without it,
+  `jax.random.key_data`, slower, gives that array.
+
 Names that moved between the JAX releases eqstate supports (see `pyproject.toml`) are
 looked up here too, by `_from_jax`, and nowhere else.
 """
@@ -415,6 +420,15 @@ def can_fail_at_run_time(effect: Any) -> bool:
     `axis_index` inside `shard_map`) records the axis it uses as its effect, and
     cannot."""
     return _NamedAxisEffect is None or not isinstance(effect, _NamedAxisEffect)
+
+
+def key_buffer(key: Any) -> Any:
+    """The array of the data of `key`, a concrete array of typed PRNG keys (its
+    `_base_array`), whose `is_ready()` and `block_until_ready()` cost a third of the
+    key array's own (a key array has no `is_ready`); `jax.random.key_data(key)`
+    without it."""
+    data = getattr(key, "_base_array", None)
+    return jax.random.key_data(key) if data is None else data
 
 
 def in_manual_axes() -> bool:

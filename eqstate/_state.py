@@ -1,11 +1,15 @@
 """State handles and their kinds."""
 
+import contextvars
 import functools as ft
 import itertools
 import operator
+import os
+import sys
 import threading
 import warnings
-from typing import Any, Generic, NoReturn, TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, NoReturn, ParamSpec, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,7 @@ from typing_extensions import TypeVar
 from . import _context, _jax_compat as compat
 from ._arguments import text
 from ._context import current_frame, label_here
-from ._custom_types import PyTree
+from ._custom_types import MISSING, PyTree
 from ._errors import (
     BatchAxisError,
     FORGOTTEN_VALUE,
@@ -34,6 +38,8 @@ from ._write_checks import to_checked_value
 
 # A bare `State` holds `Any`, which strict type checkers take as it is.
 _Value = TypeVar("_Value", default=Any)
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 # Handles are numbered as they are created: StateDicts flatten in this order, so two
 # dictionaries of the same states have the same tree structure whatever their order.
@@ -304,6 +310,44 @@ class NonBatchState(State[_Value]):
     __slots__ = ()
 
 
+# No two calls, in any thread, read the same key of a random state in the world: every
+# call that advances one holds this lock from its read of the key until it has written
+# the successor back, or failed. A `jit` call of a plan that advances one takes it
+# around its read, dispatch and write; the other calls (eager draws, the other
+# transforms) from their read to their end (`draws_atomically`, `lock_keys`).
+# Re-entrant: such a call may draw eagerly inside (under `jax.disable_jit()`). Never
+# taken inside a trace, which may wait for another thread's trace of the same function
+# (`FunctionTraces.lookup`) that holds it.
+KEY_LOCK = threading.RLock()
+
+# Whether the current top-level call holds `KEY_LOCK` (see `draws_atomically`); `None`
+# outside such a call.
+_KEYS_HELD: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "eqstate_keys_held", default=None
+)
+
+
+def draws_atomically(call: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Decorates a call of eqstate (a transform's, an eager draw) that may advance
+    random states of the world: the key lock it takes to read them (`lock_keys`) is
+    held until it returns or raises. A call made inside such a call belongs to it."""
+
+    @ft.wraps(call)
+    def atomically(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        if _KEYS_HELD.get() is not None:
+            return call(*args, **kwargs)
+        held = [False]
+        token = _KEYS_HELD.set(held)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _KEYS_HELD.reset(token)
+            if held[0]:
+                KEY_LOCK.release()
+
+    return atomically
+
+
 class RandomState(State[Any]):
     """State holding a typed PRNG key (`jax.random.key`). Each sampler of
     `eqstate.random` reads the key and writes back its successor, so random numbers
@@ -336,20 +380,36 @@ class RandomState(State[Any]):
         """
         super().__init__(_as_key(seed_or_key), tag=tag, name=name)
 
+    def _read(self) -> Any:
+        frame = _context.current_frame()
+        key = frame.read(self)
+        if frame is _context.WORLD and is_top_level():
+            # Waits for the key (8 bytes, the output of a split) first: one whose
+            # computation failed is replaced (see `checked_key`), where printing it
+            # would hang.
+            key = checked_key(self, key, wait=True)
+        return key
+
+    value = property(_read, State.value.fset, doc=State.value.__doc__)  # type: ignore[assignment]
+
     def seed(self, seed_or_key: int | ArrayLike) -> None:
         """Resets the key from an integer seed (making a key of the PRNG
         implementation the state holds) or a typed key."""
-        self.value = _as_key(seed_or_key, jax.random.key_impl(self.value))
+        frame = current_frame()
+        frame.write(self, _as_key(seed_or_key, jax.random.key_impl(frame.read(self))))
 
+    @draws_atomically
     def split_key(self, n: int | None = None) -> Any:
         """Advances the key and returns a fresh one (or `n` fresh ones, stacked).
         Threads splitting one key get different keys."""
         if n is not None:
             n = _key_count(n)
-        with KEY_LOCK:
-            key = self.value
-            _check_single_key(self, key)
-            self.value, keys = split_and_advance(key, n)
+        frame = current_frame()
+        lock_keys(frame, (self,))
+        key = frame.read(self)
+        _check_single_key(self, key)
+        successor, keys = split_and_advance(key, n)
+        frame.write(self, successor)
         return keys
 
 
@@ -366,18 +426,126 @@ def _check_single_key(state: RandomState, key: Any) -> None:
         )
 
 
-# Held while a key is read, split and advanced in eager code, so that threads drawing
-# from one random state (the default one in the world) never get the same key.
-KEY_LOCK = threading.RLock()
+def lock_keys(frame: _context.Frame, states: Iterable[State]) -> None:
+    """Called by a call that `draws_atomically` just before it reads `states` from
+    `frame` to write them back: if `frame` is the world (at top level) and one of
+    them is a random state, holds `KEY_LOCK` until the call ends, so that no other
+    call reads the key this one advances."""
+    if frame is not _context.WORLD or not is_top_level():
+        return
+    keys = [s for s in states if isinstance(s, RandomState)]
+    if not keys:
+        return
+    held = _KEYS_HELD.get()
+    assert held is not None, "a call that advances world keys must draw atomically"
+    if not held[0]:
+        KEY_LOCK.acquire()
+        held[0] = True
+    check_keys(keys)
+
+
+def check_keys(states: Iterable[RandomState]) -> None:
+    """Replaces each key of `states` in the world whose computation has ended and
+    failed (see `checked_key`). Called at top level, holding `KEY_LOCK`."""
+    world = _context.WORLD
+    for state in states:
+        key = world.peek(state)
+        if key is not MISSING:  # (A missing state is named by the read.)
+            checked_key(state, key)
+
+
+# A key made by a computation that failed as it ran (on the CPU, one refused memory,
+# which fails after the call has returned, with all its outputs) fails whatever reads
+# it. The first call, or read of `.value`, at top level that finds such a key in the
+# world replaces it with the last key of its state seen good, folded in with this tag
+# plus the number of keys replaced so far: never a key handed out before.
+_REPLACED_KEY_TAG = 0x6571_0000
+_replaced = itertools.count()
+
+
+def checked_key(state: RandomState, key: Any, *, wait: bool = False) -> Any:
+    """`key`, the value of `state` in the world; or, if its computation failed as it
+    ran, a fresh key that replaces it there (see `_REPLACED_KEY_TAG`). Looks at a key
+    only once its computation has ended, unless `wait` or no key of `state` has been
+    seen good yet: a call never waits for the one before it."""
+    good = _context.WORLD.good_keys
+    if good.get(id(state)) is key:
+        return key
+    data = compat.key_buffer(key)
+    if not wait and id(state) in good and not data.is_ready():
+        return key
+    try:
+        data.block_until_ready()
+    except Exception as error:
+        return _replace_failed_key(state, key, error)
+    good[id(state)] = key
+    return key
+
+
+def _replace_failed_key(state: RandomState, key: Any, error: Exception) -> Any:
+    world = _context.WORLD
+    with KEY_LOCK:
+        if world.peek(state) is not key:  # Replaced by another thread meanwhile.
+            return world.peek(state)
+        good = world.good_keys.get(id(state))
+        if good is None:  # None seen good: only a key written from outside failed.
+            zero = jax.random.key(0, impl=jax.random.key_impl(key))
+            good = jax.random.split(zero, jnp.shape(key))
+        tag = _REPLACED_KEY_TAG + next(_replaced)
+        flat = jnp.reshape(good, -1)
+        fresh = jax.vmap(jax.random.fold_in, (0, None))(flat, tag)
+        world.by_id[id(state)] = fresh = jnp.reshape(fresh, jnp.shape(key))
+    reason = str(error).strip().splitlines()[0]
+    warnings.warn(
+        f"{state_label(state)} held a key made by a computation that failed as it "
+        f"ran ({reason}): that computation's outputs are lost, with those of every "
+        "computation that drew from the key since. The state now holds a fresh key "
+        "derived from the last good one (no key is handed out twice), so draws go "
+        "on. Run the failed computation again (smaller) for its outputs.",
+        RuntimeWarning,
+        stacklevel=_outside_eqstate(),
+    )
+    return fresh
+
+
+def _outside_eqstate() -> int:
+    """The `stacklevel` at which its caller's warning names the innermost frame
+    outside eqstate."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_PACKAGE = os.path.dirname(__file__) + os.sep
+
+
+def split_and_advance(key: Any, n: int | None) -> tuple[Any, Any]:
+    """`(successor of key, one fresh key or n stacked ones)`: the keys of
+    `jax.random.split(key, 2 if n is None else n + 1)`, the successor first.
+
+    Where each key of a split depends on its index alone (threefry and rbg keys with
+    `jax_threefry_partitionable`, JAX's default), the successor is the same for every
+    `n` and comes from a split in two of its own: a split too large for memory, which
+    fails after it returns, then leaves the random state usable."""
+    if _split_by_index(key):
+        return _split(key, None)[0], _split(key, n)[1]
+    return _split(key, n)
 
 
 @ft.partial(jax.jit, static_argnums=1)
-def split_and_advance(key: Any, n: int | None) -> tuple[Any, Any]:
-    """`(successor of key, one fresh key or n stacked ones)`."""
+def _split(key: Any, n: int | None) -> tuple[Any, Any]:
     # Jitted, so that an eager call (and an eager `vmap` in `vmap_new_states`) is one
     # dispatch rather than one per operation: a split and its slices cost 4x more.
     keys = jax.random.split(key, 2 if n is None else n + 1)
     return keys[0], keys[1] if n is None else keys[1:]
+
+
+def _split_by_index(key: Any) -> bool:
+    """Whether each key of `jax.random.split(key, m)` depends on its index alone,
+    not on `m`."""
+    partitionable = jax.config.jax_threefry_partitionable  # pyright: ignore[reportAttributeAccessIssue]
+    return partitionable and jax.random.key_impl(key) in ("threefry2x32", "rbg")
 
 
 def retag(state: State, tag: str) -> None:

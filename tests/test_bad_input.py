@@ -1281,6 +1281,16 @@ def sampler_parameter_shape():
     return lambda: es.random.uniform((2,), minval=jnp.zeros(3)), [es.random.DEFAULT]
 
 
+@case(
+    "`uniform(low, high, size)`, NumPy's and brainstate's call",
+    TypeError,
+    r"Write `eqstate\.random\.uniform\(size, minval=low, maxval=high\)`",
+)
+def sampler_numpy_style():
+    uniform = unchecked(es.random.uniform)
+    return lambda: uniform(-1.0, 1.0, (3,)), [es.random.DEFAULT]
+
+
 @case("`split_key` of a negative count", ValueError, "negative number of keys")
 def split_key_negative():
     return lambda: es.random.split_key(-5), [es.random.DEFAULT]

@@ -485,3 +485,11 @@ def test_weakly_typed_keeps_value_dtype_and_device():
     weak = compat.weakly_typed(x)
     assert weak.weak_type and weak.dtype == x.dtype and weak.sharding == x.sharding
     assert (weak == x).all()
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_key_buffer_is_the_data_of_a_key(impl):
+    key = jax.random.split(jax.random.key(3, impl=impl), 4)
+    data = compat.key_buffer(key)
+    assert data.is_ready()
+    assert (data == jax.random.key_data(key)).all()

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import warnings
 
 import eqstate as es
 import jax
@@ -11,6 +12,8 @@ from .helpers import tree_bitwise_equal, unchecked, unchecked_new
 
 SAMPLERS = {
     "normal": lambda: es.random.normal((3,)),
+    "randn": lambda: es.random.randn(2, 3),
+    "rand": lambda: es.random.rand(3),
     "uniform": lambda: es.random.uniform((3,), minval=-1.0, maxval=2.0),
     "randint": lambda: es.random.randint((3,), 0, 10),
     "bernoulli": lambda: es.random.bernoulli(0.3, (3,)),
@@ -27,6 +30,8 @@ SAMPLERS = {
 
 _REFERENCE = {
     "normal": lambda k: jax.random.normal(k, (3,)),
+    "randn": lambda k: jax.random.normal(k, (2, 3)),
+    "rand": lambda k: jax.random.uniform(k, (3,)),
     "uniform": lambda k: jax.random.uniform(k, (3,), minval=-1.0, maxval=2.0),
     "randint": lambda k: jax.random.randint(k, (3,), 0, 10),
     "bernoulli": lambda k: jax.random.bernoulli(k, 0.3, (3,)),
@@ -344,3 +349,181 @@ def test_a_state_dict_gives_a_random_state_only_typed_keys():
     one = es.StateDict({rng: jax.random.key(1)})
     _, draw = es.run(lambda: jax.random.normal(rng.split_key()), one)
     assert draw.shape == ()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "got"),
+    [
+        ((-1.0, 1.0, (3,)), "shape=-1.0, dtype=1.0"),
+        ((0, 1, (3,)), "shape=0, dtype=1"),
+    ],
+)
+def test_uniform_called_as_numpy_s_names_the_eqstate_call(arguments, got):
+    # `uniform(low, high, size)`, as NumPy and brainstate take it.
+    with pytest.raises(
+        TypeError,
+        match=rf"got {got}\. Write `eqstate\.random\.uniform\(size, minval=low, maxval=high\)`",
+    ):
+        unchecked(es.random.uniform)(*arguments)
+
+
+def test_randn_and_rand_with_a_key_are_jax_random_s(getkey):
+    key = getkey()
+    assert tree_bitwise_equal(
+        es.random.randn(4, 2, key=key), jax.random.normal(key, (4, 2))
+    )
+    assert tree_bitwise_equal(
+        es.random.rand(5, dtype=jnp.bfloat16, key=key),
+        jax.random.uniform(key, (5,), jnp.bfloat16),
+    )
+
+
+# 2**46 elements, 2**48 bytes: beyond what a process can map on today's machines, so
+# refused at once, never swapped. On the CPU the refusal comes after the call has
+# returned, with every output of the program that failed.
+_TOO_LARGE = 2**46
+_OUT_OF_MEMORY = r"(?i)memory|RESOURCE_EXHAUSTED"
+_REPLACED = (
+    r"RandomState 'default_rng' held a key made by a computation that failed as it "
+    r"ran \(.*\): that computation's outputs are lost"
+)
+
+# Calls whose successor key is split apart from the keys they hand out: it survives.
+_KEY_APART = {
+    "split_key": lambda: es.random.split_key(_TOO_LARGE),
+    "vmap_new_states": lambda: (
+        es.transform.vmap_new_states(
+            lambda: es.ParamState(es.random.normal(())), axis_size=_TOO_LARGE
+        )().value
+    ),
+}
+
+# Calls whose successor key is an output of the program that fails: lost with it.
+_KEY_LOST = {
+    "jitted_draw": lambda: es.transform.jit(lambda: es.random.normal((_TOO_LARGE,)))(),
+    "jit_creating_a_state": lambda: (
+        es.transform.jit(lambda: es.ParamState(es.random.normal((_TOO_LARGE,))))().value
+    ),
+    "scan": lambda: es.transform.scan(
+        lambda c, _: (c + es.random.normal((_TOO_LARGE,)).sum(), None),
+        0.0,
+        None,
+        length=1,
+    )[0],
+    "cond": lambda: es.transform.cond(
+        True, lambda: es.random.normal((_TOO_LARGE,)).sum(), lambda: 0.0
+    ),
+}
+
+
+def _usable(x, what: str) -> None:
+    """Fails if `x` is an output of a computation that failed as it ran, without
+    printing it: converting such an array to NumPy hangs, on the CPU with JAX 0.10."""
+    try:
+        jax.block_until_ready(x)
+    except Exception as error:
+        pytest.fail(f"{what} failed with the computation: {error}")
+
+
+def _fail(call):
+    out = call()
+    with pytest.raises(Exception, match=_OUT_OF_MEMORY):
+        jax.block_until_ready(out)  # the failure is the output's
+
+
+@pytest.mark.parametrize("call", sorted(_KEY_APART))
+def test_a_call_too_large_for_memory_leaves_the_default_key_its_successor(getkey, call):
+    es.random.set_key(getkey())
+    successor, _ = jax.random.split(es.random.get_key())
+    _fail(_KEY_APART[call])
+    _usable(es.random.get_key(), "the default key")
+    assert tree_bitwise_equal(es.random.get_key(), successor)
+    advanced, drawn = jax.random.split(successor)
+    assert tree_bitwise_equal(es.random.normal((2,)), jax.random.normal(drawn, (2,)))
+    assert tree_bitwise_equal(es.random.get_key(), advanced)
+
+
+@pytest.mark.parametrize("call", sorted(_KEY_LOST))
+def test_a_key_lost_with_a_failed_computation_is_replaced_when_read(getkey, call):
+    start = getkey()
+    es.random.set_key(start)
+    handed_out = [es.random.split_key() for _ in range(3)]
+    _fail(_KEY_LOST[call])
+    with pytest.warns(RuntimeWarning, match=_REPLACED):
+        key = es.random.get_key()  # never hangs
+    _usable(key, "the default key")
+    # A fresh key, none handed out before, which draws as any key does.
+    before = [start, *handed_out, *(jax.random.split(k)[0] for k in handed_out)]
+    assert not any(tree_bitwise_equal(key, k) for k in before)
+    advanced, drawn = jax.random.split(key)
+    assert tree_bitwise_equal(es.random.normal((2,)), jax.random.normal(drawn, (2,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # replaced once
+        assert tree_bitwise_equal(es.random.get_key(), advanced)
+
+
+_DRAW = es.transform.jit(lambda: es.random.normal((2,)))
+
+# The next call that draws from the key, which finds it failed.
+_NEXT_DRAWS = {
+    "eager": lambda: es.random.normal((2,)),
+    "jitted": _DRAW,
+    "split_key": lambda: jax.random.normal(es.random.split_key(), (2,)),
+    "vmap": lambda: es.transform.vmap(lambda: es.random.normal(()), axis_size=2)(),
+}
+
+
+@pytest.mark.parametrize("draw", sorted(_NEXT_DRAWS))
+def test_the_next_draw_after_a_failed_computation_replaces_its_key(getkey, draw):
+    es.random.set_key(getkey())
+    _DRAW()  # the plan is made: the call below takes the fast path
+    _fail(_KEY_LOST["jitted_draw"])
+    with pytest.warns(RuntimeWarning, match=_REPLACED):
+        drawn = _NEXT_DRAWS[draw]()
+    _usable(drawn, "the draw")
+    _usable(es.random.get_key(), "the default key")
+
+
+def test_keys_replaced_after_two_failures_from_one_key_differ(getkey):
+    start = getkey()
+    replaced = []
+    for _ in range(2):
+        es.random.set_key(start)
+        _fail(_KEY_LOST["jitted_draw"])
+        with pytest.warns(RuntimeWarning, match=_REPLACED):
+            replaced.append(es.random.get_key())
+    assert not tree_bitwise_equal(*replaced)
+
+
+def test_a_failed_key_written_to_a_state_never_checked_is_replaced(getkey):
+    failing = jax.jit(
+        lambda k: (jax.random.split(k, 3), jax.random.normal(k, (_TOO_LARGE,)))
+    )
+    keys, out = failing(getkey())
+    with pytest.raises(Exception, match=_OUT_OF_MEMORY):
+        jax.block_until_ready(out)
+    rng = es.RandomState(keys, name="failed")
+    with pytest.warns(RuntimeWarning, match="RandomState 'failed' held a key"):
+        fresh = rng.value
+    _usable(fresh, "the replaced keys")
+    assert fresh.shape == (3,)
+    assert len({tuple(k) for k in jax.random.key_data(fresh).tolist()}) == 3
+
+
+def test_a_jitted_draw_does_not_wait_for_the_key_it_draws_from(getkey):
+    @jax.jit
+    def slow(key, m):
+        for _ in range(4):
+            m = jnp.tanh(m @ m)
+        return jax.random.fold_in(key, m.sum().astype(jnp.uint32))
+
+    m = jnp.ones((600, 600)) / 600
+    key = getkey()
+    jax.block_until_ready(slow(key, m))  # compiled
+    _DRAW()
+    pending = slow(key, m)
+    es.random.set_key(pending)
+    drawn = _DRAW()
+    # Still computing: the call returned without waiting for it.
+    assert not jax.random.key_data(pending).is_ready()
+    _usable(drawn, "the draw")

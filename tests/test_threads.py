@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import run_in_threads, traces_per_key
+from .helpers import run_in_threads, traces_per_key, tree_bitwise_equal
 
 
 N_THREADS = 8
@@ -262,3 +262,139 @@ def test_a_thread_pool_inside_a_scope_runs_in_the_world_unless_given_the_context
             pool.submit(contextvars.copy_context().run, increment).result()
     # The plain task wrote the world (0 -> 1), not the scope.
     assert plain.states[n] == 0 and n.value == 1 and copied.states[n] == 2
+
+
+def _successors(key, n: int):
+    """The `n` keys the default key hands out in turn from `key` (each call takes
+    one and leaves `split(key)[0]`), stacked, and the key after them."""
+    end, keys = jax.lax.scan(lambda k, _: (jax.random.split(k)[0], k), key, length=n)
+    return keys, end
+
+
+def _fast_switching(run):
+    """`run()` with the threads taking turns within calls."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        return run()
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def test_threads_calling_a_jitted_sampler_at_once_each_get_their_own_key(getkey):
+    es.random.set_key(getkey())
+    sample = es.transform.jit(lambda: jax.random.key_data(es.random.split_key()))
+    sample()
+    start = es.random.get_key()
+    drawn: list[tuple[int, ...]] = []
+
+    def work():
+        for _ in range(200):
+            drawn.append(tuple(np.asarray(sample()).tolist()))
+
+    assert _fast_switching(lambda: run_in_threads(*[work] * 4)) == []
+    keys, end = _successors(start, 800)
+    expected = jax.random.key_data(jax.vmap(lambda k: jax.random.split(k)[1])(keys))
+    # Every key of the sequence was handed out once, and the default key advanced
+    # once per call: no read of the key was lost.
+    assert sorted(drawn) == sorted(map(tuple, np.asarray(expected).tolist()))
+    assert tree_bitwise_equal(es.random.get_key(), end)
+
+
+def test_threads_building_ensembles_at_once_get_different_ensembles(getkey):
+    es.random.set_key(getkey())
+
+    def member():
+        time.sleep(0.2)  # a slow trace, as a real constructor's
+        return es.ParamState(es.random.normal((3,)), name="w")
+
+    build = es.transform.vmap_new_states(member, axis_size=2)
+    start = es.random.get_key()
+    built = []
+    assert run_in_threads(*[lambda: built.append(build().value)] * 4) == []
+    keys, end = _successors(start, 4)
+
+    def ensemble(key):
+        per_lane = jax.vmap(jax.random.split)(
+            jax.random.split(jax.random.split(key)[1], 2)
+        )
+        return jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[1], (3,)))(
+            per_lane[:, 0]
+        )
+
+    expected = [np.asarray(ensemble(k)).tobytes() for k in keys]
+    assert sorted(np.asarray(w).tobytes() for w in built) == sorted(expected)
+    assert tree_bitwise_equal(es.random.get_key(), end)
+
+
+def _draw_in(transform: str):
+    """A call of `transform` that draws once from the default key, returning a float
+    that depends on the key it drew from."""
+    if transform == "grad":
+        g = es.transform.grad(lambda x: x * es.random.normal(()))
+        return lambda: float(g(1.0))
+    if transform == "vmap":
+        v = es.transform.vmap(lambda x: x + es.random.normal(()), axis_size=2)
+        return lambda: float(v(jnp.zeros(2)).sum())
+    if transform == "scan":
+        return lambda: float(
+            es.transform.scan(
+                lambda c, _: (c + es.random.normal(()), None), 0.0, None, length=2
+            )[0]
+        )
+    if transform == "scan_without_jit":
+
+        def scanned():
+            with jax.disable_jit():
+                return float(
+                    es.transform.scan(
+                        lambda c, _: (c + es.random.normal(()), None),
+                        0.0,
+                        None,
+                        length=2,
+                    )[0]
+                )
+
+        return scanned
+    if transform == "cond":
+        return lambda: float(
+            es.transform.cond(True, lambda: es.random.normal(()), lambda: 0.0)
+        )
+    if transform == "stateful_function":
+        f = es.transform.StatefulFunction(lambda: es.random.normal(()))
+        return lambda: float(f())
+    assert transform == "checkpoint"
+    c = es.transform.checkpoint(lambda: es.random.normal(()))
+    return lambda: float(c())
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        "grad",
+        "vmap",
+        "scan",
+        "scan_without_jit",
+        "cond",
+        "stateful_function",
+        "checkpoint",
+    ],
+)
+def test_threads_calling_a_transform_that_draws_each_get_their_own_key(
+    getkey, transform
+):
+    es.random.set_key(getkey())
+    call = _draw_in(transform)
+    call()
+    start = es.random.get_key()
+    drawn: list[float] = []
+
+    def work():
+        for _ in range(25):
+            drawn.append(call())
+
+    assert _fast_switching(lambda: run_in_threads(*[work] * 4)) == []
+    assert len(set(drawn)) == len(drawn) == 100
+    draws_per_call = 2 if transform.startswith("scan") else 1
+    end = _successors(start, 100 * draws_per_call)[1]
+    assert tree_bitwise_equal(es.random.get_key(), end)

@@ -14,7 +14,14 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray
 
-from .._state import KEY_LOCK, lazy_world_state, RandomState, split_and_advance
+from .._context import current_frame
+from .._state import (
+    draws_atomically,
+    lazy_world_state,
+    lock_keys,
+    RandomState,
+    split_and_advance,
+)
 
 
 # Its key is made on first use: making it at import would start JAX's backend, and
@@ -60,15 +67,17 @@ def split_key(n: int | None = None) -> Key[Array, "..."]:
     return DEFAULT.split_key(n)
 
 
+@draws_atomically
 def _draw(key: PRNGKeyArray | None, sample: Callable[[Any], Any]) -> Any:
     """`sample(key)`; without a key, with one split from the default random state,
     which advances only once `sample` has succeeded."""
     if key is not None:
         return sample(key)
-    with KEY_LOCK:  # Threads drawing at once draw different numbers.
-        successor, drawn = split_and_advance(DEFAULT.value, None)
-        out = sample(drawn)
-        DEFAULT.value = successor
+    frame = current_frame()
+    lock_keys(frame, (DEFAULT,))  # Threads drawing at once draw different numbers.
+    successor, drawn = split_and_advance(frame.read(DEFAULT), None)
+    out = sample(drawn)
+    DEFAULT.value = successor
     return out
 
 
@@ -126,9 +135,56 @@ def normal(
     shape: _Shape = (), dtype: Any = float, *, key: PRNGKeyArray | None = None
 ) -> Float[Array, "..."]:
     """Standard normal samples, as `jax.random.normal` (`key` defaults to one split
-    from the default random state)."""
+    from the default random state). NumPy's `normal(loc, scale, size)` is
+    `loc + scale * normal(size)`."""
     dims = _shape(shape, "normal")
     return _draw(key, lambda k: jax.random.normal(k, dims, dtype))
+
+
+def randn(
+    *shape: int, dtype: Any = float, key: PRNGKeyArray | None = None
+) -> Float[Array, "..."]:
+    """Standard normal samples of shape `shape`, given as separate integers as in
+    NumPy and brainstate: `randn(3, 4)` is `normal((3, 4))`.
+
+    !!! Example
+
+        ```python
+        import eqstate as es
+
+        es.random.seed(0)
+        x = es.random.randn(3, 4)
+        es.random.seed(0)
+        assert x.shape == (3, 4) and (x == es.random.normal((3, 4))).all()
+        ```
+    """
+    return normal(_shape(shape, "randn"), dtype, key=key)
+
+
+def rand(
+    *shape: int, dtype: Any = float, key: PRNGKeyArray | None = None
+) -> Float[Array, "..."]:
+    """Uniform samples in `[0, 1)` of shape `shape`, given as separate integers as
+    in NumPy and brainstate: `rand(3, 4)` is `uniform((3, 4))`."""
+    return uniform(_shape(shape, "rand"), dtype, key=key)
+
+
+_NUMPY_STYLE = (
+    "`eqstate.random.uniform` takes the arguments of `jax.random.uniform` (shape, "
+    "dtype, minval, maxval), not those of NumPy's and brainstate's `uniform(low, "
+    "high, size)`: got shape={shape!r}, dtype={dtype!r}. Write "
+    "`eqstate.random.uniform(size, minval=low, maxval=high)`."
+)
+
+
+def _refuse_numpy_style(shape: Any, dtype: Any) -> None:
+    """Raises `TypeError` naming the eqstate call for NumPy's and brainstate's
+    `uniform(low, high, size)`: a float where the shape goes, or a number where the
+    dtype goes."""
+    if isinstance(shape, (float, np.floating)) or (
+        isinstance(dtype, (int, float, np.number)) and not isinstance(dtype, bool)
+    ):
+        raise TypeError(_NUMPY_STYLE.format(shape=shape, dtype=dtype))
 
 
 def uniform(
@@ -139,7 +195,10 @@ def uniform(
     *,
     key: PRNGKeyArray | None = None,
 ) -> Float[Array, "..."]:
-    """Uniform samples in `[minval, maxval)`, as `jax.random.uniform`."""
+    """Uniform samples in `[minval, maxval)`, as `jax.random.uniform`. NumPy's and
+    brainstate's `uniform(low, high, size)` is `uniform(size, minval=low,
+    maxval=high)`: called so, this raises `TypeError` saying that."""
+    _refuse_numpy_style(shape, dtype)
     dims = _shape(shape, "uniform")
     _check_fits("uniform", dims, minval=minval, maxval=maxval)
     return _draw(key, lambda k: jax.random.uniform(k, dims, dtype, minval, maxval))

@@ -24,7 +24,7 @@ from .. import _context, _jax_compat as compat
 from .._custom_types import Filter, MISSING, Missing
 from .._pretty_print import first_and_more, state_label
 from .._run import states_of
-from .._state import is_state, ParamState, State
+from .._state import draws_atomically, is_state, ParamState, State
 from .._state_dict import state_dict_of, StateDict
 from .._training import inexact_part
 from ._common import as_arrays, copied_numpy, ErrorsRaisedAs, partition, select_states
@@ -510,6 +510,7 @@ class _GradientTransform:
         # returns.
         return self if instance is None else ft.partial(self, instance)
 
+    @draws_atomically
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = copied_numpy((args, kwargs))
         name = self._traces.name
@@ -963,6 +964,7 @@ def vjp(
     has_aux: Literal[True],
     check_states: bool = True,
 ) -> tuple[_T, Callable[[Any], Any], _X]: ...
+@draws_atomically
 def vjp(
     fun: Callable,
     *primals: Any,
@@ -1043,6 +1045,7 @@ def jvp(
     has_aux: Literal[True],
     check_states: bool = True,
 ) -> tuple[_T, _T, _X]: ...
+@draws_atomically
 def jvp(
     fun: Callable,
     primals: Sequence[Any],

@@ -18,7 +18,7 @@ from jaxtyping import ArrayLike, Bool, Integer, Real
 
 from .. import _jax_compat as compat
 from .._pretty_print import array_summary, state_label
-from .._state import State
+from .._state import draws_atomically, State
 from .._write_checks import has_tracer
 from ._common import (
     abstract,
@@ -91,6 +91,7 @@ def switch(
     return _switch(index, branches, operands, names)
 
 
+@draws_atomically
 def _switch(
     index: Any, branches: Sequence[Callable], operands: tuple, names: Sequence[str]
 ) -> Any:

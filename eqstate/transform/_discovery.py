@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import _context, _jax_compat as compat
 from .._errors import UnstableStatesError
-from .._state import State
+from .._state import lock_keys, State
 from ._call_args import ArgParser, CallArgs
 from ._function_traces import FunctionTraces
 from ._report import refuse_new_states
@@ -106,6 +106,7 @@ class Discovery:
         else:
             trace_in(discover, args)
         [(self.key, trace)] = found
+        lock_keys(self.frame, trace.updated_states)
         # Read here, not where the trace was made: a value read inside `trace_in`'s
         # context could be a tracer of it.
         self.values = self.frame.read_many(trace.states)

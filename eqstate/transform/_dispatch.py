@@ -20,6 +20,7 @@ states (else `_PlanMismatch`: the call takes the slow path), and evaluates it.
 """
 
 import collections
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from .._custom_types import MISSING
 from .._jax_compat import is_top_level
 from .._placement import private_copies
 from .._pretty_print import state_label
-from .._state import State
+from .._state import check_keys, KEY_LOCK, RandomState, State
 from .._state_dict import sharding_rule
 from .._write_checks import has_tracer
 from ._common import constrained_to
@@ -105,6 +106,7 @@ _IN_A_SCOPE = (
 _DONATED_TWICE = ("donate the same buffer twice", "previously donated in the same call")
 # `jax.jit` options that refer to positions of arguments or outputs.
 _POSITIONAL_OPTIONS = ("donate_argnums", "in_shardings", "out_shardings")
+_NO_LOCK = contextlib.nullcontext()
 
 
 def _mark_from_trace(exc: BaseException) -> None:
@@ -142,6 +144,10 @@ class _Plan:
         updated = set(trace.updated_states)
         self.read_states = tuple(s for s in trace.states if s not in updated)
         self.donates = donates  # its written states (`donate_states`)
+        # The random states it advances: its calls in the world hold the key lock
+        # from their read to their write, and check the keys first (see
+        # `JitDispatch.__call__`).
+        self.keys = tuple(s for s in trace.updated_states if isinstance(s, RandomState))
         self.undonated = self.out = None
         # The plan holds the handles, so their ids stay valid world keys. The jitted
         # function takes the values of the written and of the read states packed
@@ -155,7 +161,11 @@ class _Plan:
 
     def read(self, frame: _context.Frame) -> tuple[Any, Any]:
         """The values of the written and of the read states in `frame`, packed (in
-        the world at top level, `JitDispatch.__call__` reads them itself)."""
+        the world at top level, `JitDispatch.__call__` reads them itself), the
+        failed keys of the random states it advances replaced first (see
+        `check_keys`)."""
+        if self.keys and frame is WORLD and is_top_level():
+            check_keys(self.keys)
         written = frame.read_many(self.updated_states)
         return _packed(written), _packed(frame.read_many(self.read_states))
 
@@ -560,9 +570,9 @@ class JitDispatch:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The fast path for a key seen before, else the slow path. At top level in
         the world, the call reads and writes the values inline (one dictionary
-        lookup per state); elsewhere it goes through `_call`, where a plan that
-        must do more around each call's reads and writes (say, hold a lock) goes
-        too, by a condition in the guard below."""
+        lookup per state), holding the key lock from the read to the write for a
+        plan that advances a random state (see `eqstate._state.KEY_LOCK`);
+        elsewhere it goes through `_call`."""
         key: Any = None
         leaves: Sequence[Any] = args
         if not kwargs and len(args) <= self._splitter.no_static_below:
@@ -585,7 +595,11 @@ class JitDispatch:
             or (plan.donates and compat.nan_checks_enabled())
         ):
             return self._call(plan, leaves, args, kwargs)
+        keys = plan.keys
         try:
+            if keys:  # from the read of the keys to the write of their successors
+                KEY_LOCK.acquire()
+                check_keys(keys)
             get = plan.get_written
             written = None if get is None else get(_WORLD_VALUES)
             get = plan.get_read
@@ -593,10 +607,14 @@ class JitDispatch:
             out, updated = plan.jitted(written, read, *leaves)
         except Exception as exc:
             return self._failed(exc, plan, leaves, args, kwargs, WORLD)
-        if plan.bare_written is not None:
-            _WORLD_VALUES[plan.bare_written] = updated
         else:
-            plan.write(WORLD, updated)
+            if plan.bare_written is not None:
+                _WORLD_VALUES[plan.bare_written] = updated
+            else:
+                plan.write(WORLD, updated)
+        finally:
+            if keys:
+                KEY_LOCK.release()
         next(self._reused)
         return out if plan.out is None else output(plan.out, out)
 
@@ -609,17 +627,22 @@ class JitDispatch:
         slow: bool = False,
     ) -> Any:
         """Calls the plan in the current frame: reads the values of its states
-        (`_Plan.read`), calls, and writes the new values back (`_Plan.write`). Where
-        the call needs another plan, it takes the slow path; called from the slow
-        path (`slow`), it raises `_Retrace`."""
+        (`_Plan.read`), calls, and writes the new values back (`_Plan.write`), in the
+        world holding the key lock if the plan advances a random state (see
+        `eqstate._state.KEY_LOCK`). Where the call needs another plan, it takes the
+        slow path; called from the slow path (`slow`), it raises `_Retrace`."""
         frame = _current_frame()
         jitted = self._jitted(plan, frame) if plan.donates else plan.jitted
-        try:
-            written, read = plan.read(frame)
-            out, updated = jitted(written, read, *leaves)
-        except Exception as exc:
-            return self._failed(exc, plan, leaves, args, kwargs, frame, jitted, slow)
-        plan.write(frame, updated)
+        world = plan.keys and frame is WORLD and is_top_level()
+        with KEY_LOCK if world else _NO_LOCK:
+            try:
+                written, read = plan.read(frame)
+                out, updated = jitted(written, read, *leaves)
+            except Exception as exc:
+                return self._failed(
+                    exc, plan, leaves, args, kwargs, frame, jitted, slow
+                )
+            plan.write(frame, updated)
         if not slow:
             next(self._reused)  # The slow path counted its own lookup.
         return out if plan.out is None else output(plan.out, out)

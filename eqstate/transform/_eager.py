@@ -12,6 +12,7 @@ from .. import _context, _jax_compat as compat
 from .._custom_types import MISSING
 from .._errors import NewStateError
 from .._pretty_print import state_label
+from .._state import lock_keys
 from .._write_checks import check_write, refuse_leaked_tracers
 
 
@@ -57,7 +58,11 @@ class _GuardFrame(_context.Frame):
 
     def read(self, state):
         value = self.values.get(state, MISSING)
-        return self.parent.read(state) if value is MISSING else value
+        if value is MISSING:
+            # A key read here is written back by `commit_to_parent`, at the end.
+            lock_keys(self.parent, (state,))
+            return self.parent.read(state)
+        return value
 
     def fetch(self, state):
         value = self.values.get(state, MISSING)

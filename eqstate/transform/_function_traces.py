@@ -16,6 +16,7 @@ from .._context import rule_reads
 from .._custom_types import MISSING
 from .._errors import UnknownCacheKeyError, UnstableStatesError
 from .._pretty_print import shape_summary
+from .._state import draws_atomically, lock_keys
 from ._cache_stats import CacheStats
 from ._call_args import ArgParser, CallArgs
 from ._trace import flat_jit, out_shapes, StaleTrace, Trace, trace_function
@@ -369,6 +370,7 @@ class FunctionTraces:
                 return trace, values
         return self.lookup(call, parent, values_of)
 
+    @draws_atomically
     def call_in(
         self,
         frame: _context.Frame,
@@ -384,6 +386,9 @@ class FunctionTraces:
         def values_of(trace: Trace) -> list:
             return frame.read_many(trace.states) if trace.states else []
 
+        if traced is None:
+            traced = self.trace_for(call, frame)
+        lock_keys(frame, traced.updated_states)
         trace, out, updated, new_values = self.call_against(
             call, frame, values_of, jit_options, traced
         )

@@ -22,7 +22,7 @@ from .. import _jax_compat as compat
 from .._arguments import flag, integer
 from .._pretty_print import array_summary, state_label
 from .._shapes import shape_dtype
-from .._state import State
+from .._state import draws_atomically, State
 from ._common import (
     abstract,
     changed_static,
@@ -312,6 +312,7 @@ def _lax_scan(
     return jax.lax.scan(body, init, scanned, length=n, reverse=reverse, unroll=unroll)
 
 
+@draws_atomically
 def _scan(
     f: Callable,
     init: Any,
@@ -407,6 +408,7 @@ def for_loop(
     return ys
 
 
+@draws_atomically
 def while_loop(
     cond_fun: Callable[[_Carry], Any],
     body_fun: Callable[[_Carry], _Carry],

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 from .. import _jax_compat as compat
 from .._arguments import integer
 from .._pretty_print import state_label
-from .._state import RandomState, split_and_advance, State
+from .._state import draws_atomically, RandomState, split_and_advance, State
 from ._common import (
     hide_static,
     merge_leading_axes,
@@ -102,6 +102,7 @@ def _eqn_used_inputs(eqn: jex_core.JaxprEqn, wanted: list[bool]) -> list[bool]:
     return [True] * offset + [any(used) for used in zip(*per_sub)]
 
 
+@draws_atomically
 def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     """`map` with `batch_size=size`: a scan over chunks of `size` elements, each
     vmapped, then the remaining elements, vmapped."""

@@ -26,10 +26,12 @@ from .._filters import to_predicate
 from .._pretty_print import state_label
 from .._run import run, states_of
 from .._state import (
-    KEY_LOCK,
+    draws_atomically,
+    lock_keys,
     NonBatchState,
     RandomState,
     retag,
+    split_and_advance,
     State,
 )
 from .._state_dict import StateDict
@@ -263,18 +265,24 @@ def _why_replicated(
     return None
 
 
-@ft.partial(jax.jit, static_argnums=1)
 def _split_for_lanes(key: Any, size: int) -> tuple[Any, tuple[Any, Any]]:
     """`(outer successor of key, (default_keys, others_keys))`, one pair per lane.
 
     The key's children are `0`, the successor the caller keeps, and `1`, split into
     one key per lane; each lane key's child `0` starts the lane's default random
-    state, and its child `1` roots the keys of the lane's other random states.
+    state, and its child `1` roots the keys of the lane's other random states. The
+    successor is split apart from the lanes' keys: too many lanes for memory fail
+    after the call returns, and must not take the successor with them.
     """
-    # Jitted, so that an eager build pays one dispatch for all its keys.
-    outer, lanes = jax.random.split(key)
+    outer, lanes = split_and_advance(key, None)
+    return outer, _per_lane(lanes, size)
+
+
+@ft.partial(jax.jit, static_argnums=1)
+def _per_lane(lanes: Any, size: int) -> tuple[Any, Any]:
+    # Jitted, so that an eager build pays one dispatch for all its lanes' keys.
     per_lane = jax.vmap(jax.random.split)(jax.random.split(lanes, size))
-    return outer, (per_lane[:, 0], per_lane[:, 1])
+    return per_lane[:, 0], per_lane[:, 1]
 
 
 def _batched(value: Any) -> bool:
@@ -303,6 +311,7 @@ def _build(
         )
     axes = per_argument_axes(in_axes, len(args))
     size = axis_size_of(axes, args, axis_size)
+    lock_keys(frame, (DEFAULT,))
     outer_key, lane_keys = _split_for_lanes(frame.read(DEFAULT), size)
     lane_keys = split_like_mapped(lane_keys, axes, args)
     made: dict[str, list] = {"new": []}
@@ -545,6 +554,7 @@ def vmap_new_states(
     )
 
     @ft.wraps(fun)
+    @draws_atomically
     def mapped(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise NotImplementedError(
@@ -606,20 +616,14 @@ def vmap2_new_states(
     )
 
     @ft.wraps(ctor)
+    @draws_atomically
     def make(*args: Any) -> tuple[_T, StateDict]:
-        with KEY_LOCK:  # Threads building at once get different keys.
-            before = DEFAULT.value
-            key = DEFAULT.split_key()
-            successor = DEFAULT.value
-        try:
-            states, module = run(build, StateDict({DEFAULT: key}), *args)
-        except BaseException:
-            # A failed build changes nothing, as in `vmap_new_states`: the key goes
-            # back, unless another draw has advanced it since.
-            with KEY_LOCK:
-                if DEFAULT.value is successor:
-                    DEFAULT.value = before
-            raise
+        frame = _context.current_frame()
+        lock_keys(frame, (DEFAULT,))
+        successor, key = split_and_advance(frame.read(DEFAULT), None)
+        states, module = run(build, StateDict({DEFAULT: key}), *args)
+        # Only now: a failed build changes nothing, as in `vmap_new_states`.
+        DEFAULT.value = successor
         return module, states.split(DEFAULT)[1]
 
     return make

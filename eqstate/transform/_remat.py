@@ -8,6 +8,7 @@ import jax
 
 from .. import _jax_compat as compat
 from .._custom_types import MISSING, Missing
+from .._state import draws_atomically
 from ._common import as_arrays, copied_numpy, hide_static, partition, show_static
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
@@ -82,6 +83,7 @@ def checkpoint(
     traces = traces_for(fun, getattr(fun, "__name__", None), statics)
 
     @ft.wraps(fun)
+    @draws_atomically
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         traced = Discovery(fun, args, kwargs, traces=kept_or_fresh(traces))
         box: dict[str, Any] = {}

@@ -17,7 +17,7 @@ from .._pretty_print import state_label
 from .._run import run
 from .._shapes import is_key, shape_dtype
 from .._sharding import check_divisible, spec_rule
-from .._state import State
+from .._state import draws_atomically, State
 from .._state_dict import state_dict_of
 from ._common import constrained_to, hide_static, show_static
 from ._decorator import decorator_form
@@ -262,6 +262,7 @@ def _inside_shard_map(
     return trace_in
 
 
+@draws_atomically
 def _call_sharded(
     fun: Callable,
     traces: FunctionTraces,

@@ -27,7 +27,7 @@ from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
 from .._shapes import is_key, key_impl_of, shape_dtype
-from .._state import RandomState, split_and_advance, State
+from .._state import draws_atomically, RandomState, split_and_advance, State
 from .._state_dict import StateDict
 from ._decorator import decorator_form
 from ._discovery import Discovery, kept_or_fresh, traces_for
@@ -458,6 +458,7 @@ def vmap(
     traces_of = _traces_by_size(fun, axis_name)
 
     @ft.wraps(fun)
+    @draws_atomically
     def vmapped(*args: Any, **kwargs: Any) -> Any:
         axes = per_argument_axes(in_axes, len(args))
         traces_of_size = ft.partial(traces_of, axes=axes)
