@@ -6,10 +6,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, overload, TypeVar
 
-from jaxtyping import PyTree
-
 from ._checkpoint_file import read_into, write_checkpoint
 from ._checkpoint_paths import leaves_to_save, load_target, loaded_into
+from ._custom_types import PyTree
 from ._errors import CheckpointError
 from ._jax_compat import is_top_level
 from ._multi_process import resolve_backend
@@ -49,7 +48,7 @@ def refuse_under_transforms(verb: str, fix: str) -> None:
 
 
 def save(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     model_or_states: PyTree,
     *,
     model: PyTree | None = None,
@@ -161,7 +160,7 @@ def save(
 
 @overload
 def load(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     model_or_states: Mapping[State, PyTree],
     *,
     model: PyTree | None = None,
@@ -171,12 +170,12 @@ def load(
 
 @overload
 def load(
-    path: str | os.PathLike, model_or_states: _M, *, backend: str | None = None
+    path: str | os.PathLike[str], model_or_states: _M, *, backend: str | None = None
 ) -> _M: ...
 
 
 def load(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     model_or_states: Any,
     *,
     model: PyTree | None = None,

@@ -16,10 +16,10 @@ from typing import Any, overload, TypeVar
 
 import jax
 import numpy as np
-from jaxtyping import PyTree
 
 from ._checkpoint import refuse_under_transforms
 from ._checkpoint_paths import leaves_to_save, load_target, loaded_into
+from ._custom_types import PyTree
 from ._errors import CheckpointError
 from ._multi_process import exchange
 from ._orbax import (
@@ -242,7 +242,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         *,
         max_to_keep: int | np.integer | None = None,
         async_save: bool = True,

@@ -21,8 +21,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import Sharding
-from jaxtyping import PyTree
 
+from ._custom_types import PyTree
 from ._errors import CheckpointError
 from ._jax_compat import weakly_typed
 from ._multi_process import device_put

@@ -8,11 +8,10 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PyTree
 
 from . import _context
 from ._arguments import integer
-from ._custom_types import Filter
+from ._custom_types import Filter, PyTree
 from ._pretty_print import state_label, value_summary
 from ._run import states_of
 from ._state import creation_order, fresh_copy, is_state, NonBatchState, State

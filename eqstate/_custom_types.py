@@ -1,6 +1,18 @@
 """Type aliases and sentinels shared across eqstate."""
 
-from typing import Any, TypeAlias
+from typing import Any, TYPE_CHECKING, TypeAlias
+
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeAliasType, TypeVar
+
+    _Leaf = TypeVar("_Leaf", default=Any)
+    # jaxtyping's `PyTree` is an unknown type to type checkers, so that strict pyright
+    # reports every signature that uses it; this one is `Any`, bare or subscripted,
+    # as jaxtyping means it to be.
+    PyTree = TypeAliasType("PyTree", Any, type_params=(_Leaf,))
+else:
+    from jaxtyping import PyTree as PyTree
 
 
 # A filter selects states: a State subclass, a handle, a tag, a predicate

@@ -29,7 +29,7 @@ from ._state import State
 class StateFilter:
     """Base class of the filter objects. A filter is called as `filter(path, state)`."""
 
-    def __call__(self, path: tuple, state: State) -> bool:
+    def __call__(self, path: tuple[Any, ...], state: State) -> bool:
         raise NotImplementedError
 
 

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jaxtyping import PyTree
 
 from ._checkpoint_paths import (
     as_loaded,
@@ -47,6 +46,7 @@ from ._checkpoint_paths import (
     Target,
     target_sharding,
 )
+from ._custom_types import PyTree
 from ._errors import CheckpointError
 from ._multi_process import agree_on_save, exchange
 from ._pretty_print import first_and_more

@@ -4,8 +4,8 @@ from typing import Any
 
 import jax
 from jax.core import Tracer
-from jaxtyping import PyTree
 
+from ._custom_types import PyTree
 from ._multi_process import device_put
 from ._shapes import is_key
 

@@ -9,11 +9,10 @@ from typing import Any, Literal, overload, ParamSpec, TypeVar
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jaxtyping import PyTree
 
 from . import _context, _jax_compat as compat
 from ._arguments import flag
-from ._custom_types import Filter, MISSING
+from ._custom_types import Filter, MISSING, PyTree
 from ._errors import (
     note_frozen_module,
     RAW_TRANSFORM_READ,

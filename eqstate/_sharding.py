@@ -5,8 +5,8 @@ from typing import Any
 
 import jax.tree_util as jtu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import PyTree
 
+from ._custom_types import PyTree
 from ._pretty_print import state_label
 from ._run import assign, values_of
 from ._state import is_state, State

@@ -9,18 +9,19 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, NoReturn, ParamSpec, TYPE_CHECKING, TypeVar
+from typing import Any, Generic, NoReturn, ParamSpec, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import wadler_lindig as wl
-from jaxtyping import ArrayLike, PyTree
+from jaxtyping import ArrayLike
+from typing_extensions import TypeVar
 
 from . import _context, _jax_compat as compat
 from ._arguments import text
 from ._context import current_frame, label_here
-from ._custom_types import MISSING
+from ._custom_types import MISSING, PyTree
 from ._errors import (
     BatchAxisError,
     FORGOTTEN_VALUE,
@@ -35,7 +36,8 @@ from ._serialisation_guard import not_an_array, refuse_if_serialised
 from ._write_checks import to_checked_value
 
 
-_Value = TypeVar("_Value")
+# A bare `State` holds `Any`, which strict type checkers take as it is.
+_Value = TypeVar("_Value", default=Any)
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 

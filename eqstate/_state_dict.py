@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import wadler_lindig as wl
-from jaxtyping import ArrayLike, PyTree
+from jaxtyping import ArrayLike
 
-from ._custom_types import Filter, MISSING
+from ._custom_types import Filter, MISSING, PyTree
 from ._errors import StateNotFoundError, StateValueError
 from ._filters import to_predicate
 from ._placement import device_put_apart
@@ -91,7 +91,9 @@ class StateDict(_MappingBase):
 
     def __init__(
         self,
-        values: Mapping[State, PyTree[_Leaf]] | Iterable[tuple] | PyTree = (),
+        values: Mapping[State, PyTree[_Leaf]]
+        | Iterable[tuple[State, PyTree[_Leaf]]]
+        | PyTree = (),
     ):
         """**Arguments:**
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import equinox as eqx
 import jax.tree_util as jtu
-from jaxtyping import PyTree
 
+from ._custom_types import PyTree
 from ._pretty_print import state_label
 from ._state import is_state
 

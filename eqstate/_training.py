@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import PyTree
 
 from ._context import current_frame
-from ._custom_types import Filter
+from ._custom_types import Filter, PyTree
 from ._errors import StateValueError
 from ._pretty_print import first_and_more, state_label
 from ._run import assign, states_of, values_of
@@ -128,7 +127,8 @@ def trainable(model: PyTree, *filters: Filter) -> tuple[StateDict, Any]:
 
     `(state_values, arrays)`: a [`eqstate.StateDict`][] of the states' floating-point
     parts, and `model` with `None` in place of every leaf that is not a
-    floating-point array (as `eqx.filter(model, eqx.is_inexact_array)`). A
+    floating-point array (as `eqx.filter(model, eqx.is_inexact_array)`, and typed
+    `Any` as it is: optax's `Params` type admits no `eqx.Module`). A
     `StateDict` the model holds as a field (a snapshot to reset to) is arrays of the
     model to Equinox: it gets gradients with `argnums`, and an optimiser updates it
     (weight decay shrinks it). Keep such values out of the model passed to `grad`

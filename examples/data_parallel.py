@@ -16,33 +16,36 @@ import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jaxtyping import Array, Float, Int  # noqa: E402
 
 
 class MLP(eqx.Module):
-    w1: es.ParamState
-    b1: es.ParamState
-    w2: es.ParamState
-    steps: es.ShortTermState
+    w1: es.ParamState[Float[Array, "n_in n_hidden"]]
+    b1: es.ParamState[Float[Array, " n_hidden"]]
+    w2: es.ParamState[Float[Array, "n_hidden 1"]]
+    steps: es.ShortTermState[Int[Array, ""]]
 
-    def __init__(self, key, n_in=4, n_hidden=32):
+    def __init__(self, key: Array, n_in: int = 4, n_hidden: int = 32):
         k1, k2 = jr.split(key)
         self.w1 = es.ParamState(jr.normal(k1, (n_in, n_hidden)) / n_in**0.5, name="w1")
         self.b1 = es.ParamState(jnp.zeros(n_hidden), name="b1")
         self.w2 = es.ParamState(jr.normal(k2, (n_hidden, 1)) / n_hidden**0.5, name="w2")
         self.steps = es.ShortTermState(jnp.array(0), name="steps")
 
-    def __call__(self, x):
+    def __call__(self, x: Float[Array, "batch n_in"]) -> Float[Array, " batch"]:
         self.steps.value = self.steps.value + 1
         return (jnp.tanh(x @ self.w1.value + self.b1.value) @ self.w2.value)[:, 0]
 
 
-def data(n=256):
+def data(n: int = 256) -> tuple[Array, Array]:
     x = jr.normal(jr.key(1), (n, 4))
     return x, jnp.sin(x[:, 0]) + x[:, 1] * x[:, 2]
 
 
-def train(mesh=None, steps=50):
+def train(
+    mesh: Mesh | None = None, steps: int = 50
+) -> tuple[dict[str | None, Array], list[float], MLP]:
     """Trains from a fixed initialisation; with `mesh`, the batch is split along the
     mesh's `data` axis and the parameters are replicated. Returns the final parameter
     values (by name) and the losses."""
@@ -56,11 +59,13 @@ def train(mesh=None, steps=50):
     opt_state = optimizer.init(es.values_of(model, es.ParamState))
 
     @es.transform.jit
-    def loss_and_grads(x, y):
-        loss = lambda: jnp.mean((model(x) - y) ** 2)  # noqa: E731
+    def loss_and_grads(x: Array, y: Array) -> tuple[Array, es.StateDict]:
+        def loss() -> Array:
+            return jnp.mean((model(x) - y) ** 2)
+
         return es.transform.value_and_grad(loss, grad_states=es.ParamState)()
 
-    losses = []
+    losses: list[float] = []
     for _ in range(steps):
         loss, grads = loss_and_grads(x, y)
         params = es.values_of(model, es.ParamState)
@@ -71,8 +76,8 @@ def train(mesh=None, steps=50):
     return final, losses, model
 
 
-def main():
-    n = len(jax.devices())
+def main() -> None:
+    n = jax.device_count()
     single, single_losses, _ = train()
     # Automatic axes: XLA chooses the intermediate shardings (GSPMD).
     mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))

@@ -10,6 +10,7 @@ Run with `python examples/ensemble_member.py` (add `--quick` for a few steps).
 """
 
 import argparse
+from typing import cast
 
 import eqstate as es
 import eqstate.nn as enn
@@ -43,9 +44,11 @@ class MLP(eqx.Module):
 def predict_all(ensemble: MLP, x: jax.Array) -> jax.Array:
     """Every member's predictions, `(N_MEMBERS, batch)`: the arrays of `ensemble`
     are mapped by `in_axes=0`, its states by `in_states`."""
-    lanes = es.transform.vmap(
-        lambda member: member(x), in_states={0: es.states_of(ensemble)}
-    )
+
+    @es.transform.vmap(in_states={0: es.states_of(ensemble)})
+    def lanes(member: MLP) -> jax.Array:
+        return member(x)
+
     return lanes(ensemble)
 
 
@@ -59,7 +62,12 @@ optimizer = optax.adam(1e-2)
 
 
 @es.transform.jit
-def train_step(ensemble: MLP, opt_state: es.LongTermState, x, y):
+def train_step(
+    ensemble: MLP,
+    opt_state: es.LongTermState[optax.OptState],
+    x: jax.Array,
+    y: jax.Array,
+) -> MLP:
     grad_fn = es.transform.grad(loss_fn, argnums=0, grad_states=es.ParamState)
     updates, opt_state.value = optimizer.update(
         grad_fn(ensemble, x, y), opt_state.value, es.trainable(ensemble)
@@ -82,8 +90,9 @@ def main() -> None:
         x = jr.uniform(key, (64,), minval=-3, maxval=3)
         ensemble = train_step(ensemble, opt_state, x, jnp.sin(x))
 
-    ensemble = eqx.nn.inference_mode(ensemble)  # BatchNorm: the running statistics
     x = jnp.linspace(-3, 3, 50)
+    # BatchNorm: the running statistics. (Equinox returns an untyped PyTree.)
+    ensemble = cast(MLP, eqx.nn.inference_mode(ensemble))
     lanes = es.transform.jit(predict_all)(ensemble, x)
     errors = jnp.mean((lanes - jnp.sin(x)) ** 2, axis=1)
     print("test MSE per member:", " ".join(f"{e:.4f}" for e in errors))
@@ -96,7 +105,7 @@ def main() -> None:
     assert all((a == b[3]).all() for a, b in zip(mine, lane, strict=True))
     # Its output is computed by another XLA program than the batched one, which may
     # add in another order: on CPU they differ in the last bits (~2e-7 here).
-    alone = es.transform.jit(lambda m, x: m(x))(third, x)
+    alone = es.transform.jit(MLP.__call__)(third, x)
     gap = float(jnp.max(jnp.abs(alone - lanes[3])))
     print(f"member 3 alone vs its lane: max difference {gap:.1e}")
     assert jnp.allclose(alone, lanes[3], rtol=1e-5, atol=1e-6)

@@ -12,6 +12,7 @@ Run with `python examples/mlp_batchnorm.py` (add `--quick` for a few steps).
 import argparse
 import os
 import tempfile
+from typing import cast
 
 import eqstate as es
 import eqstate.nn as enn
@@ -49,7 +50,9 @@ optimizer = optax.adam(3e-3)
 
 
 @es.transform.jit
-def train_step(model: MLP, opt_state: es.LongTermState, x: jax.Array, y: jax.Array):
+def train_step(
+    model: MLP, opt_state: es.LongTermState[optax.OptState], x: jax.Array, y: jax.Array
+) -> tuple[MLP, jax.Array]:
     # Gradients of the model's arrays (argnums=0) and of its ParamStates, in the
     # structure of `es.trainable(model)`; the running statistics are written back.
     grad_fn = es.transform.grad(
@@ -76,9 +79,13 @@ def main() -> None:
     model = MLP(jr.key(0))
     opt_state = es.LongTermState(optimizer.init(es.trainable(model)))
     x_test, y_test = data(jr.key(1), 256)
-    evaluate = es.transform.jit(
-        lambda model, x, y: loss_fn(eqx.nn.inference_mode(model), x, y)
-    )
+
+    @es.transform.jit
+    def evaluate(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
+        # (Equinox returns an untyped PyTree.)
+        inference = cast(MLP, eqx.nn.inference_mode(model))
+        return loss_fn(inference, x, y)
+
     print(f"test loss before training: {evaluate(model, x_test, y_test):.4f}")
     for step, key in enumerate(jr.split(jr.key(2), steps)):
         model, loss = train_step(model, opt_state, *data(key, 128))

@@ -7,6 +7,8 @@ Run with `python examples/model_parallel.py`. Where there is no accelerator, it 
 for 8 virtual CPU devices.
 """
 
+from typing import cast
+
 import jax
 
 
@@ -18,29 +20,33 @@ import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, Mesh, PartitionSpec as P  # noqa: E402
+from jaxtyping import Array, Float  # noqa: E402
 
 
 class WideLayer(eqx.Module):
-    embed: es.ParamState  # (vocab, features): the large one, split by rows
-    out: es.ParamState
+    # The large one, split by rows.
+    embed: es.ParamState[Float[Array, "vocab features"]]
+    out: es.ParamState[Float[Array, " features"]]
 
-    def __init__(self, key, vocab=512, features=16):
+    def __init__(self, key: Array, vocab: int = 512, features: int = 16):
         k1, k2 = jr.split(key)
         self.embed = es.ParamState(jr.normal(k1, (vocab, features)) * 0.1, name="embed")
         self.out = es.ParamState(jr.normal(k2, (features,)) * 0.1, name="out")
 
-    def __call__(self, counts):
+    def __call__(self, counts: Float[Array, "batch vocab"]) -> Float[Array, " batch"]:
         # `counts` (batch, vocab): a bag of words; the product sums over the vocabulary.
         return jnp.tanh(counts @ self.embed.value) @ self.out.value
 
 
-def data(n=64, vocab=512):
+def data(n: int = 64, vocab: int = 512) -> tuple[Array, Array]:
     counts = jr.poisson(jr.key(1), 0.05, (n, vocab)).astype(jnp.float32)
     return counts, jnp.sin(counts[:, :8].sum(1))
 
 
-def train(mesh=None, steps=30, manual=False):
+def train(
+    mesh: Mesh | None = None, steps: int = 30, manual: bool = False
+) -> tuple[dict[str | None, Array], list[float], WideLayer]:
     """Trains from a fixed initialisation. With `mesh`, `embed` is split along the
     mesh's `model` axis; with `manual`, the forward pass is a `shard_map` in which each
     device multiplies its slice of the vocabulary and a `psum` adds the parts."""
@@ -51,7 +57,7 @@ def train(mesh=None, steps=30, manual=False):
     optimizer = optax.sgd(0.5)
     opt_state = optimizer.init(es.values_of(model, es.ParamState))
 
-    def forward(counts):
+    def forward(counts: Array) -> Array:
         if not manual or mesh is None:
             return model(counts)
 
@@ -61,17 +67,20 @@ def train(mesh=None, steps=30, manual=False):
             out_specs=P(),
             state_specs={model.embed: P("model")},
         )
-        def hidden(counts):
-            return jax.lax.psum(counts @ model.embed.value, "model")
+        def hidden(counts: Array) -> Array:
+            # (JAX's `psum` returns an untyped PyTree.)
+            return cast(Array, jax.lax.psum(counts @ model.embed.value, "model"))
 
         return jnp.tanh(hidden(counts)) @ model.out.value
 
     @es.transform.jit
-    def loss_and_grads(counts, y):
-        loss = lambda: jnp.mean((forward(counts) - y) ** 2)  # noqa: E731
+    def loss_and_grads(counts: Array, y: Array) -> tuple[Array, es.StateDict]:
+        def loss() -> Array:
+            return jnp.mean((forward(counts) - y) ** 2)
+
         return es.transform.value_and_grad(loss, grad_states=es.ParamState)()
 
-    losses = []
+    losses: list[float] = []
     for _ in range(steps):
         loss, grads = loss_and_grads(counts, y)
         params = es.values_of(model, es.ParamState)
@@ -81,8 +90,8 @@ def train(mesh=None, steps=30, manual=False):
     return {s.name: s.value for s in es.states_of(model)}, losses, model
 
 
-def main():
-    n = len(jax.devices())
+def main() -> None:
+    n = jax.device_count()
     # Automatic axes: XLA chooses the intermediate shardings (GSPMD).
     mesh = jax.make_mesh((n,), ("model",), axis_types=(AxisType.Auto,))
     single, single_losses, _ = train()

@@ -26,6 +26,7 @@ With `--single-process` it trains on the devices of one process, without
 
 import argparse
 import sys
+from typing import cast
 
 import eqstate as es
 import eqstate.nn as enn
@@ -36,23 +37,24 @@ import jax.random as jr
 import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jaxtyping import Float, Int
 
 
 N_IN, N_HIDDEN = 4, 32
 
 
 class Model(eqx.Module):
-    w1: es.ParamState
+    w1: es.ParamState[Float[jax.Array, "n_in n_hidden"]]
     bn: enn.BatchNorm
-    w2: es.ParamState
+    w2: es.ParamState[Float[jax.Array, "n_hidden 1"]]
 
-    def __init__(self, key):
+    def __init__(self, key: jax.Array):
         k1, k2 = jr.split(key)
         self.w1 = es.ParamState(jr.normal(k1, (N_IN, N_HIDDEN)) / N_IN**0.5)
         self.bn = enn.BatchNorm(N_HIDDEN, momentum=0.9)
         self.w2 = es.ParamState(jr.normal(k2, (N_HIDDEN, 1)) / N_HIDDEN**0.5)
 
-    def __call__(self, x):
+    def __call__(self, x: Float[jax.Array, "batch n_in"]) -> Float[jax.Array, " batch"]:
         h = jnp.tanh(self.bn(x @ self.w1.value))
         return (h @ self.w2.value)[:, 0]
 
@@ -61,8 +63,8 @@ class Training(eqx.Module):
     """Everything a checkpoint holds: the model, the optimiser state and the step."""
 
     model: Model
-    opt_state: es.LongTermState
-    step: es.ShortTermState
+    opt_state: es.LongTermState[optax.OptState]
+    step: es.ShortTermState[Int[jax.Array, ""]]
 
 
 def batch(step: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +74,7 @@ def batch(step: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     return x, np.sin(x[:, 0]) + x[:, 1] * x[:, 2]
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--steps", type=int, default=600)
@@ -87,7 +89,10 @@ def main(argv=None):
     if not args.single_process:
         jax.distributed.initialize()  # before any array exists
     leader = jax.process_index() == 0
-    say = print if leader else (lambda *a, **k: None)
+
+    def say(message: str, flush: bool = False) -> None:
+        if leader:
+            print(message, flush=flush)
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
     data = NamedSharding(mesh, P("data"))
@@ -104,8 +109,10 @@ def main(argv=None):
     es.shard(training, mesh, P())  # everything replicated on every device
 
     @es.transform.jit
-    def train_step(x, y):
-        loss = lambda: jnp.mean((model(x) - y) ** 2)  # noqa: E731
+    def train_step(x: jax.Array, y: jax.Array) -> jax.Array:
+        def loss() -> jax.Array:
+            return jnp.mean((model(x) - y) ** 2)
+
         params = es.values_of(model, es.ParamState)
         value, grads = es.transform.value_and_grad(loss, grad_states=params)()
         updates, training.opt_state.value = optimizer.update(
@@ -116,9 +123,11 @@ def main(argv=None):
         return value
 
     @es.transform.jit
-    def evaluate(x, y):
+    def evaluate(x: jax.Array, y: jax.Array) -> jax.Array:
         # Inference mode: the BatchNorm normalises with its running statistics.
-        return jnp.mean((eqx.nn.inference_mode(model)(x) - y) ** 2)
+        # (Equinox returns an untyped PyTree.)
+        inference = cast(Model, eqx.nn.inference_mode(model))
+        return jnp.mean((inference(x) - y) ** 2)
 
     def global_array(host: np.ndarray) -> jax.Array:
         # Each process fills only the rows of its own devices.

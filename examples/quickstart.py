@@ -8,14 +8,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jaxtyping import Array, Float, Int
 
 
 class CountingLinear(eqx.Module):
     """A linear layer that counts its calls and keeps a running mean of its inputs."""
 
-    weight: es.ParamState
-    calls: es.ShortTermState
-    mean: es.LongTermState
+    weight: es.ParamState[Float[Array, "n_out n_in"]]
+    calls: es.ShortTermState[Int[Array, ""]]
+    mean: es.LongTermState[Float[Array, " n_in"]]
 
     def __init__(self, n_in: int, n_out: int, key: jax.Array):
         self.weight = es.ParamState(
@@ -43,10 +44,11 @@ def main() -> None:
     print("writes:", sf.get_write_states())
     print("pure jaxpr:", sf.get_jaxpr())
 
-    # 3. A pure loop: thread an explicit StateDict through `jax.lax.scan`.
-    @jax.jit
-    def run_many(states: es.StateDict, xs: jax.Array):
-        def step(states, x):
+    # 3. A pure loop: thread an explicit StateDict through `jax.lax.scan`, compiled
+    # by Equinox (`jax.jit` works as well, but its result has no type).
+    @eqx.filter_jit
+    def run_many(states: es.StateDict, xs: jax.Array) -> tuple[es.StateDict, jax.Array]:
+        def step(states: es.StateDict, x: jax.Array) -> tuple[es.StateDict, jax.Array]:
             return sf.jaxpr_call(states, x)
 
         return jax.lax.scan(step, states, xs)

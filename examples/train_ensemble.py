@@ -23,6 +23,8 @@ minute on two CPU cores), or add `--quick` for a smaller run. It writes
 import argparse
 import pathlib
 import time
+from collections.abc import Callable
+from typing import Any
 
 import eqstate as es
 import eqstate.nn as enn
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
+from jaxtyping import Float
 
 
 matplotlib.use("Agg")  # draw to files: no display needed
@@ -60,12 +63,12 @@ def make_series(rng: np.random.Generator, n_series: int, length: int) -> np.ndar
     phase = rng.uniform(0, 2 * np.pi, (2, n_series))
     amplitude = rng.uniform(0.3, 1.0, (2, n_series))
     t = np.arange(length)[:, None, None]
-    clean = np.sum(amplitude * np.sin(2 * np.pi * freq * t + phase), axis=1)
+    clean: np.ndarray = np.sum(amplitude * np.sin(2 * np.pi * freq * t + phase), axis=1)
     noisy = clean + NOISE * rng.standard_normal(clean.shape)
     return noisy.astype(np.float32)
 
 
-def mse(predictions, series):
+def mse(predictions: Any, series: Any) -> Any:
     """The next-step loss: the predictions made at times `0 .. T-2` against the values
     at times `1 .. T-1`, averaged over time and series (the last two axes). Written
     with array methods, so that it takes JAX and NumPy arrays alike."""
@@ -82,8 +85,8 @@ class Forecaster(eqx.Module):
     `BATCH_SIZE` series and predicts their next values."""
 
     cell: enn.GRUCell
-    weight: es.ParamState
-    bias: es.ParamState
+    weight: es.ParamState[Float[jax.Array, " hidden"]]
+    bias: es.ParamState[Float[jax.Array, ""]]
 
     def __init__(self):
         # The cell keeps its hidden state, of shape (BATCH_SIZE, HIDDEN_SIZE), in a
@@ -138,12 +141,14 @@ def predict_all(ensemble: Forecaster, series: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------
 
 
-def make_train(ensemble: Forecaster, optimizer: optax.GradientTransformation):
+def make_train(
+    ensemble: Forecaster, optimizer: optax.GradientTransformation
+) -> Callable[[optax.OptState, jax.Array], tuple[optax.OptState, jax.Array]]:
     """Returns `train(opt_state, batches) -> (opt_state, losses)`, which takes one
     optimiser step per batch of `batches`, an array of shape
     `(steps, time, BATCH_SIZE)`. `losses[i]` holds every member's loss on batch `i`."""
 
-    def loss_fn(series):
+    def loss_fn(series: jax.Array) -> tuple[jax.Array, jax.Array]:
         losses = mse(predict_all(ensemble, series), series)
         # Each member's loss depends only on its own parameters, so the gradient of
         # the sum trains every member as if it were trained alone.
@@ -153,7 +158,9 @@ def make_train(ensemble: Forecaster, optimizer: optax.GradientTransformation):
         loss_fn, grad_states=es.ParamState, has_aux=True
     )
 
-    def step(opt_state, series):
+    def step(
+        opt_state: optax.OptState, series: jax.Array
+    ) -> tuple[optax.OptState, jax.Array]:
         (_, losses), grads = loss_and_grads(series)
         # `grads` and `params` are StateDicts, from states to values, which optax
         # takes as they are.
@@ -165,7 +172,9 @@ def make_train(ensemble: Forecaster, optimizer: optax.GradientTransformation):
     pbar = es.transform.ProgressBar(desc="training")
 
     @es.transform.jit
-    def train(opt_state, batches):
+    def train(
+        opt_state: optax.OptState, batches: jax.Array
+    ) -> tuple[optax.OptState, jax.Array]:
         # The states `step` reads and writes are carried through the loop for us.
         return es.transform.scan(step, opt_state, batches, pbar=pbar)
 
@@ -190,7 +199,7 @@ def report(member_losses: np.ndarray, ensemble_loss: float) -> None:
 def plot(path: pathlib.Path, series: np.ndarray, predictions: np.ndarray) -> None:
     """Plots the ensemble's next-step predictions (the mean over the members, +- 2
     standard deviations) against the truth, for four held-out series."""
-    t = np.arange(1, series.shape[0])  # the times being predicted
+    t = np.arange(1, int(series.shape[0]))  # the times being predicted
     mean = predictions.mean(axis=0)[:-1]
     spread = 2 * predictions.std(axis=0)[:-1]
     fig, axes = plt.subplots(4, 1, figsize=(9, 8), sharex=True)
@@ -253,7 +262,9 @@ def main() -> None:
     opt_state = optimizer.init(es.values_of(ensemble, es.ParamState))
     train = make_train(ensemble, optimizer)
     rows = rng.integers(0, n_train, (n_steps, BATCH_SIZE))
-    batches = train_series[:, rows].transpose(1, 0, 2)  # (steps, time, BATCH_SIZE)
+    batches = jnp.asarray(
+        train_series[:, rows].transpose(1, 0, 2)
+    )  # (steps, time, BATCH_SIZE)
     print(
         f"\nTraining for {n_steps} steps, on batches of {BATCH_SIZE} out of "
         f"{n_train} series of length {length}:"
@@ -267,7 +278,10 @@ def main() -> None:
     # 3. Evaluate on the held-out series. (Transforms find the states a function uses
     # by tracing it, so it may close over the model, as here, or take it as an
     # argument.)
-    predict = es.transform.jit(lambda series: predict_all(ensemble, series))
+    @es.transform.jit
+    def predict(series: np.ndarray) -> jax.Array:
+        return predict_all(ensemble, jnp.asarray(series))
+
     predictions = np.asarray(predict(test_series))
     report(mse(predictions, test_series), mse(predictions.mean(axis=0), test_series))
 
@@ -282,7 +296,11 @@ def main() -> None:
     print(f"A freshly built ensemble has other weights (differing by up to {gap:.2f}).")
     # ...until the checkpoint, matched to its states by path, is loaded into it.
     restored = es.load(checkpoint, restored)
-    predict_restored = es.transform.jit(lambda series: predict_all(restored, series))
+
+    @es.transform.jit
+    def predict_restored(series: np.ndarray) -> jax.Array:
+        return predict_all(restored, jnp.asarray(series))
+
     same = np.array_equal(predict_restored(test_series), predictions)
     print(
         f"Once the checkpoint is loaded into it, its predictions are identical: {same}."

@@ -1,11 +1,12 @@
 """Batch normalisation, with its running statistics held in `LongTermState`s."""
 
-from typing import Any
+from typing import Any, cast, Generic, Literal, overload
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Inexact, Num, PRNGKeyArray
+from typing_extensions import TypeVar
 
 from .. import _jax_compat as compat
 from .._arguments import flag, integer, real
@@ -13,6 +14,10 @@ from .._pretty_print import state_label
 from .._state import LongTermState, ParamState
 from ._ensemble import refuse_stacked_call
 
+
+# The type of `weight` and `bias`, which follows `affine`: typed code then reads
+# `bn.weight.value` without narrowing away `None`.
+_Affine = TypeVar("_Affine", bound=ParamState[Array] | None, default=ParamState[Array])
 
 _PER_EXAMPLE_HINT = (
     " If this is one example (as when the layer is called per example inside `vmap`, "
@@ -25,7 +30,7 @@ _CHANNELS_LAST_HINT = (
 )
 
 
-class BatchNorm(eqx.Module):
+class BatchNorm(eqx.Module, Generic[_Affine]):
     r"""Normalises each feature of a batch by its mean and variance, then applies an
     optional per-feature affine map.
 
@@ -45,7 +50,10 @@ class BatchNorm(eqx.Module):
     The running mean starts at zeros and the running variance at ones, and both are
     [`eqstate.LongTermState`][]s; $\gamma$ (`weight`) and $\beta$ (`bias`) are
     [`eqstate.ParamState`][]s, so `grad_states=eqstate.ParamState` differentiates the
-    parameters while the running statistics are written back.
+    parameters while the running statistics are written back. With `affine=False`
+    they are `None`. For type checkers `BatchNorm` is generic in their type: a bare
+    `BatchNorm` (as `BatchNorm(n)` makes) has `weight: ParamState[Array]`, and one
+    made with any other `affine` is `BatchNorm[ParamState[Array] | None]`.
 
     The conventions are those of `eqx.nn.BatchNorm(..., mode="batch")`: `momentum` is
     the weight of the old running value, and the variance is the biased one (the mean
@@ -86,15 +94,39 @@ class BatchNorm(eqx.Module):
         ```
     """
 
-    running_mean: LongTermState
-    running_var: LongTermState
-    weight: ParamState | None
-    bias: ParamState | None
+    running_mean: LongTermState[Array]
+    running_var: LongTermState[Array]
+    weight: _Affine
+    bias: _Affine
     inference: bool
     num_features: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     momentum: float = eqx.field(static=True)
     affine: bool = eqx.field(static=True)
+
+    @overload
+    def __init__(
+        self: "BatchNorm[ParamState[Array]]",
+        num_features: int,
+        *,
+        eps: float = 1e-5,
+        momentum: float = 0.99,
+        affine: Literal[True] = True,
+        inference: bool = False,
+        dtype: Any = jnp.float32,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: "BatchNorm[ParamState[Array] | None]",
+        num_features: int,
+        *,
+        eps: float = 1e-5,
+        momentum: float = 0.99,
+        affine: bool = True,
+        inference: bool = False,
+        dtype: Any = jnp.float32,
+    ) -> None: ...
 
     def __init__(
         self,
@@ -150,11 +182,11 @@ class BatchNorm(eqx.Module):
         # A variance is real: float32 for a complex64 layer.
         self.running_var = LongTermState(jnp.ones_like(zeros.real), name="running_var")
         if affine:
-            self.weight = ParamState(jnp.ones(num_features, dtype), name="weight")
-            self.bias = ParamState(jnp.zeros(num_features, dtype), name="bias")
+            weight = ParamState(jnp.ones(num_features, dtype), name="weight")
+            bias = ParamState(jnp.zeros(num_features, dtype), name="bias")
         else:
-            self.weight = None
-            self.bias = None
+            weight = bias = None
+        self.weight, self.bias = cast(_Affine, weight), cast(_Affine, bias)
         self.inference = inference
         self.num_features = num_features
         self.eps = eps

@@ -74,10 +74,10 @@ class _RecurrentCell(eqx.Module):
     """What every cell shares: the shape checks, the batch mapping, `reset` and the
     call convention. Subclasses give their parameters and `_step` for one example."""
 
-    weight_ih: eqx.AbstractVar[ParamState]
-    weight_hh: eqx.AbstractVar[ParamState]
-    bias: eqx.AbstractVar[ParamState | None]
-    hidden: eqx.AbstractVar[ShortTermState]
+    weight_ih: eqx.AbstractVar[ParamState[Array]]
+    weight_hh: eqx.AbstractVar[ParamState[Array]]
+    bias: eqx.AbstractVar[ParamState[Array] | None]
+    hidden: eqx.AbstractVar[ShortTermState[Array]]
     input_size: eqx.AbstractVar[int]
     hidden_size: eqx.AbstractVar[int]
     # Whether the cell can be created with a complex `dtype`.
@@ -327,11 +327,11 @@ class GRUCell(_RecurrentCell):
         ```
     """
 
-    weight_ih: ParamState
-    weight_hh: ParamState
-    bias: ParamState | None
-    bias_n: ParamState | None
-    hidden: ShortTermState
+    weight_ih: ParamState[Array]
+    weight_hh: ParamState[Array]
+    bias: ParamState[Array] | None
+    bias_n: ParamState[Array] | None
+    hidden: ShortTermState[Array]
     input_size: int = eqx.field(static=True)
     hidden_size: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
@@ -418,11 +418,11 @@ class LSTMCell(_RecurrentCell):
         ```
     """
 
-    weight_ih: ParamState
-    weight_hh: ParamState
-    bias: ParamState | None
-    hidden: ShortTermState
-    cell: ShortTermState
+    weight_ih: ParamState[Array]
+    weight_hh: ParamState[Array]
+    bias: ParamState[Array] | None
+    hidden: ShortTermState[Array]
+    cell: ShortTermState[Array]
     input_size: int = eqx.field(static=True)
     hidden_size: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
@@ -491,10 +491,10 @@ class RNNCell(_RecurrentCell):
         ```
     """
 
-    weight_ih: ParamState
-    weight_hh: ParamState
-    bias: ParamState | None
-    hidden: ShortTermState
+    weight_ih: ParamState[Array]
+    weight_hh: ParamState[Array]
+    bias: ParamState[Array] | None
+    hidden: ShortTermState[Array]
     input_size: int = eqx.field(static=True)
     hidden_size: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)

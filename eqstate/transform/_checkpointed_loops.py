@@ -19,7 +19,7 @@ import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
 from ._common import merge_leading_axes
-from ._loops import _check_options, _lax_scan, _scan
+from ._loops import _Carry, _check_options, _lax_scan, _scan, _X, _Y
 from ._progress_bar import ProgressBar
 
 
@@ -154,13 +154,13 @@ def _loop(base: int | None) -> Callable:
 
 
 def checkpointed_scan(
-    f: Callable,
-    init: Any,
-    xs: Any = None,
+    f: Callable[[_Carry, _X], tuple[_Carry, _Y]],
+    init: _Carry,
+    xs: _X | None = None,
     length: int | None = None,
     base: int | None = None,
     pbar: ProgressBar | None = None,
-) -> tuple[Any, Any]:
+) -> tuple[_Carry, _Y]:
     """Like [`eqstate.transform.scan`][], with far less memory under reverse-mode
     autodiff: for backpropagation through long loops (thousands of steps of an RNN,
     an ODE or a spiking network).
@@ -228,11 +228,11 @@ def checkpointed_scan(
 
 
 def checkpointed_for_loop(
-    f: Callable,
+    f: Callable[..., _Y],
     *operands: Any,
     base: int | None = None,
     pbar: ProgressBar | None = None,
-) -> Any:
+) -> _Y:
     """Like [`eqstate.transform.for_loop`][], with the memory of
     [`eqstate.transform.checkpointed_scan`][] under reverse-mode autodiff.
 

@@ -9,7 +9,7 @@ import functools as ft
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -39,10 +39,12 @@ from ._equinox_errors import with_equinox_errors
 
 compat.hide_from_tracebacks(__file__)
 
+_T = TypeVar("_T")
+
 
 def switch(
-    index: Integer[ArrayLike, ""], branches: Sequence[Callable], *operands: Any
-) -> Any:
+    index: Integer[ArrayLike, ""], branches: Sequence[Callable[..., _T]], *operands: Any
+) -> _T:
     """Like `jax.lax.switch`, for branches that read and write states.
 
     Under `jax.disable_jit()`, a concrete `index` runs its branch directly, as
@@ -293,10 +295,10 @@ def _branch_index(pred: Any) -> Any:
 
 def cond(
     pred: Bool[ArrayLike, ""] | Real[ArrayLike, ""],
-    true_fun: Callable,
-    false_fun: Callable,
+    true_fun: Callable[..., _T],
+    false_fun: Callable[..., _T],
     *operands: Any,
-) -> Any:
+) -> _T:
     """Like `jax.lax.cond`, for branches that read and write states (see
     [`eqstate.transform.switch`][]).
 
@@ -343,10 +345,10 @@ _NOT_EXACTLY_ONE = (
 
 def ifelse(
     conditions: Sequence[Bool[ArrayLike, ""]],
-    branches: Sequence[Callable],
+    branches: Sequence[Callable[..., _T]],
     *operands: Any,
     check_cond: bool = True,
-) -> Any:
+) -> _T:
     """Runs the branch whose condition holds. By default exactly one condition must
     hold, checked at run time. With `check_cond=False` the first condition that holds
     wins, as in `if c0: b0 elif c1: b1 ...`; then a last condition `True` makes an

@@ -42,7 +42,10 @@ def _state_shapes(entry: Trace) -> StateDict:
 
 
 def eval_shape(
-    fun: Callable, *args: Any, return_state_shapes: bool = False, **kwargs: Any
+    fun: Callable[..., Any],
+    *args: Any,
+    return_state_shapes: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """Like `jax.eval_shape`, for a function that uses states: traces `fun` abstractly
     and returns its output's shapes and dtypes. No value is computed, and no state is

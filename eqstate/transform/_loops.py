@@ -12,7 +12,7 @@ whole loop succeeds.
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,11 @@ from ._progress_bar import ProgressBar
 
 
 compat.hide_from_tracebacks(__file__)
+
+# As `jax.lax.scan` and `jax.lax.while_loop` type them.
+_Carry = TypeVar("_Carry")
+_X = TypeVar("_X")
+_Y = TypeVar("_Y")
 
 
 def _loop_length(xs: Any, length: int | None, what: tuple[str, str, str]) -> int:
@@ -136,14 +141,14 @@ class _Carried:
 
 
 def scan(
-    f: Callable,
-    init: Any,
-    xs: Any = None,
+    f: Callable[[_Carry, _X], tuple[_Carry, _Y]],
+    init: _Carry,
+    xs: _X | None = None,
     length: int | None = None,
     reverse: bool = False,
     unroll: int | bool = 1,
     pbar: ProgressBar | None = None,
-) -> tuple[Any, Any]:
+) -> tuple[_Carry, _Y]:
     """Like `jax.lax.scan`, for a body that reads and writes states.
 
     The states the body writes are carried through the loop and written back once it
@@ -357,12 +362,12 @@ def _scan(
 
 
 def for_loop(
-    f: Callable,
+    f: Callable[..., _Y],
     *operands: Any,
     reverse: bool = False,
     unroll: int | bool = 1,
     pbar: ProgressBar | None = None,
-) -> Any:
+) -> _Y:
     """Calls `f(*xs)` for each slice `xs` of `operands` along their leading axis, and
     stacks the outputs: a loop without a carry, for bodies that update states.
 
@@ -404,7 +409,11 @@ def for_loop(
 
 
 @draws_atomically
-def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
+def while_loop(
+    cond_fun: Callable[[_Carry], Any],
+    body_fun: Callable[[_Carry], _Carry],
+    init_val: _Carry,
+) -> _Carry:
     """Like `jax.lax.while_loop`, for functions that read states; `body_fun` may also
     write them. (Not reverse-mode differentiable, like `jax.lax.while_loop`; see
     [`eqstate.transform.bounded_while_loop`][].) Under `jax.disable_jit()` both
@@ -535,8 +544,11 @@ def _promoted(body_fun: Callable, init_val: Any) -> Any:
 
 
 def bounded_while_loop(
-    cond_fun: Callable, body_fun: Callable, init_val: Any, max_steps: int
-) -> Any:
+    cond_fun: Callable[[_Carry], Any],
+    body_fun: Callable[[_Carry], _Carry],
+    init_val: _Carry,
+    max_steps: int,
+) -> _Carry:
     """A while loop of at most `max_steps` iterations that reverse-mode autodiff can
     differentiate (`jax.lax.while_loop` cannot). It runs `max_steps` guarded steps,
     each applying `body_fun` only while `cond_fun` holds, so its cost is that of

@@ -22,7 +22,7 @@ from ._common import (
 )
 from ._discovery import Discovery
 from ._equinox_errors import with_equinox_errors
-from ._loops import _loop_length, _scan, _slice
+from ._loops import _loop_length, _scan, _slice, _Y
 from ._trace import sub_jaxprs, Trace
 from ._vmap import key_after_lanes, written_alike, written_per_lane
 
@@ -221,7 +221,7 @@ def _scan_chunks(
     return state_values, jtu.tree_map(lambda a, b: jnp.concatenate([a, b]), *parts)
 
 
-def map(f: Callable, *xs: Any, batch_size: int | None = None) -> Any:
+def map(f: Callable[..., _Y], *xs: Any, batch_size: int | None = None) -> _Y:
     """Like `jax.lax.map`, for a function that reads and writes states: calls
     `f(*x)` for each slice `x` of `xs` along their leading axis, and stacks the
     outputs.

@@ -3,7 +3,7 @@ a function creates."""
 
 import functools as ft
 from collections.abc import Callable, Hashable
-from typing import Any, overload, ParamSpec, SupportsIndex, TypeVar
+from typing import Any, overload, ParamSpec, SupportsIndex, TypeVar, Unpack
 
 import equinox as eqx
 import jax
@@ -39,6 +39,7 @@ from .._write_checks import check_write, has_tracer
 from ..random import DEFAULT
 from ._decorator import decorator_form
 from ._vmap import (
+    _VmapOptions,
     arrays_only,
     axis_size_of,
     checked_axis_size,
@@ -423,35 +424,20 @@ def _with_values(
     ]
 
 
+class _VmapNewStatesOptions(_VmapOptions, total=False):
+    state_tag: str | None
+    state_to_exclude: Filter
+
+
 @overload
 def vmap_new_states(
-    fun: Callable[_P, _T],
-    *,
-    in_axes: AxisSpec = 0,
-    out_axes: AxisSpec = 0,
-    axis_name: Hashable | None = None,
-    axis_size: SupportsIndex | None = None,
-    spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
-    state_tag: str | None = None,
-    state_to_exclude: Filter = None,
-    in_states: Any = None,
-    out_states: Any = None,
+    fun: Callable[_P, _T], **options: Unpack[_VmapNewStatesOptions]
 ) -> Callable[_P, _T]: ...
 
 
 @overload
 def vmap_new_states(
-    fun: Missing = MISSING,
-    *,
-    in_axes: AxisSpec = 0,
-    out_axes: AxisSpec = 0,
-    axis_name: Hashable | None = None,
-    axis_size: SupportsIndex | None = None,
-    spmd_axis_name: Hashable | tuple[Hashable, ...] | None = None,
-    state_tag: str | None = None,
-    state_to_exclude: Filter = None,
-    in_states: Any = None,
-    out_states: Any = None,
+    fun: Missing = MISSING, **options: Unpack[_VmapNewStatesOptions]
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 

@@ -2,12 +2,12 @@
 
 import functools as ft
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload, ParamSpec, TypeVar
 
 import jax
 
 from .. import _jax_compat as compat
-from .._custom_types import MISSING
+from .._custom_types import MISSING, Missing
 from .._state import draws_atomically
 from ._common import as_arrays, copied_numpy, hide_static, partition, show_static
 from ._decorator import decorator_form
@@ -16,6 +16,29 @@ from ._equinox_errors import EQUINOX_ERRORS
 
 
 compat.hide_from_tracebacks(__file__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+@overload
+def checkpoint(
+    fun: Callable[_P, _T],
+    *,
+    prevent_cse: bool = True,
+    policy: Callable[..., bool] | None = None,
+    static_argnums: int | Sequence[int] = (),
+) -> Callable[_P, _T]: ...
+
+
+@overload
+def checkpoint(
+    fun: Missing = MISSING,
+    *,
+    prevent_cse: bool = True,
+    policy: Callable[..., bool] | None = None,
+    static_argnums: int | Sequence[int] = (),
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
 @decorator_form

@@ -2,7 +2,7 @@
 
 import functools as ft
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, overload, ParamSpec, TypeVar
 
 import jax
 import jax.tree_util as jtu
@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _context, _jax_compat as compat
 from .._clone import shared_by_members, why_shared
-from .._custom_types import MISSING
+from .._custom_types import MISSING, Missing
 from .._errors import BatchAxisError, StateNotFoundError, UnstableStatesError
 from .._multi_process import device_put
 from .._pretty_print import state_label
@@ -29,6 +29,9 @@ from ._vmap import placeholder
 
 
 compat.hide_from_tracebacks(__file__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def _axes_of(spec: PartitionSpec) -> set:
@@ -303,6 +306,39 @@ def _call_sharded(
     return show_static(out)
 
 
+# A state's spec: one for all, by handle, or a function `(state, value) -> spec`.
+_StateSpecs = (
+    PartitionSpec
+    | Mapping[Any, PartitionSpec]
+    | Callable[[State, Any], PartitionSpec | None]
+    | None
+)
+
+
+@overload
+def shard_map(
+    fun: Callable[_P, _T],
+    *,
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    state_specs: _StateSpecs = None,
+    check_vma: bool = True,
+) -> Callable[_P, _T]: ...
+
+
+@overload
+def shard_map(
+    fun: Missing = MISSING,
+    *,
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    state_specs: _StateSpecs = None,
+    check_vma: bool = True,
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+
+
 @decorator_form
 def shard_map(
     fun: Any = MISSING,
@@ -310,7 +346,7 @@ def shard_map(
     mesh: Mesh,
     in_specs: Any,
     out_specs: Any,
-    state_specs: PartitionSpec | Mapping[Any, PartitionSpec] | Callable | None = None,
+    state_specs: _StateSpecs = None,
     check_vma: bool = True,
 ) -> Any:
     """Like `jax.shard_map`, for a function that reads and writes states: each device

@@ -6,11 +6,10 @@ from typing import Any, overload
 import jax
 import jax.extend.core as jex_core
 import jax.tree_util as jtu
-from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
 from .._arguments import given
-from .._custom_types import PyTreeDef
+from .._custom_types import PyTree, PyTreeDef
 from .._errors import StateValueError
 from .._pretty_print import first_and_more, shape_summary, state_label
 from .._run import run
@@ -83,7 +82,7 @@ class StatefulFunction:
 
     def __init__(
         self,
-        fun: Callable,
+        fun: Callable[..., Any],
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
         axis_env: Sequence[tuple[Hashable, int]] | None = None,
@@ -215,7 +214,9 @@ class StatefulFunction:
         """
         return self._traces.by_key(cache_key).jaxpr
 
-    def get_out_shapes(self, cache_key: Hashable = ()) -> tuple[PyTree, tuple]:
+    def get_out_shapes(
+        self, cache_key: Hashable = ()
+    ) -> tuple[PyTree, tuple[PyTree, ...]]:
         """`(out_shapes, state_shapes)`: `jax.ShapeDtypeStruct`s shaped like the
         output (new states' handles stay in place) and like the returned states'
         values."""
@@ -780,13 +781,13 @@ def _against_dict(sd: StateDict) -> tuple[Callable, Callable]:
 
 
 def make_jaxpr(
-    fun: Callable,
+    fun: Callable[..., Any],
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     axis_env: Sequence[tuple[Hashable, int]] | None = None,
     state_returns: str | Sequence[str] = ("read", "write"),
     return_shape: bool = False,
-) -> Callable[..., tuple]:
+) -> Callable[..., tuple[Any, ...]]:
     """Like `jax.make_jaxpr`, for a function that uses states.
 
     **Arguments:**

@@ -12,12 +12,11 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.core import Tracer
-from jaxtyping import PyTree
 
 from .. import _context, _jax_compat as compat
 from .._clone import copy_provenance
 from .._context import expire
-from .._custom_types import PyTreeDef
+from .._custom_types import PyTree, PyTreeDef
 from .._errors import note_frozen_module
 from .._state import fresh_copy, is_state, made_as_copy, State
 from .._state_dict import rekeyed

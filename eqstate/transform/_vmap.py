@@ -4,7 +4,15 @@ import dataclasses
 import functools as ft
 import operator
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, SupportsIndex
+from typing import (
+    Any,
+    overload,
+    ParamSpec,
+    SupportsIndex,
+    TypedDict,
+    TypeVar,
+    Unpack,
+)
 
 import equinox as eqx
 import jax
@@ -14,7 +22,7 @@ from jax.sharding import PartitionSpec
 
 from .. import _context, _jax_compat as compat
 from .._clone import shared_by_members, stacked_by_its_last_build, why_shared
-from .._custom_types import AxisSpec, Filter, MISSING
+from .._custom_types import AxisSpec, Filter, MISSING, Missing
 from .._errors import BatchAxisError, StateValueError
 from .._filters import to_predicate
 from .._pretty_print import state_label, value_summary
@@ -29,6 +37,9 @@ from ._view import View
 
 
 compat.hide_from_tracebacks(__file__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 _UNDECLARED_BATCHED_WRITE = (
@@ -341,6 +352,30 @@ def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
             if weak.dtype == struct.dtype:
                 return jnp.broadcast_to(weak, struct.shape)
     return jnp.zeros(struct.shape, struct.dtype)
+
+
+class _VmapOptions(TypedDict, total=False):
+    in_axes: AxisSpec
+    out_axes: AxisSpec
+    axis_name: Hashable | None
+    axis_size: SupportsIndex | None
+    spmd_axis_name: Hashable | tuple[Hashable, ...] | None
+    in_states: Filter | dict[int, Filter] | None
+    out_states: Filter | dict[int, Filter] | None
+
+
+# The mapped function keeps the signature and output type of `fun`: arrays gain or
+# lose an axis, which their types do not show (as in `jax.vmap`).
+@overload
+def vmap(
+    fun: Callable[_P, _T], **options: Unpack[_VmapOptions]
+) -> Callable[_P, _T]: ...
+
+
+@overload
+def vmap(
+    fun: Missing = MISSING, **options: Unpack[_VmapOptions]
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
 @decorator_form
