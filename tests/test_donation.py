@@ -196,7 +196,9 @@ def test_an_ensemble_from_vmap_new_states_is_donated(getkey):
 
     @es.transform.jit(donate_states=True)
     def step(x):
-        grads = es.transform.grad(lambda: jnp.sum((w.value * x[None]) ** 2), grad_states=w)()
+        grads = es.transform.grad(
+            lambda: jnp.sum((w.value * x[None]) ** 2), grad_states=w
+        )()
         w.value = w.value - 0.1 * grads[w]
 
     step(jnp.ones(3))
