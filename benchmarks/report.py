@@ -42,10 +42,14 @@ def _num(x: float) -> str:
     return f"{x:.2f}"
 
 
-def _cells(row: peers.Row, timing: Timing | None = None) -> list[str]:
+def _cells(
+    row: peers.Row, timing: Timing | None = None, *, reason_below: bool = False
+) -> list[str]:
     t = row.timing if timing is None else timing
     if t is None:
-        return [row.note or "-", "", ""]
+        # A long reason in a cell widens the table past the page: the section says it.
+        note = row.note.split(":", 1)[0] + " (see below)" if reason_below else row.note
+        return [note or "-", "", ""]
     ratio = "" if row.ratio is None else f"{row.ratio:.2f}"
     return [_num(t.median), f"{_num(t.min)}-{_num(t.max)}", ratio]
 
@@ -229,7 +233,7 @@ def _ensemble_section(table: peers.Table) -> str:
                 row.group,
                 row.extra.get("mode", ""),
                 row.system,
-                *_cells(row),
+                *_cells(row, reason_below=row.note.startswith("unsupported")),
                 "" if runs is None else str(runs),
             ]
         )
