@@ -131,6 +131,21 @@ def test_a_nan_under_debug_nans_raises_and_keeps_every_value():
     assert s.value == 1.0
 
 
+def test_an_inf_under_debug_infs_raises_and_keeps_every_value():
+    # The porting guide's replacement for brainstate's `debug_nan`, for Infs.
+    s = es.State(jnp.ones(2), name="s")
+
+    @es.transform.jit(donate_states=True)
+    def divide(x):
+        s.value = s.value / x
+        return s.value
+
+    with jax.debug_infs(True), pytest.raises(FloatingPointError, match="inf"):
+        with pytest.warns(UserWarning, match=r"State 's'.*jax.debug_infs"):
+            divide(jnp.zeros(2))
+    assert (s.value == 1).all()
+
+
 def test_a_call_that_xla_refuses_to_run_keeps_every_value():
     es.random.seed(3)
     key_before = jax.random.key_data(es.random.DEFAULT.value)
