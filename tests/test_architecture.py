@@ -81,6 +81,34 @@ def test_tracing_does_not_depend_on_the_transforms_built_on_it():
     )
 
 
+def _private_names_imported(source: str) -> list[tuple[str, str]]:
+    """`(module, name)` for each `from .module import _name` at the top of `source`
+    (a private module itself, `from . import _context`, is the package's to share)."""
+    return [
+        (node.module or "", alias.name)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_no_module_imports_another_modules_private_names():
+    # A module's names without an underscore are what it offers the package; the
+    # others are its own (`_loops.scan_states` is what `map` and the checkpointed loops
+    # are built on, `_loops._scan` would not be).
+    found = {
+        str(path.relative_to(_ROOT)): _private_names_imported(path.read_text())
+        for path in _ROOT.rglob("*.py")
+    }
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+def test_the_private_name_check_finds_one():
+    source = "from . import _context\nfrom ._loops import _scan, scan_states"
+    assert _private_names_imported(source) == [("_loops", "_scan")]
+
+
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 

@@ -11,7 +11,7 @@ backward pass. States are carried as in `scan` (the same tracing and carry).
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +19,13 @@ import jax.tree_util as jtu
 
 from .. import _jax_compat as compat
 from ._common import merge_leading_axes
-from ._loops import _Carry, _check_options, _lax_scan, _scan, _X, _Y
+from ._loops import check_loop_options, lax_scan_ticking, scan_states
 from ._progress_bar import ProgressBar
+
+
+_Carry = TypeVar("_Carry")
+_X = TypeVar("_X")
+_Y = TypeVar("_Y")
 
 
 compat.hide_from_tracebacks(__file__)
@@ -116,7 +121,7 @@ def _checkpointed(
     inner_base = base if base is not None else size
     if n <= count or size <= 1:
         # Too short to split: a plain scan, whose memory is that of `count` steps.
-        return _lax_scan(step, init, xs, n, False, 1, pbar)
+        return lax_scan_ticking(step, init, xs, n, False, 1, pbar)
     count, left = divmod(n, size)
 
     def segment(carry, i):
@@ -144,7 +149,7 @@ def _checkpointed(
 
 
 def _loop(base: int | None) -> Callable:
-    """The loop driver `_scan` runs: checkpointed segments of the pure step."""
+    """The loop driver `scan_states` runs: checkpointed segments of the pure step."""
 
     def loop(step, init, xs, n, reverse, unroll, pbar):
         del reverse, unroll  # Not options of the checkpointed loops.
@@ -222,9 +227,11 @@ def checkpointed_scan(
         assert steps.value == 2000
         ```
     """
-    _check_options(False, 1, pbar)
+    check_loop_options(False, 1, pbar)
     base = _check_base(base)
-    return _scan(f, init, xs, length, False, 1, pbar, _CHECKPOINTED_SCAN, _loop(base))
+    return scan_states(
+        f, init, xs, length, False, 1, pbar, _CHECKPOINTED_SCAN, _loop(base)
+    )
 
 
 def checkpointed_for_loop(
@@ -268,9 +275,9 @@ def checkpointed_for_loop(
     def body(carry, xs):
         return carry, f(*xs)
 
-    _check_options(False, 1, pbar)
+    check_loop_options(False, 1, pbar)
     base = _check_base(base)
-    _, ys = _scan(
+    _, ys = scan_states(
         body, None, operands, None, False, 1, pbar, _CHECKPOINTED_FOR_LOOP, _loop(base)
     )
     return ys

@@ -46,8 +46,8 @@ from ._function_traces import FunctionTraces
 from ._leaves import ArrayImpl
 from ._rule_errors import raise_if_rule_closed_over_a_tracer, rule_closure_errors
 from ._split_args import (
-    _ARRAYS,
     ArgSplitter,
+    ARRAY_KEYS,
     dynamic_count,
     is_static,
     KEYS_KEPT,
@@ -580,7 +580,7 @@ class JitDispatch:
                 if type(arg) is not ArrayImpl:
                     break
             else:
-                key = _ARRAYS[len(args)]
+                key = ARRAY_KEYS[len(args)]
         if key is None:
             try:
                 key, leaves = self._split(args, kwargs)

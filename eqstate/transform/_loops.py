@@ -50,7 +50,7 @@ _X = TypeVar("_X")
 _Y = TypeVar("_Y")
 
 
-def _loop_length(xs: Any, length: int | None, what: tuple[str, str, str]) -> int:
+def loop_length(xs: Any, length: int | None, what: tuple[str, str, str]) -> int:
     """The number of iterations: `length`, and the leading axis of every leaf of
     `xs`, which must agree."""
     sizes = {}
@@ -92,7 +92,7 @@ _FOR_LOOP = (
 )
 
 
-def _check_options(reverse: Any, unroll: Any, pbar: Any) -> None:
+def check_loop_options(reverse: Any, unroll: Any, pbar: Any) -> None:
     flag(reverse, "reverse")
     if not isinstance(unroll, bool):
         integer(unroll, "unroll", what="a non-negative integer or a bool")
@@ -103,7 +103,7 @@ def _check_options(reverse: Any, unroll: Any, pbar: Any) -> None:
         )
 
 
-def _slice(xs: Any) -> Any:
+def slice_of(xs: Any) -> Any:
     """What the body sees of `xs` (with its static leaves hidden): one slice along
     the leading axis, abstractly."""
     return jtu.tree_map(lambda x: shape_dtype(x, x.shape[1:]), abstract(xs))
@@ -183,8 +183,8 @@ def scan(
         assert n == 4 and total.value == 6.0 and (running == jnp.array([0, 1, 3, 6.0])).all()
         ```
     """
-    _check_options(reverse, unroll, pbar)
-    return _scan(f, init, xs, length, reverse, unroll, pbar, _SCAN)
+    check_loop_options(reverse, unroll, pbar)
+    return scan_states(f, init, xs, length, reverse, unroll, pbar, _SCAN)
 
 
 def _check_pair(out: Any, loop: str = "`scan`") -> tuple[Any, Any]:
@@ -291,7 +291,7 @@ def _scan_eagerly(
     return show_static(final), show_static(ys)
 
 
-def _lax_scan(
+def lax_scan_ticking(
     step: Callable,
     init: Any,
     xs: Any,
@@ -313,7 +313,7 @@ def _lax_scan(
 
 
 @draws_atomically
-def _scan(
+def scan_states(
     f: Callable,
     init: Any,
     xs: Any,
@@ -322,19 +322,19 @@ def _scan(
     unroll: int | bool,
     pbar: ProgressBar | None,
     what: tuple[str, str, str],
-    loop: Callable = _lax_scan,
+    loop: Callable = lax_scan_ticking,
 ) -> tuple[Any, Any]:
     """`scan` of `f`: traces it, carries the states it writes, and runs `loop` (with
-    the signature of `_lax_scan`) on the pure step."""
+    the signature of `lax_scan_ticking`) on the pure step."""
     # Leaves JAX does not take (the handles of a model in the carry or in `xs`) ride
     # in the tree structure: they are the same at every iteration.
     init, xs = hide_static(init), hide_static(xs)
-    n = _loop_length(xs, length, what)
+    n = loop_length(xs, length, what)
     if jit_disabled():
         return _scan_eagerly(f, init, xs, n, reverse, pbar, what[0])
     traced = Discovery(
         f,
-        (show_static(init), show_static(_slice(xs))),
+        (show_static(init), show_static(slice_of(xs))),
         name=getattr(f, "__name__", "scan body"),
     )
     traced.refuse_new_states(f"the body of {what[0]}")
@@ -403,8 +403,8 @@ def for_loop(
     def body(carry, xs):
         return carry, f(*xs)
 
-    _check_options(reverse, unroll, pbar)
-    _, ys = _scan(body, None, operands, None, reverse, unroll, pbar, _FOR_LOOP)
+    check_loop_options(reverse, unroll, pbar)
+    _, ys = scan_states(body, None, operands, None, reverse, unroll, pbar, _FOR_LOOP)
     return ys
 
 

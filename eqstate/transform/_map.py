@@ -2,7 +2,7 @@
 chunks."""
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.extend.core as jex_core
@@ -22,9 +22,12 @@ from ._common import (
 )
 from ._discovery import Discovery
 from ._equinox_errors import with_equinox_errors
-from ._loops import _loop_length, _scan, _slice, _Y
+from ._loops import loop_length, scan_states, slice_of
 from ._trace import sub_jaxprs, Trace
 from ._vmap import key_after_lanes, written_alike, written_per_lane
+
+
+_Y = TypeVar("_Y")
 
 
 compat.hide_from_tracebacks(__file__)
@@ -106,7 +109,7 @@ def _eqn_used_inputs(eqn: jex_core.JaxprEqn, wanted: list[bool]) -> list[bool]:
 def _in_chunks(f: Callable, xs: tuple, n: int, size: int) -> Any:
     """`map` with `batch_size=size`: a scan over chunks of `size` elements, each
     vmapped, then the remaining elements, vmapped."""
-    traced = Discovery(f, show_static(_slice(xs)), name=getattr(f, "__name__", None))
+    traced = Discovery(f, show_static(slice_of(xs)), name=getattr(f, "__name__", None))
     traced.refuse_new_states("`map`")
     values = dict(zip(traced.states, traced.values))
     # A key the function draws from is split per element; one it only overwrites is
@@ -287,13 +290,13 @@ def map(f: Callable[..., _Y], *xs: Any, batch_size: int | None = None) -> _Y:
         def body(carry, x):
             return carry, f(*x)
 
-        _, ys = _scan(body, None, xs, None, False, 1, None, _MAP)
+        _, ys = scan_states(body, None, xs, None, False, 1, None, _MAP)
         return ys
     size = integer(batch_size, "batch_size", at_least=1, none=True)
     # Leaves JAX does not take (the handles of a model in `xs`) ride in the tree
     # structure: every element sees the same ones.
     xs = hide_static(xs)
-    n = _loop_length(xs, None, _MAP)
+    n = loop_length(xs, None, _MAP)
     if n == 0:
         return map(f, *xs)  # No chunk: the sequential map gives the stacked shapes.
     return _in_chunks(f, xs, n, size)

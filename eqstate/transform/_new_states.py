@@ -39,12 +39,12 @@ from .._write_checks import check_write, has_tracer
 from ..random import DEFAULT
 from ._decorator import decorator_form
 from ._vmap import (
-    _VmapOptions,
     arrays_only,
     axis_size_of,
     checked_axis_size,
     per_argument_axes,
     split_like_mapped,
+    VmapOptions,
     with_impl_of,
 )
 
@@ -424,7 +424,7 @@ def _with_values(
     ]
 
 
-class _VmapNewStatesOptions(_VmapOptions, total=False):
+class _VmapNewStatesOptions(VmapOptions, total=False):
     state_tag: str | None
     state_to_exclude: Filter
 

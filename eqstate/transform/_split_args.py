@@ -49,7 +49,7 @@ class _ArrayKeys(dict):
         return key
 
 
-_ARRAYS = _ArrayKeys()
+ARRAY_KEYS = _ArrayKeys()
 
 
 class OutputMismatch(Exception):
@@ -141,12 +141,12 @@ class ArgSplitter:
                         watched[0] == watched[1]
                         and (not watched[2] or _unchanged(watched))
                     ):
-                        return (recent[2], *_ARRAYS[len(rest)]), recent[3] + rest
+                        return (recent[2], *ARRAY_KEYS[len(rest)]), recent[3] + rest
             for arg in args:
                 if type(arg) is not ArrayImpl:
                     break
             else:
-                key = _ARRAYS[len(args)]
+                key = ARRAY_KEYS[len(args)]
                 if not kwargs:
                     return key, args
                 part = self._static_kwargs(kwargs)

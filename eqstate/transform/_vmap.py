@@ -354,7 +354,7 @@ def placeholder(struct: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.zeros(struct.shape, struct.dtype)
 
 
-class _VmapOptions(TypedDict, total=False):
+class VmapOptions(TypedDict, total=False):
     in_axes: AxisSpec
     out_axes: AxisSpec
     axis_name: Hashable | None
@@ -367,14 +367,12 @@ class _VmapOptions(TypedDict, total=False):
 # The mapped function keeps the signature and output type of `fun`: arrays gain or
 # lose an axis, which their types do not show (as in `jax.vmap`).
 @overload
-def vmap(
-    fun: Callable[_P, _T], **options: Unpack[_VmapOptions]
-) -> Callable[_P, _T]: ...
+def vmap(fun: Callable[_P, _T], **options: Unpack[VmapOptions]) -> Callable[_P, _T]: ...
 
 
 @overload
 def vmap(
-    fun: Missing = MISSING, **options: Unpack[_VmapOptions]
+    fun: Missing = MISSING, **options: Unpack[VmapOptions]
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
