@@ -488,7 +488,9 @@ def _replace_failed_key(state: RandomState, key: Any, error: Exception) -> Any:
         if world.peek(state) is not key:  # Replaced by another thread meanwhile.
             return world.peek(state)
         good = world.good_keys.get(id(state))
-        if good is None:  # None seen good: only a key written from outside failed.
+        # None seen good (a key written from outside failed), or the last good one
+        # was donated to a call since (its buffer is gone): a fixed root instead.
+        if good is None or compat.key_buffer(good).is_deleted():
             zero = jax.random.key(0, impl=jax.random.key_impl(key))
             good = jax.random.split(zero, jnp.shape(key))
         tag = _REPLACED_KEY_TAG + next(_replaced)
@@ -499,9 +501,10 @@ def _replace_failed_key(state: RandomState, key: Any, error: Exception) -> Any:
     warnings.warn(
         f"{state_label(state)} held a key made by a computation that failed as it "
         f"ran ({reason}): that computation's outputs are lost, with those of every "
-        "computation that drew from the key since. The state now holds a fresh key "
-        "derived from the last good one (no key is handed out twice), so draws go "
-        "on. Run the failed computation again (smaller) for its outputs.",
+        "computation that drew from the key since. The state now holds a fresh key, "
+        "folded from its last good key (or a fixed root, if that key was donated "
+        "since) with a tag no draw uses, so draws go on. Run the failed computation "
+        "again (smaller) for its outputs.",
         RuntimeWarning,
         stacklevel=_outside_eqstate(),
     )

@@ -484,6 +484,22 @@ def test_the_next_draw_after_a_failed_computation_replaces_its_key(getkey, draw)
     _usable(es.random.get_key(), "the default key")
 
 
+def test_a_failed_key_whose_last_good_key_was_donated_is_replaced(getkey):
+    es.random.set_key(getkey())
+    draw = es.transform.jit(lambda: es.random.normal((2,)), donate_states=True)
+    for _ in range(3):
+        es.random.get_key()  # seen good, then donated by the draw
+        jax.block_until_ready(draw())
+    failing = es.transform.jit(
+        lambda: es.random.normal((_TOO_LARGE,)), donate_states=True
+    )
+    _fail(failing)
+    with pytest.warns(RuntimeWarning, match=_REPLACED):
+        key = es.random.get_key()
+    _usable(key, "the default key")
+    _usable(draw(), "a draw")
+
+
 def test_keys_replaced_after_two_failures_from_one_key_differ(getkey):
     start = getkey()
     replaced = []
