@@ -531,7 +531,7 @@ def split_and_advance(key: Any, n: int | None) -> tuple[Any, Any]:
     `jax_threefry_partitionable`, JAX's default), the successor is the same for every
     `n` and comes from a split in two of its own: a split too large for memory, which
     fails after it returns, then leaves the random state usable."""
-    if _split_by_index(key):
+    if n is not None and _split_by_index(key):
         return _split(key, None)[0], _split(key, n)[1]
     return _split(key, n)
 
