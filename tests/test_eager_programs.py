@@ -217,6 +217,7 @@ def test_a_callback_in_the_body_is_the_current_one():
 
 
 @pytest.mark.cpu_or_gpu("a TPU program cannot raise while it runs")
+@pytest.mark.upstream_leak("`eqx.error_if` inside `jax.lax.scan` leaks a tracer")
 def test_an_error_check_raises_its_own_message():
     def run(start, message):
         check = lambda c, _: (eqx.error_if(c, c > 0, message), None)  # noqa: E731

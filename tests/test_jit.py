@@ -619,3 +619,14 @@ def test_keyword_arguments_named_like_the_jitted_body_s_own_are_passed_through()
     for _ in range(2):
         assert (g(jnp.ones(2), read=3.0, written=4.0) == 4).all()
     assert (s.value == 6).all()
+
+
+def test_a_jitted_function_called_inside_a_trace_keeps_none_of_its_tracers():
+    # The argument splitter remembers the last call's arguments for the next one, at
+    # top level only: inside a trace they are tracers, which must die with it.
+    w = es.ParamState(jnp.ones(3), name="w")
+    inner = es.transform.jit(lambda x: jnp.sum(w.value * x))
+    with jax.checking_leaks():
+        grads = es.transform.grad(inner, grad_states=[w])(jnp.full(3, 2.0))
+        sums = es.transform.vmap(inner)(jnp.ones((2, 3)))
+    assert (grads[w] == 2).all() and (sums == 3).all()

@@ -29,6 +29,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from .._custom_types import PyTreeDef
+from .._jax_compat import is_top_level
 from .._state import State
 from ._leaves import ArrayImpl, dynamic_mask, in_module, is_traced
 
@@ -218,10 +219,10 @@ class ArgSplitter:
         return {i % n for i in self._static_positions if -n <= i < n}
 
     def _split_remembered(self, position: int, arg: Any, again: bool) -> tuple:
-        """The split of a positional argument, remembered for the next call. Its
-        lists and dicts are watched (`_mutable_containers`, a walk of the whole
-        argument) only when it is passed `again`: a training loop passes a new model
-        at every call, an evaluation loop the same one."""
+        """The split of a positional argument, remembered for the next call at top
+        level. Its lists and dicts are watched (`_mutable_containers`, a walk of the
+        whole argument) only when it is passed `again`: a training loop passes a new
+        model at every call, an evaluation loop the same one."""
         part, leaves = self._split_tree(arg)
         treedef = self._parts.value(part)[0]
         frozen = self._frozen.get(treedef)
@@ -232,7 +233,8 @@ class ArgSplitter:
         else:
             watched = _mutable_containers(arg) if again else _UNWATCHED
         split = (arg, part, leaves, watched)
-        if frozen or watched is not None:
+        # Inside a trace the argument holds tracers, which must not outlive it.
+        if (frozen or watched is not None) and is_top_level():
             self._last[position] = split
         return split
 
