@@ -1,5 +1,6 @@
 import functools
 import inspect
+import json
 import subprocess
 import sys
 import threading
@@ -124,6 +125,18 @@ def launcher(num_processes: int, timeout: float) -> list[str]:
     n, seconds = str(num_processes), f"{timeout:g}"
     command = [sys.executable, "-m", "eqstate.launch", "-n", n, "--timeout", seconds]
     return [*command, "--cpu-devices", "2"]
+
+
+def reports(output: str, tag: str = "RESULT ") -> list[dict]:
+    """The JSON objects that follow `tag` in the lines of `output`. Anything after an
+    object on its line is ignored: with `PYTHONUNBUFFERED` set, `print` writes a line's
+    newline apart, so another thread's log line can land between the two."""
+    decoder = json.JSONDecoder()
+    return [
+        decoder.raw_decode(line.split(tag, 1)[1])[0]
+        for line in output.splitlines()
+        if tag in line
+    ]
 
 
 def launch(program: list[str], num_processes: int, timeout: float) -> tuple[int, str]:

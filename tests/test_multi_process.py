@@ -260,7 +260,8 @@ def _worker(workdir: str, use_orbax: bool) -> None:
     if use_orbax:
         _orbax_checks(report, workdir, mesh, gather, check)
 
-    print(_RESULT + json.dumps(report), flush=True)
+    sys.stdout.write(_RESULT + json.dumps(report) + "\n")  # one write: one line
+    sys.stdout.flush()
     jax.distributed.shutdown()
 
 
@@ -532,7 +533,7 @@ def _run_checks(workdir: pathlib.Path) -> dict:
     import eqstate as es
     import jax
 
-    from .helpers import launch
+    from .helpers import launch, reports
 
     workdir.mkdir(exist_ok=True)
     args = [str(workdir)]
@@ -546,15 +547,11 @@ def _run_checks(workdir: pathlib.Path) -> dict:
         es.save(workdir / "from-one", model, backend="orbax")
         args.append("--orbax")
     code, output = launch([__file__, *args], _NUM_PROCESSES, _TIMEOUT)
-    reports = [
-        json.loads(line.split(_RESULT, 1)[1])
-        for line in output.splitlines()
-        if _RESULT in line
-    ]
-    if code != 0 or len(reports) != _NUM_PROCESSES:
+    found = reports(output, _RESULT)
+    if code != 0 or len(found) != _NUM_PROCESSES:
         return {"failure": f"the launch exited with {code}:\n{output[-6000:]}"}
-    reports.sort(key=lambda r: r["process"])
-    return {"processes": reports, "workdir": str(workdir)}
+    found.sort(key=lambda r: r["process"])
+    return {"processes": found, "workdir": str(workdir)}
 
 
 def _both(run, name):

@@ -19,7 +19,7 @@ from eqstate import _checkpoint_manager, _orbax
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from .helpers import launch, tree_bitwise_equal, unchecked_new
+from .helpers import launch, reports, tree_bitwise_equal, unchecked_new
 
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint32, jnp.bool_)
@@ -690,7 +690,8 @@ report["written"] = sorted(os.listdir(workdir))
 if rank == 0:  # last: the processes are out of step after it
     report["one_process"] = refusal(lambda: es.save(path("alone"), model()))
 multihost_utils.sync_global_devices("reported")
-print("RESULT " + json.dumps(report), flush=True)
+sys.stdout.write("RESULT " + json.dumps(report) + "\\n")  # one write: one line
+sys.stdout.flush()
 jax.distributed.shutdown()
 """
 
@@ -703,14 +704,10 @@ def disagreeing(tmp_path_factory):
     script = tmp_path_factory.mktemp("script") / "disagreeing_saves.py"
     script.write_text(_DISAGREEING_SAVES)
     code, output = launch([str(script), str(workdir)], 2, timeout=180.0)
-    reports = [
-        json.loads(line.split("RESULT ", 1)[1])
-        for line in output.splitlines()
-        if "RESULT " in line
-    ]
-    if code != 0 or len(reports) != 2:
+    found = reports(output)
+    if code != 0 or len(found) != 2:
         pytest.fail(f"the launch exited with {code}:\n{output[-6000:]}")
-    return sorted(reports, key=lambda r: r["process"])
+    return sorted(found, key=lambda r: r["process"])
 
 
 def test_a_process_saving_one_more_state_is_refused_in_every_process(disagreeing):
