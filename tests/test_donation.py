@@ -32,6 +32,15 @@ def _buffers(tree) -> set[int]:
     return found
 
 
+def _kept_in_place(step, values) -> bool:
+    """Whether one more call of `step` writes the new value of each array of
+    `values()` into that array's own buffer (not into another donated one, which
+    costs XLA a copy of both)."""
+    before = [_buffers(x) for x in jax.tree.leaves(values())]
+    step()
+    return before == [_buffers(x) for x in jax.tree.leaves(values())]
+
+
 def _reused(step, values) -> tuple[int, int]:
     """`(reused, all)`: how many of the buffers of `values()` one more call of `step`
     gives back to the new values."""
@@ -138,6 +147,23 @@ def test_a_state_holding_an_optax_state_over_a_state_dict_is_donated(getkey):
     plain_reused = _reused(plain_call, lambda: box["plain"])
     reused = _reused(lambda: step(x), lambda: es.values_of([w, b, opt_state]))
     assert reused == plain_reused and reused[0] == reused[1]
+    assert _kept_in_place(lambda: step(x), lambda: es.values_of([w, b, opt_state]))
+
+
+def test_donated_states_keep_their_buffers_beside_outputs_of_their_types():
+    total = es.State(jnp.zeros(()), name="total")
+    w = es.ParamState(jnp.ones(3), name="w")
+
+    @es.transform.jit(donate_states=True)
+    def step(x):
+        loss = jnp.sum(w.value * x)
+        total.value = total.value + loss
+        w.value = w.value - x
+        return loss, w.value * 2  # a scalar and a vector, as the states
+
+    step(jnp.ones(3))
+    assert _kept_in_place(lambda: step(jnp.ones(3)), lambda: (total.value, w.value))
+    assert float(total.value) == 3.0 and (w.value == -1).all()
 
 
 class _Net(eqx.Module):
@@ -186,6 +212,8 @@ def test_a_model_passed_as_an_argument_is_donated_with_its_optimiser_state(getke
 
     reused, n = _reused(step, values)
     assert reused == n
+    # Each array in its own buffer: the optimiser's moments have the model's types.
+    assert _kept_in_place(step, values)
 
 
 def test_an_ensemble_from_vmap_new_states_is_donated(getkey):

@@ -186,9 +186,9 @@ class _Plan:
         self, traces: FunctionTraces, written: Any, read: Any, args: tuple, kwargs: dict
     ) -> tuple[Any, Any]:
         """The body of the plan's `jax.jit` (run when JAX traces it): finds the trace
-        for the call and evaluates it. Takes and returns the written states' values
-        packed. Raises `_PlanMismatch` if the call needs other states than the
-        plan's."""
+        for the call and evaluates it. Takes the written states' values packed, and
+        returns them so, then the output. Raises `_PlanMismatch` if the call needs
+        other states than the plan's."""
         written = _unpacked(written, len(self.updated_states))
         values = self._in_trace_order(written, _unpacked(read, len(self.read_states)))
 
@@ -225,7 +225,10 @@ class _Plan:
         out = trace.build_output(out, ())
         if not self.simple_out:
             self.out, out = record_output(self.out, out)
-        return out, _packed(updated)
+        # The written values first, in the order they came in: `jax.jit` gives each
+        # donated input's buffer to the first output of its type, so any other
+        # order pairs an input with another state's output and XLA copies both.
+        return _packed(updated), out
 
     def _constrained_out(self, state: State, value: Any) -> Any:
         """A written state's new value, constrained to its `state_shardings` or to
@@ -604,7 +607,7 @@ class JitDispatch:
             written = None if get is None else get(_WORLD_VALUES)
             get = plan.get_read
             read = None if get is None else get(_WORLD_VALUES)
-            out, updated = plan.jitted(written, read, *leaves)
+            updated, out = plan.jitted(written, read, *leaves)
         except Exception as exc:
             return self._failed(exc, plan, leaves, args, kwargs, WORLD)
         else:
@@ -637,7 +640,7 @@ class JitDispatch:
         with KEY_LOCK if world else _NO_LOCK:
             try:
                 written, read = plan.read(frame)
-                out, updated = jitted(written, read, *leaves)
+                updated, out = jitted(written, read, *leaves)
             except Exception as exc:
                 return self._failed(
                     exc, plan, leaves, args, kwargs, frame, jitted, slow
@@ -670,7 +673,7 @@ class JitDispatch:
         if jitted is plan.jitted and plan.donates and _donated_twice(exc):
             written, read = plan.read(frame)
             written = self._unaliased(plan, written, (read, leaves))
-            out, updated = jitted(written, read, *leaves)
+            updated, out = jitted(written, read, *leaves)
             plan.write(frame, updated)
             return out if plan.out is None else output(plan.out, out)
         if isinstance(exc, RUNTIME_ERRORS):
