@@ -187,7 +187,7 @@ class _Plan:
     ) -> tuple[Any, Any]:
         """The body of the plan's `jax.jit` (run when JAX traces it): finds the trace
         for the call and evaluates it. Takes the written states' values packed, and
-        returns them so, then the output. Raises `_PlanMismatch` if the call needs
+        returns them so with the output. Raises `_PlanMismatch` if the call needs
         other states than the plan's."""
         written = _unpacked(written, len(self.updated_states))
         values = self._in_trace_order(written, _unpacked(read, len(self.read_states)))
@@ -225,10 +225,12 @@ class _Plan:
         out = trace.build_output(out, ())
         if not self.simple_out:
             self.out, out = record_output(self.out, out)
-        # The written values first, in the order they came in: `jax.jit` gives each
-        # donated input's buffer to the first output of its type, so any other
-        # order pairs an input with another state's output and XLA copies both.
         return _packed(updated), out
+
+    def results(self, jitted: Any, returned: tuple) -> tuple[Any, Any]:
+        """`(written values packed, output)` from what `jitted`, the plan's function
+        with or without donation, returned (see `JitDispatch._jax_jit`)."""
+        return returned if jitted is self.jitted and self.donates else returned[::-1]
 
     def _constrained_out(self, state: State, value: Any) -> Any:
         """A written state's new value, constrained to its `state_shardings` or to
@@ -607,10 +609,11 @@ class JitDispatch:
             written = None if get is None else get(_WORLD_VALUES)
             get = plan.get_read
             read = None if get is None else get(_WORLD_VALUES)
-            updated, out = plan.jitted(written, read, *leaves)
+            returned = plan.jitted(written, read, *leaves)
         except Exception as exc:
             return self._failed(exc, plan, leaves, args, kwargs, WORLD)
         else:
+            updated, out = returned if plan.donates else returned[::-1]
             if plan.bare_written is not None:
                 _WORLD_VALUES[plan.bare_written] = updated
             else:
@@ -640,7 +643,7 @@ class JitDispatch:
         with KEY_LOCK if world else _NO_LOCK:
             try:
                 written, read = plan.read(frame)
-                updated, out = jitted(written, read, *leaves)
+                updated, out = plan.results(jitted, jitted(written, read, *leaves))
             except Exception as exc:
                 return self._failed(
                     exc, plan, leaves, args, kwargs, frame, jitted, slow
@@ -673,7 +676,7 @@ class JitDispatch:
         if jitted is plan.jitted and plan.donates and _donated_twice(exc):
             written, read = plan.read(frame)
             written = self._unaliased(plan, written, (read, leaves))
-            updated, out = jitted(written, read, *leaves)
+            updated, out = plan.results(jitted, jitted(written, read, *leaves))
             plan.write(frame, updated)
             return out if plan.out is None else output(plan.out, out)
         if isinstance(exc, RUNTIME_ERRORS):
@@ -845,9 +848,16 @@ class JitDispatch:
         traces, specs = self._traces, plan.specs
 
         # Named so that JAX's errors about them name eqstate's arguments.
+        # The outputs in the order of the donated inputs: `jax.jit` gives each donated
+        # buffer to the first output of its type, so that any other order pairs an
+        # input with another value's output (a model's weight with an optimiser's
+        # moment), and XLA copies both.
         def body(eqstate_written, eqstate_read, *dynamic):
             args, kwargs = rebuild(specs, dynamic)
-            return plan.evaluate(traces, eqstate_written, eqstate_read, args, kwargs)
+            returned = plan.evaluate(
+                traces, eqstate_written, eqstate_read, args, kwargs
+            )
+            return returned if donate_states else returned[::-1]
 
         options = {
             k: v for k, v in self._jit_kwargs.items() if k not in _POSITIONAL_OPTIONS
