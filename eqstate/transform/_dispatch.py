@@ -613,7 +613,10 @@ class JitDispatch:
         except Exception as exc:
             return self._failed(exc, plan, leaves, args, kwargs, WORLD)
         else:
-            updated, out = returned if plan.donates else returned[::-1]
+            if plan.donates:  # `results`, inlined
+                updated, out = returned
+            else:
+                out, updated = returned
             if plan.bare_written is not None:
                 _WORLD_VALUES[plan.bare_written] = updated
             else:
