@@ -850,9 +850,9 @@ class JitDispatch:
         those arguments."""
         traces, specs = self._traces, plan.specs
 
-        # Named so that JAX's errors about them name eqstate's arguments.
-        # The outputs in the order of the donated inputs: `jax.jit` gives each donated
-        # buffer to the first output of its type, so that any other order pairs an
+        # The arguments are named so that JAX's errors about them name eqstate's. The
+        # outputs come in the order of the donated inputs: `jax.jit` gives each
+        # donated buffer to the first output of its type, so any other order pairs an
         # input with another value's output (a model's weight with an optimiser's
         # moment), and XLA copies both.
         def body(eqstate_written, eqstate_read, *dynamic):
