@@ -243,7 +243,10 @@ class ArgSplitter:
         fields = self._fields.get(treedef)
         if fields is None:
             fields = self._fields[treedef] = in_module(tree)
-        mask = [is_traced(x, f) for x, f in zip(leaves, fields)]
+        # `type(x) is ArrayImpl` first: `isinstance(x, jax.Array)` costs ~0.3 us.
+        mask = [type(x) is ArrayImpl or is_traced(x, f) for x, f in zip(leaves, fields)]
+        if False not in mask:  # an optimiser's state, a model of arrays alone
+            return self._parts.number((treedef, (), (), ())), leaves
         static = tuple(i for i, traced in enumerate(mask) if not traced)
         dynamic = [x for x, traced in zip(leaves, mask) if traced]
         static_leaves = tuple(leaves[i] for i in static)
