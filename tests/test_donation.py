@@ -166,7 +166,6 @@ def test_donated_states_keep_their_buffers_beside_outputs_of_their_types():
     assert float(total.value) == 3.0 and (w.value == -1).all()
 
 
-
 def test_donated_arguments_keep_their_buffers_beside_written_states_of_their_types():
     # `donate_argnums` alone: the written state (not donated) must not take the
     # buffer of the argument's array of its type.
@@ -184,6 +183,7 @@ def test_donated_arguments_keep_their_buffers_beside_written_states_of_their_typ
 
     assert _kept_in_place(call, lambda: box["params"])
     assert (calls.value == 1.0).all()  # 0 + 1, then + 0
+
 
 class _Net(eqx.Module):
     linear: eqx.nn.Linear
