@@ -227,11 +227,6 @@ class _Plan:
             self.out, out = record_output(self.out, out)
         return _packed(updated), out
 
-    def results(self, jitted: Any, returned: tuple) -> tuple[Any, Any]:
-        """`(written values packed, output)` from what `jitted`, the plan's function
-        with or without donation, returned (see `JitDispatch._jax_jit`)."""
-        return returned if jitted is self.jitted and self.donates else returned[::-1]
-
     def _constrained_out(self, state: State, value: Any) -> Any:
         """A written state's new value, constrained to its `state_shardings` or to
         the sharding it kept; unconstrained where it kept one of a higher rank than
@@ -266,6 +261,12 @@ class _Plan:
             and not trace.new_states
             and trace.simple_out == self.simple_out
         )
+
+
+def _in_order(written_first: bool, returned: tuple) -> tuple[Any, Any]:
+    """`(written values packed, output)` from what a plan's function returned, in
+    the order of its donated inputs (see `JitDispatch._jax_jit`)."""
+    return returned if written_first else returned[::-1]
 
 
 def _packed(values: Sequence[Any]) -> Any:
@@ -613,7 +614,7 @@ class JitDispatch:
         except Exception as exc:
             return self._failed(exc, plan, leaves, args, kwargs, WORLD)
         else:
-            if plan.donates:  # `results`, inlined
+            if plan.donates:  # `_in_order(plan.donates, returned)`, inlined
                 updated, out = returned
             else:
                 out, updated = returned
@@ -641,12 +642,13 @@ class JitDispatch:
         `eqstate._state.KEY_LOCK`). Where the call needs another plan, it takes the
         slow path; called from the slow path (`slow`), it raises `_Retrace`."""
         frame = _current_frame()
-        jitted = self._jitted(plan, frame) if plan.donates else plan.jitted
+        jitted, written_first = self._jitted(plan, frame)
         world = plan.keys and frame is WORLD and is_top_level()
         with KEY_LOCK if world else _NO_LOCK:
             try:
                 written, read = plan.read(frame)
-                updated, out = plan.results(jitted, jitted(written, read, *leaves))
+                returned = jitted(written, read, *leaves)
+                updated, out = _in_order(written_first, returned)
             except Exception as exc:
                 return self._failed(
                     exc, plan, leaves, args, kwargs, frame, jitted, slow
@@ -679,7 +681,7 @@ class JitDispatch:
         if jitted is plan.jitted and plan.donates and _donated_twice(exc):
             written, read = plan.read(frame)
             written = self._unaliased(plan, written, (read, leaves))
-            updated, out = plan.results(jitted, jitted(written, read, *leaves))
+            updated, out = _in_order(True, jitted(written, read, *leaves))
             plan.write(frame, updated)
             return out if plan.out is None else output(plan.out, out)
         if isinstance(exc, RUNTIME_ERRORS):
@@ -768,23 +770,26 @@ class JitDispatch:
                     self._compile(plan)  # It has the old constraints.
         return key, plan, leaves
 
-    def _jitted(self, plan: _Plan, frame: _context.Frame) -> Any:
-        """The function a call in `frame` of a donating plan takes: the donating
-        one, but without donation while JAX's NaN/Inf checks are on (they re-run a
-        failing call with its inputs) and in a `scope` or `run` (the values are its
-        dictionary's, which may share them with the world)."""
-        if not is_top_level():
-            return plan.jitted  # JAX ignores donation inside a trace.
+    def _jitted(self, plan: _Plan, frame: _context.Frame) -> tuple[Any, bool]:
+        """The function a call of `plan` in `frame` takes, and whether it returns the
+        written values first (see `_jax_jit`): for a donating plan the donating one,
+        but without donation while JAX's NaN/Inf checks are on (they re-run a failing
+        call with its inputs) and in a `scope` or `run` (the values are its
+        dictionary's, which may share them with the world). Said here, not found
+        from the function: another thread may compile the plan anew meanwhile."""
+        if not plan.donates or not is_top_level():
+            # JAX ignores donation inside a trace.
+            return plan.jitted, plan.donates
         if compat.nan_checks_enabled():
             reason = _NAN_CHECKS
         elif frame is not WORLD:
             reason = _IN_A_SCOPE
         else:
-            return plan.jitted
+            return plan.jitted, True
         self._warn_not_donating(reason, plan.updated_states)
         if plan.undonated is None:
             plan.undonated = self._jax_jit(plan, donate_states=False)
-        return plan.undonated
+        return plan.undonated, False
 
     def _unaliased(self, plan: _Plan, written: Any, others: Any) -> Any:
         """The packed `written` values with a copy of each that shares an array with
